@@ -1,0 +1,15 @@
+# The README's two commands: `make demo` and `make test`.
+.PHONY: install install-dev demo test
+
+install:
+	./install.sh
+
+install-dev:
+	./install.sh dev
+
+demo: install
+	.venv/bin/align demo
+	.venv/bin/align run pipeline=demo
+
+test: install-dev
+	.venv/bin/python -m pytest -x -q --timeout=900

@@ -1,0 +1,11 @@
+"""alignflow: multi-stage LLM alignment pipelines.
+
+Light parts (config, store, launch, stages registry) import no torch; the worker side
+(`alignflow.stages.*`, `alignflow.data`) runs inside jobs and never imports prefect.
+"""
+
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent

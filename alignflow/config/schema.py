@@ -1,0 +1,343 @@
+"""The typed config schema: one dataclass per stage and per shared section.
+
+Defaults live here and only here. Hydra registers `AlignConfig` as the schema of
+`conf/config.yaml`, so an unknown key or a wrong type fails at compose time with the
+key's full path. Fields whose metadata says `identity=False` (log intervals, where a job
+runs) are left out of stage fingerprints; everything else is part of a stage's identity.
+Knob names follow the NeMo-Aligner / NeMo-RL / NeMo Customizer / NeuronX docs.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+def not_identity(default: Any = None, *, factory: Any = None):
+    """A field that never changes a stage's output, so it is left out of fingerprints."""
+    meta = {"identity": False}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class Truncation(Enum):
+    keep_start = "keep_start"
+    keep_end = "keep_end"
+
+
+class DatasetFormat(Enum):
+    auto = "auto"
+    messages = "messages"
+    prompt_completion = "prompt_completion"
+    input_output = "input_output"
+    preference = "preference"
+    nemo_preference = "nemo_preference"
+    prompt_answer = "prompt_answer"
+
+
+class OptimizerName(Enum):
+    adamw = "adamw"
+    adam = "adam"
+
+
+class Schedule(Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Precision(Enum):
+    auto = "auto"  # bf16 on GPU, fp32 on CPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class DPOLoss(Enum):
+    sigmoid = "sigmoid"
+    ipo = "ipo"
+
+
+class MonitorMode(Enum):
+    min = "min"
+    max = "max"
+
+
+# ----------------------------------------------------------------------------- shared
+
+
+@dataclass
+class PathsConfig:
+    demo: str = "${af.project:}/.demo"
+
+
+@dataclass
+class StoreConfig:
+    root: str = "${af.project:}/outputs"
+    storage_options: Dict[str, Any] = not_identity(factory=dict)
+    lease_ttl_s: float = not_identity(60.0)
+    poll_interval_s: float = not_identity(2.0)
+
+
+@dataclass
+class ModelConfig:
+    source: str = MISSING  # HF checkpoint directory (any fsspec URI)
+    tokenizer: str = "${.source}"
+    chat_template: Optional[str] = None
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class DatasetConfig:
+    train: str = MISSING
+    val: Optional[str] = None
+    val_fraction: float = 0.0
+    format: DatasetFormat = DatasetFormat.auto
+    dev_choose_samples: Optional[int] = None
+    answer_key: str = "answer"
+
+
+@dataclass
+class DataConfig:
+    sft: Optional[DatasetConfig] = None
+    preference: Optional[DatasetConfig] = None
+    prompts: Optional[DatasetConfig] = None
+    seq_length: int = 512
+    max_prompt_length: int = 256
+    truncation: Truncation = Truncation.keep_start
+    packing: bool = True
+    seed: int = 1234
+
+
+@dataclass
+class LauncherConfig:
+    """Where jobs run. `local`: submitit local processes; `slurm`: sbatch through submitit.
+
+    Not part of any stage's identity: the same config gives the same output anywhere.
+    """
+
+    name: str = "local"
+    folder: str = "${store.root}/_jobs"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_min: int = 60
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem_gb: Optional[int] = None
+    container_image: Optional[str] = None
+    container_mounts: Optional[str] = None
+    setup: List[str] = field(default_factory=list)
+    sbatch_extra: Dict[str, Any] = field(default_factory=dict)
+    max_requeues: int = 3
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "alignflow"
+    entity: Optional[str] = None
+    mode: str = "offline"  # online only when an api key is configured
+    api_key: Optional[str] = "${oc.env:WANDB_API_KEY,null}"
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+# ----------------------------------------------------------------------------- stage parts
+
+
+@dataclass
+class ResourcesConfig:
+    """How many ranks a stage's job gets: world size = nodes * tasks_per_node."""
+
+    nodes: int = 1
+    tasks_per_node: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = -1  # > 0 wins over max_epochs
+    max_epochs: int = 1
+    val_check_interval: int = 50
+    limit_val_batches: int = 8
+    log_every_n_steps: int = not_identity(10)
+    gradient_clip_val: float = 1.0
+    seed: int = 1234
+    early_stopping_patience: Optional[int] = None  # validations without improvement
+    early_stopping_min_delta: float = 0.001
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = not_identity(50)
+    save_top_k: int = not_identity(1)
+    monitor: str = not_identity("val_loss")
+    mode: MonitorMode = not_identity(MonitorMode.min)
+    resume: bool = not_identity(True)
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 0
+    min_lr: float = "${af.mul:${.lr},0.1}"  # type: ignore[assignment]
+
+
+@dataclass
+class StageBase:
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    retries: int = not_identity(1)  # infrastructure failures only
+    timeout_min: int = not_identity(60)
+
+
+@dataclass
+class ModelStageBase(StageBase):
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: Precision = Precision.auto
+    micro_batch_size: int = 4
+
+
+@dataclass
+class TrainStageBase(ModelStageBase):
+    global_batch_size: int = 32
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+@dataclass
+class PrepConfig(StageBase):
+    """Prep builds every dataset set under `data` (sft, preference, prompts)."""
+
+    skip_bad_rows: bool = False
+    rows_per_shard: int = 10000
+
+
+@dataclass
+class ConvertConfig(ModelStageBase):
+    pass
+
+
+@dataclass
+class RefLogprobsConfig(ModelStageBase):
+    pass
+
+
+@dataclass
+class SFTConfig(TrainStageBase):
+    pass
+
+
+@dataclass
+class DPOConfig(TrainStageBase):
+    loss_type: DPOLoss = DPOLoss.sigmoid
+    beta: float = 0.1  # ref_policy_kl_penalty in NeMo Customizer
+    label_smoothing: float = 0.0  # conservative DPO
+    sft_loss_weight: float = 0.0
+    preference_loss_weight: float = 1.0
+    preference_average_log_probs: bool = False
+    sft_average_log_probs: bool = False
+
+
+@dataclass
+class RewardConfig:
+    """A reward function by registry name, or any `module:function` import path."""
+
+    name: str = "exact_match"
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GRPOConfig(TrainStageBase):
+    num_prompts_per_step: int = 8
+    num_generations_per_prompt: int = 4
+    num_optimizer_steps_per_batch: int = 1
+    generation_batch_size: int = 32
+    generation_temperature: float = 1.0
+    generation_top_p: float = 1.0
+    generation_top_k: Optional[int] = None
+    max_new_tokens: int = 16
+    normalize_rewards: bool = True
+    use_rloo: bool = True
+    overlong_filtering: bool = False
+    ref_policy_kl_penalty: float = 0.01
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    ratio_clip_c: Optional[float] = None
+    token_level_loss: bool = True
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    logprob_chunk_size: int = 1024
+    environment: List[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+
+
+@dataclass
+class EvalConfig(ModelStageBase):
+    limit_batches: int = 16
+    num_generation_samples: int = 200
+    max_new_tokens: int = 16
+    num_examples_shown: int = 5
+
+
+@dataclass
+class ExportConfig(StageBase):
+    destination: Optional[str] = None  # also copy the export here (local path or s3://)
+    dtype: str = "float32"
+    max_shard_size: str = "2GB"
+
+
+# ----------------------------------------------------------------------------- top level
+
+
+@dataclass
+class PipelineConfig:
+    """A pipeline is data: stage name -> {input role: upstream stage name(s)}, in run order."""
+
+    name: str = MISSING
+    stages: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class AlignConfig:
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    force: List[str] = not_identity(factory=list)
+    prep: PrepConfig = field(default_factory=PrepConfig)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
+    ref_logprobs: RefLogprobsConfig = field(default_factory=RefLogprobsConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=lambda: DPOConfig(optim=OptimConfig(lr=9e-6)))
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(optim=OptimConfig(lr=1e-6)))
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)

@@ -1,0 +1,191 @@
+"""Cross-field checks that run at compose time, before any job is submitted.
+
+Every problem is reported with the config key it is about, all at once, so a user fixes
+a config in one round trip instead of one GPU-hour at a time.
+"""
+
+import json
+from dataclasses import dataclass
+
+import fsspec
+from omegaconf import DictConfig
+
+from alignflow.stages import STAGES, as_names
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the offending keys."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+
+
+def validate(cfg: DictConfig, check_paths: bool = True) -> None:
+    problems: list[str] = []
+    problems += _check_pipeline(cfg)
+    uses_model = any("parallel" in cfg[stage] for stage in cfg.pipeline.stages if stage in STAGES)
+    shape = _model_shape(cfg, problems) if check_paths and uses_model else None
+    for stage in cfg.pipeline.stages:
+        if stage in STAGES:
+            problems += _check_stage(cfg, stage, shape)
+    problems += _check_data(cfg, check_paths)
+    if problems:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _check_pipeline(cfg: DictConfig) -> list[str]:
+    problems, seen = [], []
+    if not cfg.pipeline.stages:
+        problems.append("pipeline.stages: empty pipeline")
+    for stage, inputs in cfg.pipeline.stages.items():
+        if stage not in STAGES:
+            problems.append(f"pipeline.stages.{stage}: unknown stage; known stages: {', '.join(STAGES)}")
+        for role, upstream in (inputs or {}).items():
+            for up in as_names(upstream):
+                if up not in seen:
+                    problems.append(f"pipeline.stages.{stage}.{role}: '{up}' is not a stage listed before '{stage}'")
+        seen.append(stage)
+    for name in cfg.force:
+        if name not in cfg.pipeline.stages:
+            problems.append(f"force: '{name}' is not a stage of pipeline '{cfg.pipeline.name}' ({', '.join(cfg.pipeline.stages)})")
+    return problems
+
+
+def _model_shape(cfg: DictConfig, problems: list[str]) -> ModelShape | None:
+    """Layer and head counts from the HF config.json of `model.source`."""
+    uri = f"{cfg.model.source.rstrip('/')}/config.json"
+    try:
+        with fsspec.open(uri, "r") as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        problems.append(f"model.source: {uri} does not exist (for the demo model run `align demo` first)")
+        return None
+    except (OSError, ValueError) as err:
+        problems.append(f"model.source: cannot read {uri}: {err}")
+        return None
+    heads = hf.get("num_attention_heads", 0)
+    return ModelShape(hf.get("num_hidden_layers", 0), heads, hf.get("num_key_value_heads", heads))
+
+
+def _check_stage(cfg: DictConfig, stage: str, shape: ModelShape | None) -> list[str]:
+    section = cfg[stage]
+    problems = []
+    world = section.resources.nodes * section.resources.tasks_per_node
+    if world < 1:
+        problems.append(f"{stage}.resources: nodes * tasks_per_node must be >= 1")
+        return problems
+    if "parallel" in section:
+        problems += _check_parallel(stage, section, world, shape)
+    if "optim" in section:
+        problems += _check_optim(stage, section)
+    if stage == "dpo":
+        if section.beta <= 0:
+            problems.append(f"dpo.beta: must be > 0, got {section.beta}")
+        if not 0 <= section.label_smoothing < 0.5:
+            problems.append(f"dpo.label_smoothing: must be in [0, 0.5), got {section.label_smoothing}")
+    if stage == "grpo":
+        problems += _check_grpo(section)
+    return problems
+
+
+def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelShape | None) -> list[str]:
+    par, problems = section.parallel, []
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    key = f"{stage}.parallel"
+    if min(tp, pp, cp) < 1:
+        return [f"{key}: parallel sizes must be >= 1"]
+    if world % (tp * pp * cp):
+        problems.append(
+            f"{key}: tensor ({tp}) x pipeline ({pp}) x context ({cp}) = {tp * pp * cp} does not divide the world size "
+            f"{stage}.resources.nodes x tasks_per_node = {world}"
+        )
+    dp = max(world // (tp * pp * cp), 1)
+    if par.sequence_parallel and tp == 1:
+        problems.append(f"{key}.sequence_parallel: needs tensor_model_parallel_size > 1")
+    vpp = par.virtual_pipeline_model_parallel_size
+    if vpp is not None and (vpp < 1 or pp == 1):
+        problems.append(f"{key}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1 and a value >= 1")
+    if shape is not None:
+        if shape.num_heads % tp:
+            problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_heads} attention heads (model.source)")
+        if shape.num_query_groups % tp:
+            problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_query_groups} query groups (model.source)")
+        if shape.num_layers % (pp * (vpp or 1)):
+            problems.append(f"{key}.pipeline_model_parallel_size: {pp} x virtual {vpp or 1} does not divide the model's {shape.num_layers} layers (model.source)")
+    if section.micro_batch_size < 1:
+        problems.append(f"{stage}.micro_batch_size: must be >= 1")
+    elif "global_batch_size" in section and section.global_batch_size % (section.micro_batch_size * dp):
+        problems.append(
+            f"{stage}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
+            f"x data-parallel size ({dp})"
+        )
+    return problems
+
+
+def _check_optim(stage: str, section: DictConfig) -> list[str]:
+    optim, trainer, problems = section.optim, section.trainer, []
+    if optim.lr <= 0:
+        problems.append(f"{stage}.optim.lr: must be > 0")
+    if not 0 <= optim.min_lr <= optim.lr:
+        problems.append(f"{stage}.optim.min_lr: {optim.min_lr} must be in [0, lr={optim.lr}]")
+    if trainer.max_steps > 0 and optim.warmup_steps > trainer.max_steps:
+        problems.append(f"{stage}.optim.warmup_steps: {optim.warmup_steps} exceeds trainer.max_steps {trainer.max_steps}")
+    if trainer.max_steps <= 0 and trainer.max_epochs <= 0:
+        problems.append(f"{stage}.trainer: set max_steps > 0 or max_epochs > 0")
+    if trainer.val_check_interval < 1:
+        problems.append(f"{stage}.trainer.val_check_interval: must be >= 1")
+    return problems
+
+
+def _check_grpo(section: DictConfig) -> list[str]:
+    problems = []
+    if section.ratio_clip_c is not None and section.ratio_clip_c <= 1:
+        problems.append(f"grpo.ratio_clip_c: must be > 1 (typically 3) or null, got {section.ratio_clip_c}")
+    if section.generation_temperature < 0:
+        problems.append("grpo.generation_temperature: must be >= 0 (0 = greedy)")
+    if not 0 < section.generation_top_p <= 1:
+        problems.append("grpo.generation_top_p: must be in (0, 1]")
+    if section.generation_top_k is not None and section.generation_top_k < 1:
+        problems.append("grpo.generation_top_k: must be >= 1 or null")
+    if section.num_generations_per_prompt < 2 and (section.use_rloo or section.normalize_rewards):
+        problems.append("grpo.num_generations_per_prompt: group baselines need at least 2 generations per prompt")
+    if not section.environment:
+        problems.append("grpo.environment: needs at least one reward function")
+    return problems
+
+
+def _check_data(cfg: DictConfig, check_paths: bool) -> list[str]:
+    data, problems = cfg.data, []
+    if data.seq_length < 2:
+        problems.append(f"data.seq_length: must be >= 2, got {data.seq_length}")
+    if not 0 < data.max_prompt_length < data.seq_length:
+        problems.append(f"data.max_prompt_length: {data.max_prompt_length} must be in [1, data.seq_length={data.seq_length})")
+    if "prep" not in cfg.pipeline.stages:
+        return problems
+    if check_paths and not _exists(cfg.model.tokenizer, cfg):
+        problems.append(f"model.tokenizer: {cfg.model.tokenizer} does not exist (for the demo tokenizer run `align demo` first)")
+    kinds = [kind for kind in ("sft", "preference", "prompts") if data[kind] is not None]
+    if not kinds:
+        problems.append("data: prep needs at least one of data.sft, data.preference, data.prompts")
+    for kind in kinds:
+        spec = data[kind]
+        if not 0 <= spec.val_fraction < 1:
+            problems.append(f"data.{kind}.val_fraction: must be in [0, 1)")
+        for split in ("train", "val"):
+            uri = spec[split]
+            if check_paths and uri is not None and not _exists(uri, cfg):
+                problems.append(f"data.{kind}.{split}: {uri} does not exist")
+    return problems
+
+
+def _exists(uri: str, cfg: DictConfig) -> bool:
+    fs, path = fsspec.core.url_to_fs(uri, **_storage_options(uri, cfg))
+    return bool(fs.glob(path)) if any(c in path for c in "*?[") else fs.exists(path)
+
+
+def _storage_options(uri: str, cfg: DictConfig) -> dict:
+    return dict(cfg.store.storage_options) if "://" in uri else {}

@@ -1,0 +1,51 @@
+"""The stage registry: pure data, importable without torch.
+
+The same word names the stage everywhere: this table, the config section, the worker
+module `alignflow.stages.<name>`, the Prefect task and the store prefix `{root}/<name>/`.
+
+- `version`: bumped on purpose when the stage's output format or semantics change; it is
+  part of the fingerprint (a docstring edit must not re-run SFT).
+- `reads`: the config paths the stage reads besides its own section; they form its
+  config slice, hence its identity.
+- `sources`: config paths holding URIs of external inputs (data files, checkpoints,
+  tokenizers); their content identity is part of the fingerprint, so a changed file is
+  never served from cache.
+- `resumable`: training stages checkpoint in their staging area and resume from it when
+  retried, so their staging is kept between attempts; other stages start clean.
+- `built`: False for stages whose worker does not exist yet; a pipeline using one is
+  refused before anything runs.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    version: int
+    reads: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+    resumable: bool = False
+    built: bool = False
+
+
+_DATA_SOURCES = tuple(f"data.{kind}.{split}" for kind in ("sft", "preference", "prompts") for split in ("train", "val"))
+
+STAGES: dict[str, StageSpec] = {
+    "prep": StageSpec(1, reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",), built=True),
+    "convert": StageSpec(1, reads=("model",), sources=("model.source",)),
+    "ref_logprobs": StageSpec(1, reads=("model",)),
+    "sft": StageSpec(1, reads=("model",), resumable=True),
+    "dpo": StageSpec(1, reads=("model",), resumable=True),
+    "grpo": StageSpec(1, reads=("model",), resumable=True),
+    "eval": StageSpec(1, reads=("model", "data.seq_length")),
+    "export": StageSpec(1, reads=("model",)),
+}
+
+
+def worker_module(stage: str) -> str:
+    return f"alignflow.stages.{stage}"
+
+
+def as_names(upstream) -> list[str]:
+    """A pipeline input role maps to one upstream stage or a list of them."""
+    return [upstream] if isinstance(upstream, str) else list(upstream)

@@ -1,0 +1,46 @@
+"""The one job entry point: set up the rank, run a stage, return its metrics.
+
+Runs inside a submitit job (local process or Slurm task). Never imports prefect. Each
+rank gets the torch.distributed environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
+LOCAL_RANK) from submitit's job environment; with more than one rank the default process
+group is initialised here: gloo on CPU, nccl on GPU.
+"""
+
+import importlib
+import logging
+import os
+import sys
+
+from omegaconf import OmegaConf
+
+from alignflow.stages import worker_module
+
+
+def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str) -> dict:
+    """Run `alignflow.stages.<stage>.run` on this rank; every rank returns its metrics."""
+    rank = _setup_rank()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format=f"[rank {rank}] %(asctime)s %(name)s: %(message)s", force=True)
+    config = OmegaConf.create(cfg)  # secrets are still `${oc.env:...}` here and resolve from this job's env
+    module = importlib.import_module(worker_module(stage))
+    logging.getLogger("alignflow.worker").info("stage %s -> %s", stage, out)
+    metrics = module.run(config, inputs, out)
+    sys.stdout.flush()
+    return metrics
+
+
+def _setup_rank() -> int:
+    import submitit
+
+    try:
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    except RuntimeError:  # not inside a submitit job (e.g. called directly in a test)
+        return int(os.environ.get("RANK", 0))
+    if env.world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(env.local_rank)
+        dist.init_process_group(backend=backend)
+    return env.rank

@@ -1,0 +1,52 @@
+"""The `align` flow: compose the config, then run the pipeline's stages as Prefect tasks.
+
+The flow reads like the pipeline: one task per stage in the order of
+`conf/pipeline/<name>.yaml`, each waiting on the upstream stages it is wired to. Nothing
+is submitted until the whole config has validated and every stage is built.
+"""
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.futures import PrefectFuture
+
+from alignflow.config import compose
+from alignflow.runner import StageResult, check_built
+from alignflow.stages import as_names
+from tasks.stage import format_value, task_for
+
+
+@flow(name="align", log_prints=True)
+def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, StageResult]:
+    """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed."""
+    overrides = [*(overrides or []), *([f"force=[{','.join(force)}]"] if force else [])]
+    cfg = compose(pipeline, overrides)
+    check_built(cfg)
+    stages = list(cfg.pipeline.stages)
+    progress = create_progress_artifact(progress=0.0, description=f"align {pipeline}: stages done")
+
+    futures: dict[str, PrefectFuture] = {}
+    for stage in stages:
+        upstream = {name: futures[name] for names in (cfg.pipeline.stages[stage] or {}).values() for name in as_names(names)}
+        futures[stage] = task_for(stage, cfg[stage].retries).submit(stage, pipeline, tuple(overrides), upstream)
+
+    for done, stage in enumerate(stages, start=1):
+        futures[stage].wait()
+        update_progress_artifact(progress, progress=100.0 * done / len(stages))
+
+    _publish_summary(pipeline, futures)
+    return {stage: future.result() for stage, future in futures.items()}
+
+
+def _publish_summary(pipeline: str, futures: dict[str, PrefectFuture]) -> None:
+    lines = [f"# align `{pipeline}`", "", "| stage | state | fingerprint | output | metrics |", "|---|---|---|---|---|"]
+    for stage, future in futures.items():
+        state = future.state
+        result = future.result(raise_on_failure=False) if state.is_completed() else None
+        if isinstance(result, StageResult):
+            status = "cache hit" if result.cached else "ran"
+            metrics = ", ".join(f"{k}={format_value(v)}" for k, v in list(result.metrics.items())[:4])
+            lines.append(f"| {stage} | {status} | `{result.fingerprint}` | `{result.uri}` | {metrics} |")
+        else:
+            lines.append(f"| {stage} | {state.name} | | | |")
+    create_markdown_artifact(markdown="\n".join(lines), key=f"align-{pipeline}".replace("_", "-"), description="pipeline summary")
+    get_run_logger().info("\n".join(lines))

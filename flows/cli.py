@@ -1,0 +1,101 @@
+"""The `align` command. Everything after the verb is a Hydra override.
+
+  align demo                          build the offline demo assets (tokenizer, tiny model, data)
+  align plan   [overrides...]         the DAG: fingerprints, output URIs, what would run
+  align config [overrides...]         the resolved config, secrets masked
+  align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL)
+
+`pipeline=NAME` picks the pipeline (conf/pipeline/NAME.yaml); `force=[prep]` re-runs stages.
+"""
+
+import argparse
+import os
+import sys
+
+# Prefect's ephemeral server needs more than its default start-up time on 2 cores, and
+# nothing here should phone home. Set before prefect is imported.
+for _key, _value in {
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+import yaml  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from alignflow import __version__  # noqa: E402
+from alignflow.config import ConfigError, compose  # noqa: E402
+from alignflow.config.slices import masked  # noqa: E402
+from alignflow.runner import PipelineNotReady, plan  # noqa: E402
+
+console = Console(soft_wrap=True)
+_STATUS_STYLE = {"committed": "green", "run": "yellow", "forced": "magenta", "not built": "red"}
+
+
+def _split(overrides: list[str]) -> tuple[str | None, list[str]]:
+    """`pipeline=X` becomes the flow's pipeline parameter; the rest stay Hydra overrides."""
+    pipeline = next((o.split("=", 1)[1] for o in overrides if o.startswith("pipeline=")), None)
+    return pipeline, [o for o in overrides if not o.startswith("pipeline=")]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from alignflow.demo import build
+
+    cfg = compose(None, args.overrides, check_paths=False)
+    dest = build(cfg.paths.demo)
+    console.print(f"demo assets in {dest}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    pipeline, overrides = _split(args.overrides)
+    cfg = compose(pipeline, overrides, check_paths=False)
+    console.print(yaml.safe_dump(masked(cfg), sort_keys=False), end="", markup=False, highlight=False)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    pipeline, overrides = _split(args.overrides)
+    cfg = compose(pipeline, overrides)
+    table = Table(title=f"align plan: {cfg.pipeline.name}  (store {cfg.store.root})")
+    for column in ("stage", "status", "fingerprint", "output", "why"):
+        table.add_column(column, overflow="fold")
+    for row in plan(cfg):
+        style = _STATUS_STYLE.get(row.status, "")
+        table.add_row(row.stage, f"[{style}]{row.status}[/]", row.fingerprint, row.uri, row.reason)
+    Console(width=max(console.width, 160)).print(table)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.align import align
+
+    pipeline, overrides = _split(args.overrides)
+    compose(pipeline, overrides)  # fail fast, before Prefect starts
+    results = align(pipeline=pipeline or "sft_dpo", overrides=overrides)
+    console.print("\n[bold]outputs[/]")
+    for stage, result in results.items():
+        console.print(f"  {stage:<13} {'cache hit' if result.cached else 'ran':<9} {result.uri}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="align", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"alignflow {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for name, fn in (("run", cmd_run), ("plan", cmd_plan), ("config", cmd_config), ("demo", cmd_demo)):
+        sub = verbs.add_parser(name, help=fn.__name__)
+        sub.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. pipeline=sft_dpo data.seq_length=512")
+        sub.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, PipelineNotReady) as err:
+        console.print(f"[red]error:[/] {err}", markup=True, highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

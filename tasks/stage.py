@@ -1,0 +1,66 @@
+"""One Prefect task per stage: a thin adapter around the stage runner.
+
+Policy lives here: retries only for infrastructure failures (preemption, node loss,
+timeouts, a killed job); a config error or an exception in the stage's code is never
+retried. Each stage publishes one table artifact with its output URI and headline metrics.
+"""
+
+from functools import lru_cache
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from alignflow.config import compose
+from alignflow.launch import InfrastructureError
+from alignflow.runner import StageResult, run_stage
+from alignflow.stages import STAGES
+
+HEADLINE_METRICS = 5
+
+
+@lru_cache(maxsize=8)
+def _config(pipeline: str, overrides: tuple[str, ...]):
+    return compose(pipeline, list(overrides))
+
+
+def _infrastructure_failure(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except InfrastructureError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+@task(cache_policy=NO_CACHE, retry_condition_fn=_infrastructure_failure, retry_delay_seconds=5)
+def stage_task(stage: str, pipeline: str, overrides: tuple[str, ...], upstream: dict[str, StageResult]) -> StageResult:
+    cfg = _config(pipeline, tuple(overrides))
+    logger = get_run_logger()
+    result = run_stage(cfg, stage, upstream, log=logger.info)
+    _publish(result)
+    return result
+
+
+def _publish(result: StageResult) -> None:
+    rows = [
+        {"field": "output", "value": result.uri},
+        {"field": "fingerprint", "value": result.fingerprint},
+        {"field": "state", "value": "cache hit" if result.cached else "ran"},
+    ]
+    if result.job:
+        rows.append({"field": "job", "value": f"{result.job['launcher']} {result.job['job_id']}"})
+    rows += [{"field": k, "value": format_value(v)} for k, v in list(result.metrics.items())[:HEADLINE_METRICS]]
+    create_table_artifact(table=rows, key=f"stage-{result.stage}".replace("_", "-"), description=f"{result.stage} output and headline metrics")
+
+
+def format_value(value) -> str:
+    """A metric as a short string for artifacts."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def task_for(stage: str, retries: int):
+    """The Prefect task of `stage`, named after it so the UI's graph reads like the pipeline."""
+    assert stage in STAGES, stage
+    return stage_task.with_options(name=stage, task_run_name=stage, retries=retries)
