@@ -17,7 +17,7 @@ from typing import Any, Callable
 import submitit
 from omegaconf import DictConfig
 
-from alignflow.config.schema import LauncherConfig
+from alignflow.config.schema import LauncherConfig, LauncherName
 
 ERROR_TAIL_LINES = 40
 
@@ -63,16 +63,14 @@ def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, timeout_m
 def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str) -> submitit.Executor:
     """A fresh submitit folder per submission, so no run reads another's pickles."""
     folder = Path(launcher.folder) / job_name / uuid.uuid4().hex[:12]
-    if launcher.name == "local":
+    if launcher.name == LauncherName.local:
         executor = submitit.LocalExecutor(folder=folder)
         executor.update_parameters(
             nodes=1, tasks_per_node=section.resources.tasks_per_node, timeout_min=section.timeout_min
         )
-    elif launcher.name == "slurm":
+    else:
         executor = submitit.SlurmExecutor(folder=folder)
         executor.update_parameters(job_name=job_name, **_slurm_parameters(launcher, section.resources, section.timeout_min))
-    else:
-        raise ValueError(f"launcher.name: unknown launcher '{launcher.name}' (local, slurm)")
     return executor
 
 

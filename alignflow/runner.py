@@ -14,7 +14,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from alignflow import __version__
-from alignflow.config.slices import for_job, identity, masked, stage_slice
+from alignflow.config.slices import for_job, identity, masked, stage_paths
 from alignflow.fingerprint import fingerprint, source_identity
 from alignflow.launch import job_record, make_executor, wait
 from alignflow.stages import STAGES, as_names
@@ -73,7 +73,7 @@ def stage_fingerprint(cfg: DictConfig, stage: str, upstream: dict[str, str]) -> 
         uri = OmegaConf.select(cfg, path)
         if uri is not None:
             sources[path] = source_identity(uri, options if "://" in uri else None)
-    return fingerprint(stage, spec.version, identity(cfg, stage, spec.reads), sources, upstream)
+    return fingerprint(stage, spec.version, identity(cfg, stage_paths(stage, spec.reads)), sources, upstream)
 
 
 def plan(cfg: DictConfig) -> list[PlannedStage]:
@@ -103,7 +103,7 @@ def run_stage(cfg: DictConfig, stage: str, upstream: dict[str, StageResult], log
     if not forced and (manifest := store.read_manifest(stage, fp)) is not None:
         log(f"{stage} {fp}: cache hit at {store.uri(store.output_path(stage, fp))}")
         return _result(store, stage, fp, manifest, cached=True)
-    with store.lease(stage, fp, cfg.store.lease_ttl_s, cfg.store.poll_interval_s, log) as acquired:
+    with store.lease(stage, fp, cfg.store.lease_ttl_s, cfg.store.poll_interval_s, log, take_committed=not forced) as acquired:
         manifest = store.read_manifest(stage, fp)
         if not acquired or (manifest is not None and not forced):
             log(f"{stage} {fp}: committed by a concurrent run")
@@ -119,8 +119,9 @@ def _execute(cfg: DictConfig, store: Store, stage: str, fp: str, upstream: dict[
     staging = store.uri(store.staging_path(stage, fp))
     store.fs.makedirs(store.staging_path(stage, fp), exist_ok=True)
     executor = make_executor(cfg.launcher, cfg[stage], job_name=f"{stage}-{fp}")
-    job = executor.submit(run_stage_job, stage, for_job(stage_slice(cfg, stage, spec.reads)), inputs, staging)
-    record = job_record(job, cfg.launcher.name)
+    paths = stage_paths(stage, spec.reads)
+    job = executor.submit(run_stage_job, stage, for_job(cfg, paths), inputs, staging)
+    record = job_record(job, cfg.launcher.name.value)
     log(f"{stage} {fp}: submitted job {record.job_id} ({record.launcher}); log {record.stdout}")
     metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0))
     manifest = {
@@ -128,7 +129,7 @@ def _execute(cfg: DictConfig, store: Store, stage: str, fp: str, upstream: dict[
         "fingerprint": fp,
         "version": spec.version,
         "metrics": metrics,
-        "config": masked(stage_slice(cfg, stage, spec.reads)),
+        "config": masked(cfg, paths),
         "inputs": {name: {"uri": r.uri, "fingerprint": r.fingerprint} for name, r in upstream.items()},
         "input_roles": inputs,
         "versions": _versions(),

@@ -71,7 +71,7 @@ class Store:
     def commit(self, stage: str, fp: str, manifest: dict) -> str:
         """Publish the staging directory as the output of `fp`; returns the output URI."""
         staging, output = self.staging_path(stage, fp), self.output_path(stage, fp)
-        body = json.dumps(manifest, indent=2, sort_keys=True)
+        body = json.dumps(manifest, indent=2)  # insertion order: a stage lists its headline metrics first
         if isinstance(self.fs, LocalFileSystem):
             self._commit_local(staging, output, body)
         else:
@@ -100,13 +100,19 @@ class Store:
         fs.rm(staging, recursive=True)
 
     @contextmanager
-    def lease(self, stage: str, fp: str, ttl_s: float, poll_s: float, log: Callable[[str], None]) -> Iterator[bool]:
-        """Hold the right to produce `fp`. Yields False when another run committed it meanwhile."""
+    def lease(
+        self, stage: str, fp: str, ttl_s: float, poll_s: float, log: Callable[[str], None], take_committed: bool = True
+    ) -> Iterator[bool]:
+        """Hold the right to produce `fp`. Yields False when it is committed (by another run)
+        before the lease is ours; the caller re-checks after acquiring, as a commit can land
+        between the check and the acquisition. A forced re-run passes take_committed=False."""
         lease = _Lease(self.fs, f"{self._root_path}/{stage}/_leases/{fp}.json", ttl_s)
-        while not lease.try_acquire():
-            if self.read_manifest(stage, fp) is not None:
+        while True:
+            if take_committed and self.read_manifest(stage, fp) is not None:
                 yield False
                 return
+            if lease.try_acquire():
+                break
             log(f"{stage} {fp}: another run holds the lease ({lease.holder()}); waiting")
             time.sleep(poll_s)
         try:

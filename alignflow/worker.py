@@ -19,13 +19,22 @@ from alignflow.stages import worker_module
 def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str) -> dict:
     """Run `alignflow.stages.<stage>.run` on this rank; every rank returns its metrics."""
     rank = _setup_rank()
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format=f"[rank {rank}] %(asctime)s %(name)s: %(message)s", force=True)
+    _log_to_stdout(rank)
     config = OmegaConf.create(cfg)  # secrets are still `${oc.env:...}` here and resolve from this job's env
     module = importlib.import_module(worker_module(stage))
     logging.getLogger("alignflow.worker").info("stage %s -> %s", stage, out)
     metrics = module.run(config, inputs, out)
     sys.stdout.flush()
     return metrics
+
+
+def _log_to_stdout(rank: int) -> None:
+    """alignflow's loggers to stdout with the rank, which the orchestrator forwards to Prefect."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(asctime)s %(name)s: %(message)s"))
+    logger = logging.getLogger("alignflow")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
 
 
 def _setup_rank() -> int:

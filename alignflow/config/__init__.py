@@ -44,6 +44,8 @@ def compose(pipeline: str | None = None, overrides: list[str] | None = None, che
         OmegaConf.to_container(cfg, resolve=True)  # surface interpolation errors now, with their key
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err)) from None
+    except AssertionError as err:  # Hydra asserts when an override sets a key under a null section
+        raise ConfigError(f"cannot apply overrides {overrides}: {err} (does one set a key under a section that is null?)") from None
     finally:
         GlobalHydra.instance().clear()
     validate(cfg, check_paths=check_paths)

@@ -22,6 +22,11 @@ def not_identity(default: Any = None, *, factory: Any = None):
     return field(default=default, metadata=meta)
 
 
+class LauncherName(Enum):
+    local = "local"
+    slurm = "slurm"
+
+
 class Truncation(Enum):
     keep_start = "keep_start"
     keep_end = "keep_end"
@@ -117,8 +122,8 @@ class LauncherConfig:
     Not part of any stage's identity: the same config gives the same output anywhere.
     """
 
-    name: str = "local"
-    folder: str = "${store.root}/_jobs"
+    name: LauncherName = LauncherName.local
+    folder: str = "${af.project:}/.submitit"  # job pickles and logs; on Slurm a filesystem all nodes see
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None

@@ -18,17 +18,14 @@ _SECRET_KEY = re.compile(r"(?:^|_)(api_?key|password|passwd|secret|token|credent
 _ENV = re.compile(r"\$\{oc\.env:")
 
 
-def stage_slice(cfg: DictConfig, stage: str, reads: tuple[str, ...]) -> DictConfig:
-    """The stage's own section plus the paths it declares it reads, keeping their nesting."""
-    out = OmegaConf.create({})
-    for path in (stage, *reads):
-        OmegaConf.update(out, path, OmegaConf.select(cfg, path), force_add=True)
-    return out
+def stage_paths(stage: str, reads: tuple[str, ...]) -> tuple[str, ...]:
+    """The stage's own section plus the paths it declares it reads."""
+    return (stage, *reads)
 
 
-def identity(cfg: DictConfig, stage: str, reads: tuple[str, ...]) -> dict:
+def identity(cfg: DictConfig, paths: tuple[str, ...]) -> dict:
     """The resolved slice minus fields the schema marks `identity=False` and minus secrets."""
-    return {path: _identity_node(OmegaConf.select(cfg, path)) for path in (stage, *reads)}
+    return {path: _identity_node(OmegaConf.select(cfg, path)) for path in paths}
 
 
 def _identity_node(node: Any) -> Any:
@@ -52,14 +49,29 @@ def _is_secret(node: DictConfig, key: str) -> bool:
     return bool(_SECRET_KEY.search(str(key))) or (isinstance(raw, str) and bool(_ENV.search(raw)))
 
 
-def masked(cfg: DictConfig) -> dict:
-    """The resolved config as plain data with every secret that has a value masked."""
-    return _walk(cfg, lambda node, key: MASK if OmegaConf.select(node, key, throw_on_missing=False) is not None else None)
+def masked(cfg: DictConfig, paths: tuple[str, ...] | None = None) -> dict:
+    """The resolved config (or its `paths`) as plain data, every secret that has a value masked."""
+    return _sliced(cfg, paths, lambda node, key: MASK if OmegaConf.select(node, key, throw_on_missing=False) is not None else None)
 
 
-def for_job(cfg: DictConfig) -> dict:
-    """The resolved config as plain data, secrets left as their unresolved `${oc.env:...}` text."""
-    return _walk(cfg, lambda node, key: node._get_node(key)._value())
+def for_job(cfg: DictConfig, paths: tuple[str, ...]) -> dict:
+    """The slice as plain data for a job, secrets left as their unresolved `${oc.env:...}` text."""
+    return _sliced(cfg, paths, lambda node, key: node._get_node(key)._value())
+
+
+def _sliced(cfg: DictConfig, paths: tuple[str, ...] | None, on_secret) -> dict:
+    if paths is None:
+        return _walk(cfg, on_secret)
+    out: dict = {}
+    for path in paths:
+        parent_path, _, key = path.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_path) if parent_path else cfg
+        value = on_secret(parent, key) if _is_secret(parent, key) else _walk(parent[key], on_secret)
+        target = out
+        for part in parent_path.split(".") if parent_path else []:
+            target = target.setdefault(part, {})
+        target[key] = value
+    return out
 
 
 def _walk(node: Any, on_secret) -> Any:

@@ -1,0 +1,70 @@
+"""The `align` flow end to end on the demo data, through Prefect and the local launcher."""
+
+import asyncio
+import json
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.sorting import ArtifactSort
+
+from alignflow.runner import PipelineNotReady
+from flows.align import align
+from flows.cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
+
+
+def jobs_submitted(tmp_path) -> int:
+    jobs = tmp_path / "jobs"
+    return len(list(jobs.glob("*/*"))) if jobs.exists() else 0
+
+
+async def artifact(key: str):
+    async with get_client() as client:
+        found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC)
+    return found[0] if found else None
+
+
+def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
+    first = align(pipeline="demo", overrides=base_overrides)["prep"]
+    assert not first.cached and first.job["launcher"] == "local"
+    manifest = json.loads((tmp_path / "store" / "prep" / first.fingerprint / "_SUCCESS.json").read_text())
+    assert manifest["fingerprint"] == first.fingerprint and manifest["metrics"] == first.metrics
+    assert {f["path"] for f in manifest["files"]} >= {"metadata.json", "sft/train-00000.parquet"}
+    assert jobs_submitted(tmp_path) == 1
+
+    second = align(pipeline="demo", overrides=base_overrides)["prep"]
+    assert second.cached and second.fingerprint == first.fingerprint and second.uri == first.uri
+    assert jobs_submitted(tmp_path) == 1  # a cache hit submits no job
+
+    summary = asyncio.run(artifact("align-demo"))
+    assert first.fingerprint in summary.data and "cache hit" in summary.data
+    table = asyncio.run(artifact("stage-prep"))
+    assert first.uri in json.dumps(table.data)
+
+
+def test_changed_input_config_reruns_and_force_reruns(base_overrides, tmp_path):
+    first = align(pipeline="demo", overrides=base_overrides)["prep"]
+    shorter = align(pipeline="demo", overrides=[*base_overrides, "data.seq_length=128"])["prep"]
+    assert shorter.fingerprint != first.fingerprint and not shorter.cached
+    forced = align(pipeline="demo", overrides=base_overrides, force=["prep"])["prep"]
+    assert forced.fingerprint == first.fingerprint and not forced.cached
+    assert jobs_submitted(tmp_path) == 3
+
+
+def test_pipeline_with_unbuilt_stages_is_refused_before_any_job(base_overrides, tmp_path):
+    with pytest.raises(PipelineNotReady, match="not built yet: convert, sft, ref_logprobs, dpo, eval, export"):
+        align(pipeline="sft_dpo", overrides=base_overrides)
+    assert jobs_submitted(tmp_path) == 0
+
+
+def test_plan_marks_committed_stages(base_overrides, capsys):
+    align(pipeline="demo", overrides=base_overrides)
+    assert main(["plan", "pipeline=sft_dpo", *base_overrides]) == 0
+    out = capsys.readouterr().out
+    for stage in ("prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"):
+        assert stage in out
+    assert "not built" in out
+    assert main(["plan", "pipeline=demo", *base_overrides]) == 0
+    assert "committed" in capsys.readouterr().out
