@@ -18,7 +18,7 @@ from alignflow.config.slices import for_job, identity, masked, stage_paths
 from alignflow.fingerprint import fingerprint, source_identity
 from alignflow.launch import job_record, make_executor, wait
 from alignflow.stages import STAGES, as_names
-from alignflow.store import Store
+from alignflow.store import Store, options_for, store_of
 from alignflow.worker import run_stage_job
 
 _VERSIONED_PACKAGES = ("torch", "megatron-core", "transformers", "tokenizers", "pyarrow", "submitit")
@@ -50,10 +50,6 @@ class PlannedStage:
     reason: str
 
 
-def store_of(cfg: DictConfig) -> Store:
-    return Store(cfg.store.root, dict(cfg.store.storage_options))
-
-
 def check_built(cfg: DictConfig) -> None:
     missing = [s for s in cfg.pipeline.stages if not STAGES[s].built]
     if missing:
@@ -67,12 +63,11 @@ def check_built(cfg: DictConfig) -> None:
 def stage_fingerprint(cfg: DictConfig, stage: str, upstream: dict[str, str]) -> str:
     """Identity of `stage` given its upstream stages' fingerprints (name -> fingerprint)."""
     spec = STAGES[stage]
-    options = dict(cfg.store.storage_options)
     sources = {}
     for path in spec.sources:
         uri = OmegaConf.select(cfg, path)
         if uri is not None:
-            sources[path] = source_identity(uri, options if "://" in uri else None)
+            sources[path] = source_identity(uri, options_for(uri, cfg))
     return fingerprint(stage, spec.version, identity(cfg, stage_paths(stage, spec.reads)), sources, upstream)
 
 
@@ -120,7 +115,8 @@ def _execute(cfg: DictConfig, store: Store, stage: str, fp: str, upstream: dict[
     store.fs.makedirs(store.staging_path(stage, fp), exist_ok=True)
     executor = make_executor(cfg.launcher, cfg[stage], job_name=f"{stage}-{fp}")
     paths = stage_paths(stage, spec.reads)
-    job = executor.submit(run_stage_job, stage, for_job(cfg, paths), inputs, staging)
+    storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
+    job = executor.submit(run_stage_job, stage, for_job(cfg, paths), inputs, staging, storage_options)
     record = job_record(job, cfg.launcher.name.value)
     log(f"{stage} {fp}: submitted job {record.job_id} ({record.launcher}); log {record.stdout}")
     metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0))

@@ -24,8 +24,19 @@ from typing import Callable, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from omegaconf import DictConfig, OmegaConf
 
 MANIFEST = "_SUCCESS.json"
+
+
+def store_of(cfg: DictConfig) -> "Store":
+    return Store(cfg.store.root, OmegaConf.to_container(cfg.store.storage_options, resolve=True))
+
+
+def options_for(uri: str, cfg: DictConfig) -> dict:
+    """The store's storage options apply to every URI of the same protocol (e.g. one S3 endpoint)."""
+    same = fsspec.core.split_protocol(uri)[0] == fsspec.core.split_protocol(cfg.store.root)[0]
+    return OmegaConf.to_container(cfg.store.storage_options, resolve=True) if same and "://" in uri else {}
 
 
 @dataclass(frozen=True)

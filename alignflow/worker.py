@@ -11,21 +11,32 @@ import logging
 import os
 import sys
 
+import fsspec
 from omegaconf import OmegaConf
 
 from alignflow.stages import worker_module
 
 
-def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str) -> dict:
+def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str, storage_options: dict) -> dict:
     """Run `alignflow.stages.<stage>.run` on this rank; every rank returns its metrics."""
     rank = _setup_rank()
     _log_to_stdout(rank)
+    _configure_storage(out, storage_options)
     config = OmegaConf.create(cfg)  # secrets are still `${oc.env:...}` here and resolve from this job's env
     module = importlib.import_module(worker_module(stage))
     logging.getLogger("alignflow.worker").info("stage %s -> %s", stage, out)
     metrics = module.run(config, inputs, out)
     sys.stdout.flush()
     return metrics
+
+
+def _configure_storage(out: str, storage_options: dict) -> None:
+    """Make the store's options (endpoint, credentials from this job's env) fsspec's defaults
+    for its protocol, so stages open any URI of the store with plain fsspec calls."""
+    protocol = fsspec.core.split_protocol(out)[0]
+    if protocol and storage_options:
+        resolved = OmegaConf.to_container(OmegaConf.create(storage_options), resolve=True)
+        fsspec.config.conf.setdefault(protocol, {}).update(resolved)
 
 
 def _log_to_stdout(rank: int) -> None:

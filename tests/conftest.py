@@ -29,3 +29,34 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 protocol endpoint on loopback (moto server) with a `test` bucket."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(AWS_ACCESS_KEY_ID="test-key-id", AWS_SECRET_ACCESS_KEY="test-secret-value", AWS_DEFAULT_REGION="us-east-1")
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except OSError:
+            time.sleep(0.2)
+    import s3fs
+
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": url}).mkdir("test")
+    yield url
+    server.terminate()
+    server.wait(timeout=10)

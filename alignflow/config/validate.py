@@ -11,6 +11,7 @@ import fsspec
 from omegaconf import DictConfig
 
 from alignflow.stages import STAGES, as_names
+from alignflow.store import options_for
 
 
 class ConfigError(ValueError):
@@ -183,9 +184,5 @@ def _check_data(cfg: DictConfig, check_paths: bool) -> list[str]:
 
 
 def _exists(uri: str, cfg: DictConfig) -> bool:
-    fs, path = fsspec.core.url_to_fs(uri, **_storage_options(uri, cfg))
+    fs, path = fsspec.core.url_to_fs(uri, **options_for(uri, cfg))
     return bool(fs.glob(path)) if any(c in path for c in "*?[") else fs.exists(path)
-
-
-def _storage_options(uri: str, cfg: DictConfig) -> dict:
-    return dict(cfg.store.storage_options) if "://" in uri else {}
