@@ -1,0 +1,125 @@
+"""Chat-template rendering and tokenization with an assistant-only loss mask.
+
+The mask is found by prefix differences, which works with any template that renders a
+conversation's prefixes as prefixes of its text (Llama 3, Qwen 2.5, Mistral, ChatML, ...):
+assistant turn i spans from render(messages[:i], add_generation_prompt=True) to
+render(messages[:i+1]). No `{% generation %}` markup is needed. Each piece (prompt text,
+assistant text) is tokenized on its own, exactly as at inference, where the prompt is
+tokenized and the reply generated token by token; so no token straddles a mask edge.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import fsspec
+from jinja2 import TemplateError, TemplateSyntaxError
+
+from alignflow.data.formats import Message, RowError
+
+
+def load_tokenizer(uri: str, chat_template: str | None = None):
+    """An HF tokenizer from a directory URI; remote directories are copied locally first."""
+    from transformers import AutoTokenizer
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.isdir(path):  # else from_pretrained would take it for a hub id and go online
+        raise FileNotFoundError(f"model.tokenizer: {uri} is not a directory")
+    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            _copy_dir(fs, path, tmp)
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    if not tokenizer.chat_template:
+        raise ValueError(f"tokenizer {uri} has no chat_template; set model.chat_template")
+    return tokenizer
+
+
+def _copy_dir(fs: fsspec.AbstractFileSystem, path: str, dest: str) -> None:
+    root = path.rstrip("/")
+    for src in fs.find(root):
+        local = os.path.join(dest, src[len(root) + 1 :])
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        fs.get_file(src, local)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]
+    loss_mask: list[int]
+    prompt_length: int  # tokens before the first trained token
+
+
+class ChatEncoder:
+    """Renders messages with the tokenizer's chat template and tokenizes them."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateSyntaxError as e:  # the template's fault, not the row's: never skipped
+            raise ValueError(f"chat template does not parse: {e}") from None
+        except TemplateError as e:  # e.g. "roles must alternate": the row's fault
+            raise RowError(None, f"chat template: {e}") from None
+
+    def tokens(self, pieces: list[str]) -> list[list[int]]:
+        return self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+
+    def encode_prompt(self, messages: list[Message]) -> tuple[str, list[int]]:
+        """The prompt as it is sent for generation: text ending in the assistant header."""
+        text = self.render(messages, add_generation_prompt=True)
+        return text, self.tokens([text])[0]
+
+    def encode_chat(self, messages: list[Message], train_from: int = 0) -> Encoded:
+        """Tokens of the whole chat; mask 1 on assistant turns with index >= train_from."""
+        pieces = self.pieces(messages, train_from)
+        ids, mask, prompt_length = [], [], None
+        for (_, trained), toks in zip(pieces, self.tokens([p for p, _ in pieces])):
+            if trained and prompt_length is None:
+                prompt_length = len(ids)
+            ids += toks
+            mask += [int(trained)] * len(toks)
+        return Encoded(ids, mask, len(ids) if prompt_length is None else prompt_length)
+
+    def pieces(self, messages: list[Message], train_from: int = 0) -> list[tuple[str, bool]]:
+        """The rendered chat cut into (text, is_trained_assistant_turn) pieces."""
+        full = self.render(messages)
+        pieces, pos = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant" or i < train_from:
+                continue
+            start = self._prefix_length(full, messages[:i], True, i)
+            end = self._prefix_length(full, messages[: i + 1], False, i)
+            pieces += [(full[pos:start], False), (full[start:end], True)]
+            pos = end
+        pieces.append((full[pos:], False))
+        return [(text, trained) for text, trained in pieces if text]
+
+    def _prefix_length(self, full: str, prefix: list[Message], generation_prompt: bool, turn: int) -> int:
+        text = self.render(prefix, add_generation_prompt=generation_prompt)
+        if not full.startswith(text):
+            raise ValueError(
+                f"chat template is not prefix-stable at assistant turn {turn}: rendering the first "
+                "turns does not give a prefix of the whole chat, so the loss mask cannot be found"
+            )
+        return len(text)
+
+
+def truncate(ids: list[int], mask: list[int], max_length: int, mode: str) -> tuple[list[int], list[int], bool]:
+    """Cut to max_length keeping the start or the end; returns (ids, mask, was_truncated)."""
+    if len(ids) <= max_length:
+        return ids, mask, False
+    if mode == "keep_start":
+        return ids[:max_length], mask[:max_length], True
+    if mode == "keep_end":
+        return ids[len(ids) - max_length :], mask[len(mask) - max_length :], True
+    raise ValueError(f"truncation must be keep_start or keep_end, got {mode!r}")

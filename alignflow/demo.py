@@ -1,0 +1,288 @@
+"""Deterministic offline demo assets: a byte-level BPE tokenizer, a tiny random Llama and
+an arithmetic task ("What is 17 + 25?" -> "42") whose answers a reward function can check.
+
+There is no model hub here, so the demo and the tests build everything they need from seeds.
+Runs on the orchestrator side: no torch, no transformers; only tokenizers, numpy and
+safetensors. `build` is idempotent and rewrites only files whose bytes change, so mtimes
+(and anything keyed on them) stay stable across calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save as save_safetensors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SEED = 1234
+MAX_OPERAND = 49
+VOCAB_SIZE = 768
+
+PAD, BOS, EOS = "<|pad|>", "<|begin_of_text|>", "<|end_of_text|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)
+
+# An assistant turn ends exactly at eos, so an assistant-only loss mask is "42<|end_of_text|>".
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{%- if message['role'] == 'assistant' %}{{- eos_token }}{%- else %}{{- '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+
+# A little ordinary English so the tokenizer is not only digits and "What is".
+SENTENCES = (
+    "You are a helpful assistant that answers arithmetic questions with a single number.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Alignment pipelines prepare data, fine-tune a model and then optimise its preferences.",
+    "A tokenizer turns text into integer ids; a model turns ids into the next token's logits.",
+    "Please answer the question below. Think carefully, then give only the final answer.",
+    "The answer is correct when it equals the sum or the difference of the two numbers.",
+    "Training loss goes down, validation loss follows, and the reward slowly goes up.",
+    "Numbers such as 0, 7, 13, 42 and 99 appear in questions and in answers.",
+)
+
+SPLITS = {  # file stem -> (row kind, train rows, val rows, seed offset); val disjoint from train
+    "sft": ("messages", 2000, 200, 1),
+    "preference": ("preference", 1000, 200, 2),
+    "prompts": ("prompts", 1000, 200, 3),
+}
+
+MODEL_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+def build(dest: str | Path) -> Path:
+    """Write tokenizer/, tiny-llama/ and data/ under dest (idempotent) and return dest."""
+    dest = Path(dest)
+    tokenizer = train_tokenizer()
+    tok_files = tokenizer_files(tokenizer)
+    for name, data in tok_files.items():
+        write_if_changed(dest / "tokenizer" / name, data)
+    for name, data in {**model_files(tokenizer), **tok_files}.items():
+        write_if_changed(dest / "tiny-llama" / name, data)
+    for name, data in data_files().items():
+        write_if_changed(dest / "data" / name, data)
+    return dest
+
+
+# ---------------------------------------------------------------- the arithmetic task
+
+
+def all_problems() -> list[tuple[int, str, int]]:
+    """Every (a, op, b) with operands 0..MAX_OPERAND and op in + -: 5,000 problems."""
+    ops = ("+", "-")
+    r = range(MAX_OPERAND + 1)
+    return [(a, op, b) for a in r for op in ops for b in r]
+
+
+def question(a: int, op: str, b: int) -> str:
+    return f"What is {a} {op} {b}?"
+
+
+def answer(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b
+
+
+def split_problems(train_rows: int, val_rows: int, seed: int) -> tuple[list, list]:
+    """Disjoint (train, val) samples of the problems, drawn without replacement."""
+    problems = all_problems()
+    order = np.random.default_rng(seed).permutation(len(problems))
+    picked = [problems[i] for i in order[: val_rows + train_rows]]
+    return picked[val_rows:], picked[:val_rows]
+
+
+def wrong_answer(correct: int, rng: np.random.Generator) -> int:
+    """A plausible wrong answer: off by 1..10 either way."""
+    offset = int(rng.integers(1, 11)) * (1 if rng.random() < 0.5 else -1)
+    return correct + offset
+
+
+def make_rows(kind: str, problems: list, rng: np.random.Generator) -> list[dict]:
+    rows = []
+    for a, op, b in problems:
+        q, ans = question(a, op, b), answer(a, op, b)
+        if kind == "messages":
+            rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": str(ans)}]})
+        elif kind == "preference":
+            rows.append({"prompt": q, "chosen": str(ans), "rejected": str(wrong_answer(ans, rng))})
+        else:
+            rows.append({"prompt": q, "answer": str(ans)})
+    return rows
+
+
+def data_files() -> dict[str, bytes]:
+    """The six jsonl files of the demo task, as bytes."""
+    files = {}
+    for stem, (kind, n_train, n_val, offset) in SPLITS.items():
+        train, val = split_problems(n_train, n_val, SEED + offset)
+        rng = np.random.default_rng(SEED + 10 * offset)
+        for split, problems in (("train", train), ("val", val)):
+            lines = [json.dumps(row, ensure_ascii=False) for row in make_rows(kind, problems, rng)]
+            files[f"{stem}_{split}.jsonl"] = ("\n".join(lines) + "\n").encode()
+    return files
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """CHAT_TEMPLATE in Python (no jinja on this side), used only to make training text."""
+    text = BOS
+    for m in messages:
+        text += f"<|{m['role']}|>\n{m['content']}" + (EOS if m["role"] == "assistant" else "\n")
+    return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def training_corpus() -> list[str]:
+    """Chat-rendered text of every problem (with a correct and a near answer) plus SENTENCES."""
+    rng = np.random.default_rng(SEED)
+    corpus = list(SENTENCES)
+    for a, op, b in all_problems():
+        ans = answer(a, op, b)
+        for reply in (ans, wrong_answer(ans, rng)):
+            msgs = [{"role": "user", "content": question(a, op, b)}, {"role": "assistant", "content": str(reply)}]
+            corpus.append(render_chat(msgs))
+    return corpus
+
+
+def train_tokenizer() -> Tokenizer:
+    """Byte-level BPE in the GPT-2 / Llama-3 style; deterministic for a fixed corpus."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_corpus(), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tok
+
+
+def token_ids(tok: Tokenizer) -> dict[str, int]:
+    ids = (tok.token_to_id(t) for t in (PAD, BOS, EOS))
+    return dict(zip(("pad_token_id", "bos_token_id", "eos_token_id"), ids))
+
+
+def tokenizer_files(tok: Tokenizer) -> dict[str, bytes]:
+    """tokenizer.json + tokenizer_config.json + special_tokens_map.json in HF's layout."""
+    specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "additional_special_tokens": list(ROLE_TOKENS),
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": MODEL_CONFIG["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "padding_side": "right",
+    }
+    return {
+        "tokenizer.json": (tok.to_str(pretty=True) + "\n").encode(),
+        "tokenizer_config.json": dump_json(config),
+        "special_tokens_map.json": dump_json({**specials, "additional_special_tokens": list(ROLE_TOKENS)}),
+    }
+
+
+# ---------------------------------------------------------------- tiny Llama
+
+
+def llama_config(vocab_size: int, ids: dict[str, int]) -> dict:
+    c = MODEL_CONFIG
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        **c,
+        "head_dim": c["hidden_size"] // c["num_attention_heads"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": c["rope_theta"]},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        **ids,
+    }
+
+
+def llama_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes exactly as HF's LlamaForCausalLM state dict has them."""
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    return shapes | {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+
+
+def init_weights(cfg: dict) -> dict[str, np.ndarray]:
+    """Seeded N(0, 0.02) matrices and unit norms, generated in a fixed key order."""
+    rng = np.random.default_rng(SEED)
+    weights = {}
+    for name, shape in llama_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            weights[name] = np.ones(shape, dtype=np.float32)
+        else:
+            weights[name] = rng.normal(0.0, cfg["initializer_range"], size=shape).astype(np.float32)
+    return weights
+
+
+def model_files(tok: Tokenizer) -> dict[str, bytes]:
+    ids = token_ids(tok)
+    cfg = llama_config(tok.get_vocab_size(with_added_tokens=True), ids)
+    generation = {**ids, "do_sample": False, "max_new_tokens": 8}
+    return {
+        "config.json": dump_json(cfg),
+        "generation_config.json": dump_json(generation),
+        "model.safetensors": save_safetensors(init_weights(cfg), metadata={"format": "pt"}),
+    }
+
+
+# ---------------------------------------------------------------- files
+
+
+def dump_json(obj) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def write_if_changed(path: Path, data: bytes) -> None:
+    """Atomic write that leaves an identical file (and its mtime) untouched."""
+    if path.is_file() and path.read_bytes() == data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

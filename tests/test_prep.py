@@ -1,0 +1,434 @@
+"""The prep stage on the demo task and on small hand-written inputs of every format."""
+
+import json
+import re
+from enum import Enum
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from alignflow import demo
+from alignflow.stages import prep
+
+EOS = demo.EOS
+SCHEMAS = {
+    "sft": {"input_ids": "list<element: int32>", "loss_mask": "list<element: int8>",
+            "cu_seqlens": "list<element: int32>", "sample_ids": "list<element: int64>"},
+    "preference": {"sample_id": "int64", "prompt_length": "int32",
+                   "chosen_input_ids": "list<element: int32>", "chosen_loss_mask": "list<element: int8>",
+                   "rejected_input_ids": "list<element: int32>", "rejected_loss_mask": "list<element: int8>"},
+    "prompts": {"sample_id": "int64", "prompt_ids": "list<element: int32>", "prompt": "string", "answer": "string"},
+}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return demo.build(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def tok(assets):
+    return AutoTokenizer.from_pretrained(assets / "tokenizer")
+
+
+def spec(train, val=None, **kw):
+    return {"train": str(train), "val": None if val is None else str(val), "val_fraction": 0.0,
+            "format": "auto", "dev_choose_samples": None, "answer_key": "answer", **kw}
+
+
+def make_cfg(assets, sft=None, preference=None, prompts=None, skip_bad_rows=False, rows_per_shard=10000,
+             chat_template=None, **data):
+    specs = {"sft": sft, "preference": preference, "prompts": prompts}
+    return OmegaConf.create({
+        "prep": {"skip_bad_rows": skip_bad_rows, "rows_per_shard": rows_per_shard},
+        "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True,
+                 "seed": 0, **data, **specs},
+        "model": {"tokenizer": str(assets / "tokenizer"), "chat_template": chat_template},
+    })
+
+
+def read(out, kind, split="train"):
+    files = sorted((out / kind).glob(f"{split}-*.parquet"))
+    return pa.concat_tables([pq.read_table(f) for f in files]).to_pylist()
+
+
+def masked(tok, ids, mask):
+    return tok.decode([t for t, m in zip(ids, mask) if m])
+
+
+def docs(row):
+    """(sample_id, input_ids, loss_mask) of each document of an SFT row."""
+    cu = row["cu_seqlens"]
+    return [(sid, row["input_ids"][a:b], row["loss_mask"][a:b]) for sid, a, b in zip(row["sample_ids"], cu, cu[1:])]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def run_prep(cfg, tmp_path, name="out"):
+    out = tmp_path / name
+    return prep.run(cfg, {}, str(out)), out
+
+
+# ---------------------------------------------------------------- the demo task
+
+
+@pytest.fixture(scope="module")
+def demo_run(assets, tmp_path_factory):
+    d = assets / "data"
+    cfg = make_cfg(
+        assets,
+        sft=spec(d / "sft_train.jsonl", d / "sft_val.jsonl"),
+        preference=spec(d / "preference_train.jsonl", d / "preference_val.jsonl"),
+        prompts=spec(d / "prompts_train.jsonl", d / "prompts_val.jsonl"),
+    )
+    return run_prep(cfg, tmp_path_factory.mktemp("prep"))
+
+
+def test_schemas_and_layout(demo_run):
+    _, out = demo_run
+    for kind, schema in SCHEMAS.items():
+        for split in ("train", "val"):
+            table = pq.read_table(out / kind / f"{split}-00000.parquet")
+            assert {f.name: str(f.type) for f in table.schema} == schema
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["tokenizer"] == {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    assert meta["sft"]["format"] == "messages" and meta["sft"]["packed"] is True
+    assert meta["preference"]["format"] == "preference" and meta["prompts"]["format"] == "prompt_answer"
+    train = meta["sft"]["splits"]["train"]
+    assert train["rows_in"] == train["rows"] == 2000 and train["skipped_rows"] == train["truncated_rows"] == 0
+
+
+def test_sft_loss_mask_is_exactly_the_answer(demo_run, assets, tok):
+    metrics, out = demo_run
+    source = [json.loads(line) for line in (assets / "data" / "sft_train.jsonl").read_text().splitlines()]
+    rows, seen = read(out, "sft"), []
+    for row in rows:
+        cu = row["cu_seqlens"]
+        assert cu[0] == 0 and cu[-1] == len(row["input_ids"]) == len(row["loss_mask"]) <= 128
+        assert all(a < b for a, b in zip(cu, cu[1:])) and len(cu) == len(row["sample_ids"]) + 1
+        for sid, ids, mask in docs(row):
+            user, reply = source[sid]["messages"]
+            assert masked(tok, ids, mask) == reply["content"] + EOS
+            assert tok.decode(ids) == demo.render_chat(source[sid]["messages"])
+            seen.append(sid)
+    assert sorted(seen) == list(range(2000))
+    assert metrics["sft.train.loss_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
+    assert metrics["sft.train.tokens"] == sum(len(r["input_ids"]) for r in rows)
+
+
+def test_packing_efficiency_is_reported(demo_run):
+    metrics, out = demo_run
+    for split in ("train", "val"):
+        packs, tokens = metrics[f"sft.{split}.packs"], metrics[f"sft.{split}.tokens"]
+        assert packs == len(read(out, "sft", split)) >= metrics[f"sft.{split}.packs_lower_bound"] == -(-tokens // 128)
+        assert metrics[f"sft.{split}.packing_efficiency"] == pytest.approx(tokens / (packs * 128))
+        assert 0.9 < metrics[f"sft.{split}.packing_efficiency"] <= metrics[f"sft.{split}.efficiency_upper_bound"]
+    json.dumps(metrics)
+
+
+def test_preference_pairs(demo_run, tok):
+    _, out = demo_run
+    rows = read(out, "preference")
+    assert [r["sample_id"] for r in rows] == list(range(1000))
+    for r in rows[:100]:
+        p = r["prompt_length"]
+        assert r["chosen_input_ids"][:p] == r["rejected_input_ids"][:p]
+        assert tok.decode(r["chosen_input_ids"][:p]).endswith("<|assistant|>\n")
+        assert not any(r["chosen_loss_mask"][:p]) and not any(r["rejected_loss_mask"][:p])
+        chosen, rejected = masked(tok, r["chosen_input_ids"], r["chosen_loss_mask"]), masked(
+            tok, r["rejected_input_ids"], r["rejected_loss_mask"])
+        assert chosen.endswith(EOS) and rejected.endswith(EOS) and chosen != rejected
+
+
+def test_prompts(demo_run, assets, tok):
+    _, out = demo_run
+    source = [json.loads(line) for line in (assets / "data" / "prompts_val.jsonl").read_text().splitlines()]
+    for r in read(out, "prompts", "val"):
+        assert r["prompt"] == tok.decode(r["prompt_ids"])
+        assert r["prompt"] == demo.render_chat([{"role": "user", "content": source[r["sample_id"]]["prompt"]}], True)
+        assert r["answer"] == source[r["sample_id"]]["answer"]
+
+
+def test_unpacked_rows_hold_one_document_and_dev_choose_samples(assets, tmp_path):
+    d = assets / "data"
+    cfg = make_cfg(assets, sft=spec(d / "sft_train.jsonl", dev_choose_samples=50), packing=False)
+    metrics, out = run_prep(cfg, tmp_path)
+    rows = read(out, "sft")
+    assert metrics["sft.train.rows_in"] == metrics["sft.train.rows"] == len(rows) == 50
+    assert "sft.train.packs" not in metrics and "sft.val.rows" not in metrics
+    assert [r["sample_ids"] for r in rows] == [[i] for i in range(50)]
+    assert all(r["cu_seqlens"] == [0, len(r["input_ids"])] for r in rows)
+
+
+# ---------------------------------------------------------------- formats
+
+
+def test_multi_turn_messages_train_every_assistant_turn(assets, tok, tmp_path):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 1?"},
+            {"role": "assistant", "content": "2"}, {"role": "user", "content": "And 2 + 2?"},
+            {"role": "assistant", "content": "4"}]
+    f = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
+    _, out = run_prep(make_cfg(assets, sft=spec(f, format="messages"), packing=False), tmp_path)
+    (row,) = read(out, "sft")
+    assert masked(tok, row["input_ids"], row["loss_mask"]) == f"2{EOS}4{EOS}"
+    assert tok.decode(row["input_ids"]) == demo.render_chat(chat)
+
+
+SFT_CASES = {
+    "prompt_completion": {"prompt": "What is 3 + 4?", "completion": "7"},
+    "prompt_completion_lists": {"prompt": [{"role": "user", "content": "What is 3 + 4?"}],
+                                "completion": [{"role": "assistant", "content": "7"}]},
+    "input_output": {"input": "What is 3 + 4?", "output": "7"},
+    "messages": {"messages": [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "7"}]},
+}
+
+
+@pytest.mark.parametrize("case", SFT_CASES)
+def test_sft_formats(assets, tok, tmp_path, case):
+    f = write_jsonl(tmp_path / "d.jsonl", [SFT_CASES[case]] * 3)
+    metrics, out = run_prep(make_cfg(assets, sft=spec(f)), tmp_path)
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["sft"]["format"] == case.removesuffix("_lists")
+    (row,) = read(out, "sft")
+    assert [masked(tok, ids, mask) for _, ids, mask in docs(row)] == [f"7{EOS}"] * 3
+    assert tok.decode(docs(row)[0][1]) == f"{demo.BOS}<|user|>\nWhat is 3 + 4?\n<|assistant|>\n7{EOS}"
+
+
+PREFERENCE_CASES = {
+    "preference": {"prompt": "What is 3 + 4?", "chosen": "7", "rejected": "8"},
+    "preference_lists": {"prompt": [{"role": "system", "content": "Be exact."},
+                                    {"role": "user", "content": "What is 3 + 4?"}],
+                         "chosen": [{"role": "assistant", "content": "7"}],
+                         "rejected": [{"role": "assistant", "content": "8"}]},
+    "nemo_preference": {"prompt": "What is 3 + 4?", "chosen_response": "7", "rejected_response": "8"},
+}
+
+
+@pytest.mark.parametrize("case", PREFERENCE_CASES)
+def test_preference_formats(assets, tok, tmp_path, case):
+    f = write_jsonl(tmp_path / "p.jsonl", [PREFERENCE_CASES[case]])
+    _, out = run_prep(make_cfg(assets, preference=spec(f)), tmp_path)
+    (r,) = read(out, "preference")
+    p = r["prompt_length"]
+    assert tok.decode(r["chosen_input_ids"][:p]).endswith("What is 3 + 4?\n<|assistant|>\n")
+    assert masked(tok, r["chosen_input_ids"], r["chosen_loss_mask"]) == f"7{EOS}"
+    assert masked(tok, r["rejected_input_ids"], r["rejected_loss_mask"]) == f"8{EOS}"
+    if case == "preference_lists":
+        assert "<|system|>\nBe exact." in tok.decode(r["chosen_input_ids"][:p])
+
+
+def test_prompt_answer_with_custom_answer_key(assets, tmp_path):
+    rows = [{"prompt": "What is 3 + 4?", "solution": 7},
+            {"prompt": [{"role": "user", "content": "What is 1 - 2?"}], "solution": "-1"}]
+    f = write_jsonl(tmp_path / "q.jsonl", rows)
+    _, out = run_prep(make_cfg(assets, prompts=spec(f, answer_key="solution")), tmp_path)
+    rows = read(out, "prompts")
+    assert [r["answer"] for r in rows] == ["7", "-1"]
+    assert rows[1]["prompt"].endswith("What is 1 - 2?\n<|assistant|>\n")
+
+
+def test_file_types_directories_and_globs(assets, tok, tmp_path):
+    row = SFT_CASES["messages"] | {"extra": 1}
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "a.jsonl", [row])
+    (src / "b.json").write_text(json.dumps([row]))  # one JSON array
+    table = pa.Table.from_pylist([row])
+    pq.write_table(table, src / "c.parquet")
+    with pa.ipc.new_file(src / "d.arrow", table.schema) as w:
+        w.write_table(table)
+    with pa.ipc.new_stream(src / "e.arrow", table.schema) as w:  # as HF datasets writes .arrow
+        w.write_table(table)
+    (src / "notes.txt").write_text("ignored")
+    for name, uri, n in (("dir", src, 5), ("glob", f"{src}/*.arrow", 2), ("url", f"file://{src}/c.parquet", 1)):
+        metrics, out = run_prep(make_cfg(assets, sft=spec(uri), packing=False), tmp_path, name)
+        assert [masked(tok, r["input_ids"], r["loss_mask"]) for r in read(out, "sft")] == [f"7{EOS}"] * n
+        assert [r["sample_ids"] for r in read(out, "sft")] == [[i] for i in range(n)]
+
+
+def test_mixed_formats_in_one_source_are_bad_rows(assets, tmp_path):
+    f = write_jsonl(tmp_path / "m.jsonl", [SFT_CASES["messages"], SFT_CASES["input_output"]])
+    with pytest.raises(ValueError, match="line 2: field 'messages': missing"):
+        run_prep(make_cfg(assets, sft=spec(f)), tmp_path)
+
+
+# ---------------------------------------------------------------- bad rows
+
+
+GOOD = json.dumps(SFT_CASES["messages"])
+BAD_ROWS = {
+    "not a list": ('{"messages": "hello"}', "field 'messages': expected a list of {role, content}"),
+    "invalid json": ('{"messages": [', "invalid JSON"),
+    "missing field": ('{"chat": []}', "field 'messages': missing"),
+    "wrong content type": ('{"messages": [{"role": "user", "content": 3}]}', "field 'messages': expected a list"),
+    "empty assistant": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}',
+                        "field 'messages': empty assistant content"),
+    "no assistant": ('{"messages": [{"role": "user", "content": "hi"}]}', "field 'messages': no assistant turn"),
+    "not an object": ("[1, 2]", "expected a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ROWS)
+def test_bad_row_raises_with_file_line_and_field(assets, tmp_path, case):
+    line, message = BAD_ROWS[case]
+    f = write_jsonl(tmp_path / "sft.jsonl", [GOOD, "", line, GOOD])  # the blank line still counts
+    with pytest.raises(ValueError) as err:
+        run_prep(make_cfg(assets, sft=spec(f)), tmp_path)
+    assert str(err.value).startswith(f"data.sft.train: {f} line 3: ")
+    assert message in str(err.value)
+
+
+def test_bad_parquet_row_names_its_row(assets, tmp_path):
+    f = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "chosen": "1", "rejected": "2"},
+                                         {"prompt": "b", "chosen": "", "rejected": "2"}]), f)
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "chosen": "1", "rejected": "2"}])
+    with pytest.raises(ValueError, match=rf"^data\.preference\.val: {re.escape(str(f))} row 2: field 'chosen': empty"):
+        run_prep(make_cfg(assets, preference=spec(good, val=f)), tmp_path)
+
+
+def test_skip_bad_rows_counts_them(assets, tok, tmp_path):
+    lines = [GOOD] + [line for line, _ in BAD_ROWS.values()] + [GOOD]
+    f = write_jsonl(tmp_path / "sft.jsonl", lines)
+    metrics, out = run_prep(make_cfg(assets, sft=spec(f), skip_bad_rows=True, packing=False), tmp_path)
+    assert (metrics["sft.train.rows_in"], metrics["sft.train.rows"], metrics["sft.train.skipped_rows"]) == (9, 2, 7)
+    assert [r["sample_ids"] for r in read(out, "sft")] == [[0], [8]]
+
+
+# ---------------------------------------------------------------- truncation
+
+
+def long_chat():
+    return {"messages": [{"role": "user", "content": "What is " + "1 + " * 40 + "1?"},
+                         {"role": "assistant", "content": "41"}]}
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_sft_truncation(assets, tok, tmp_path, mode):
+    f = write_jsonl(tmp_path / "t.jsonl", [long_chat(), SFT_CASES["messages"]])
+    full = tok(demo.render_chat(long_chat()["messages"]), add_special_tokens=False)["input_ids"]
+    assert len(full) > 32
+    metrics, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, seq_length=32, truncation=mode), tmp_path)
+    rows = read(out, "sft")
+    assert metrics["sft.train.truncated_rows"] == 1
+    if mode == "keep_start":  # the answer is cut off: nothing left to train on
+        assert metrics["sft.train.no_loss_rows"] == 1 and [r["sample_ids"] for r in rows] == [[1]]
+    else:
+        assert metrics["sft.train.no_loss_rows"] == 0 and rows[0]["input_ids"] == full[-32:]
+        assert masked(tok, rows[0]["input_ids"], rows[0]["loss_mask"]) == f"41{EOS}"
+
+
+def test_truncation_mode_may_be_an_enum(assets, tok, tmp_path):
+    class Truncation(Enum):  # what the typed schema hands over
+        keep_end = "keep_end"
+
+    f = write_jsonl(tmp_path / "t.jsonl", [long_chat()])
+    cfg = make_cfg(assets, sft=spec(f), packing=False, seq_length=32, truncation=Truncation.keep_end)
+    assert run_prep(cfg, tmp_path)[0]["sft.train.rows"] == 1
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_prompt_truncation(assets, tok, tmp_path, mode):
+    question = long_chat()["messages"][0]["content"]
+    write_jsonl(tmp_path / "q.jsonl", [{"prompt": question, "answer": "41"}])
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": question, "chosen": "41", "rejected": "40"}])
+    cfg = make_cfg(assets, prompts=spec(tmp_path / "q.jsonl"), preference=spec(tmp_path / "p.jsonl"),
+                   max_prompt_length=16, seq_length=20, truncation=mode)
+    metrics, out = run_prep(cfg, tmp_path)
+    assert metrics["prompts.train.truncated_rows"] == metrics["preference.train.truncated_rows"] == 1
+    (q,), (p,) = read(out, "prompts"), read(out, "preference")
+    assert len(q["prompt_ids"]) == p["prompt_length"] == 16
+    assert q["prompt_ids"] == p["chosen_input_ids"][:16]
+    assert q["prompt"] == tok.decode(q["prompt_ids"])
+    if mode == "keep_end":
+        assert q["prompt"].endswith("1?\n<|assistant|>\n")
+    else:
+        assert q["prompt"].startswith(f"{demo.BOS}<|user|>\nWhat is 1 +")
+    assert len(p["chosen_input_ids"]) <= 20 and masked(tok, p["chosen_input_ids"], p["chosen_loss_mask"]) == f"41{EOS}"
+
+
+# ---------------------------------------------------------------- splits, shards, config
+
+
+def test_val_fraction_split_is_deterministic(assets, tmp_path):
+    f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["input_output"]] * 40)
+
+    def split_ids(seed, name):
+        cfg = make_cfg(assets, sft=spec(f, val_fraction=0.25), packing=False, seed=seed)
+        metrics, out = run_prep(cfg, tmp_path, name)
+        assert (metrics["sft.train.rows"], metrics["sft.val.rows"]) == (30, 10)
+        return [sorted(i for r in read(out, "sft", s) for i in r["sample_ids"]) for s in ("train", "val")]
+
+    train, val = split_ids(0, "a")
+    assert sorted(train + val) == list(range(40))
+    assert split_ids(0, "b") == [train, val]
+    assert split_ids(1, "c") != [train, val]
+
+
+def test_shards(assets, tmp_path):
+    f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["input_output"]] * 20)
+    _, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, rows_per_shard=7), tmp_path)
+    assert sorted(p.name for p in (out / "sft").iterdir()) == [f"train-0000{i}.parquet" for i in range(3)]
+    assert len(read(out, "sft")) == 20
+
+
+def test_chat_template_override(assets, tok, tmp_path):
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["messages"]])
+    _, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, chat_template=template), tmp_path)
+    (row,) = read(out, "sft")
+    assert tok.decode(row["input_ids"]) == f"[user] What is 3 + 4?\n[assistant] 7{EOS}\n"
+    assert masked(tok, row["input_ids"], row["loss_mask"]) == f"7{EOS}\n"
+
+
+def test_config_errors(assets, tmp_path):
+    f = write_jsonl(tmp_path / "s.jsonl", [{"text": "hello"}])
+    with pytest.raises(ValueError, match=r"data\.sft\.train: .*line 1: cannot detect the format from keys \['text'\]"):
+        run_prep(make_cfg(assets, sft=spec(f)), tmp_path)
+    with pytest.raises(ValueError, match="format 'preference' is not a sft format"):
+        run_prep(make_cfg(assets, sft=spec(f, format="preference")), tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        run_prep(make_cfg(assets, sft=spec(tmp_path / "missing.jsonl")), tmp_path)
+
+
+def test_any_fsspec_filesystem(assets, tok):
+    """memory:// stands in for s3://: remote tokenizer, remote inputs, remote output."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for p in (assets / "tokenizer").iterdir():
+        fs.pipe(f"memory://af/tokenizer/{p.name}", p.read_bytes())
+    fs.pipe("memory://af/data/part-0.jsonl", (json.dumps(SFT_CASES["messages"]) + "\n").encode())
+    fs.pipe("memory://af/data/part-1.jsonl", b'{"messages": 1}\n')
+    cfg = make_cfg(assets, sft=spec("memory://af/data"), packing=False)
+    cfg.model.tokenizer = "memory://af/tokenizer"
+    with pytest.raises(ValueError, match="data.sft.train: memory:///af/data/part-1.jsonl line 1: field 'messages'"):
+        prep.run(cfg, {}, "memory://af/out")
+    cfg.prep.skip_bad_rows = True
+    metrics = prep.run(cfg, {}, "memory://af/out")
+    assert (metrics["sft.train.rows"], metrics["sft.train.skipped_rows"]) == (1, 1)
+    with fs.open("memory://af/out/sft/train-00000.parquet", "rb") as f:
+        (row,) = pq.read_table(f).to_pylist()
+    assert masked(tok, row["input_ids"], row["loss_mask"]) == f"7{EOS}"
+    assert json.loads(fs.cat("memory://af/out/metadata.json"))["sft"]["splits"]["train"]["rows"] == 1
+
+
+def test_broken_template_is_never_skipped(assets, tmp_path):
+    f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["messages"]])
+    cfg = make_cfg(assets, sft=spec(f), skip_bad_rows=True, chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="line 1: chat template does not parse"):
+        run_prep(cfg, tmp_path)
+    cfg.model.tokenizer = str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="model.tokenizer"):
+        run_prep(cfg, tmp_path)
