@@ -28,7 +28,7 @@ from rich.table import Table  # noqa: E402
 from alignflow import __version__  # noqa: E402
 from alignflow.config import ConfigError, compose  # noqa: E402
 from alignflow.config.slices import masked  # noqa: E402
-from alignflow.runner import PipelineNotReady, plan  # noqa: E402
+from alignflow.runner import PipelineNotReady, check_built, plan  # noqa: E402
 
 console = Console(soft_wrap=True)
 _STATUS_STYLE = {"committed": "green", "run": "yellow", "forced": "magenta", "not built": "red"}
@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.align import align
 
     pipeline, overrides = _split(args.overrides)
-    compose(pipeline, overrides)  # fail fast, before Prefect starts
+    check_built(compose(pipeline, overrides))  # fail fast, before Prefect starts
     results = align(pipeline=pipeline or "sft_dpo", overrides=overrides)
     console.print("\n[bold]outputs[/]")
     for stage, result in results.items():
