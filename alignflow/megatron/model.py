@@ -1,0 +1,155 @@
+"""Build a Megatron-Core GPTModel from an HF Llama-family config; move states in and out of it.
+
+Supported: what `alignflow.convert.llama` supports (Llama, Mistral, Qwen2: GQA, tied or
+untied embeddings, qkv bias, RMSNorm, SwiGLU, RoPE with linear or llama3 scaling, Mistral's
+sliding window), under TP, PP (with virtual chunks) and, with Transformer Engine, CP.
+Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local
+modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
+
+The two specs name the norms differently in `state_dict()` (local: `input_layernorm.weight`;
+TE and every checkpoint: `self_attention.linear_qkv.layer_norm_weight`), so states enter and
+leave a model under checkpoint names (`load_megatron_state`, `megatron_state`), the names
+`alignflow.convert` produces.
+"""
+
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from alignflow.convert.llama import ModelShape, model_shape
+from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
+from alignflow.megatron.runtime import parallel_sizes
+
+# TransformerConfig settings where CUDA is absent.
+CPU_SETTINGS = {
+    "use_cpu_initialization": True,  # weights built on the CPU, from the full weight: TP ranks agree
+    "batch_p2p_sync": False,  # it calls torch.cuda.synchronize
+}
+
+# HF rope type -> GPTModel arguments, given the HF scaling factor.
+ROPE_ARGS = {
+    "default": lambda factor: {},
+    "linear": lambda factor: {"seq_len_interpolation_factor": factor},
+    "llama3": lambda factor: {"rope_scaling": True, "rope_scaling_factor": factor},
+}
+
+
+def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: torch.dtype = torch.float32, **overrides) -> TransformerConfig:
+    """Megatron's TransformerConfig for an HF model shape; `overrides` (dropout, recompute...) win."""
+    par = parallel_sizes(parallel_cfg)
+    settings = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        window_size=None if shape.sliding_window is None else (shape.sliding_window - 1, 0),  # HF: i - j < window
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=par["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=par["pipeline_model_parallel_size"],
+        virtual_pipeline_model_parallel_size=par["virtual_pipeline_model_parallel_size"],
+        context_parallel_size=par["context_parallel_size"],
+        sequence_parallel=par["sequence_parallel"],
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        **({} if torch.cuda.is_available() else CPU_SETTINGS),
+    )
+    return TransformerConfig(**{**settings, **overrides})
+
+
+def layer_spec() -> ModuleSpec:
+    """Transformer Engine's fused layers where importable (GPU clusters), else Megatron's own."""
+    if gpt_layer_specs.HAVE_TE:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt(
+    hf_config: Mapping[str, Any],
+    parallel_cfg: Any,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+    parallel_output: bool = True,
+    **overrides,
+) -> Union[GPTModel, list[GPTModel]]:
+    """This rank's GPTModel (its pipeline stage), or its list of chunks with virtual PP.
+
+    Call after `runtime.init_parallel`. `parallel_output` keeps logits vocab-parallel (for
+    Megatron's vocab-parallel cross entropy); pass `runtime_gather_output=True` to forward
+    for full logits."""
+    shape = model_shape(hf_config)
+    config = transformer_config(shape, parallel_cfg, params_dtype=params_dtype, **overrides)
+    vp_size = config.virtual_pipeline_model_parallel_size
+    common = dict(
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by),
+        max_sequence_length=shape.max_position_embeddings,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=shape.rope_theta,
+        **ROPE_ARGS[shape.rope_type](shape.rope_factor),
+    )
+    chunks = [_build_chunk(common, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
+    return chunks if vp_size else chunks[0]
+
+
+def _build_chunk(common: dict, vp_stage: Optional[int], vp_size: Optional[int]) -> GPTModel:
+    pre, post = stage_ends(
+        parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(), vp_stage, vp_size
+    )
+    model = GPTModel(pre_process=pre, post_process=post, vp_stage=vp_stage, **common)
+    return model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model
+
+
+def checkpoint_names(model: GPTModel) -> dict[str, str]:
+    """The model's state_dict keys -> checkpoint names, renamed by each layer's
+    `sharded_state_dict_keys_map` exactly as Megatron's `sharded_state_dict` does.
+    `_extra_state` entries (TE's fp8 metadata) are not weights and are left out."""
+    prefix_map = {
+        f"decoder.layers.{i}.{old}": f"decoder.layers.{i}.{new}"
+        for i, layer in enumerate(model.decoder.layers)
+        for old, new in layer.submodules_config.sharded_state_dict_keys_map.items()
+    }
+    return {key: _renamed(key, prefix_map) for key in model.state_dict() if not key.endswith("._extra_state")}
+
+
+def _renamed(key: str, prefix_map: Mapping[str, str]) -> str:
+    for old, new in prefix_map.items():
+        if key.startswith(old):
+            return new + key[len(old) :]
+    return key
+
+
+def load_megatron_state(model: GPTModel, state: Mapping[str, Tensor]) -> None:
+    """Load a state under checkpoint names (e.g. from `hf_to_megatron`); every weight exactly once."""
+    module_key = {ckpt: key for key, ckpt in checkpoint_names(model).items()}
+    missing, unexpected = sorted(set(module_key) - set(state)), sorted(set(state) - set(module_key))
+    if missing or unexpected:
+        raise ValueError(f"state does not match the model: missing {missing}, unexpected {unexpected}")
+    model.load_state_dict({module_key[name]: tensor for name, tensor in state.items()}, strict=False)
+
+
+def megatron_state(model: GPTModel) -> dict[str, Tensor]:
+    """The model's weights under checkpoint names (this rank's shards)."""
+    state = model.state_dict()
+    return {ckpt: state[key] for key, ckpt in checkpoint_names(model).items()}

@@ -1,0 +1,133 @@
+"""Tiny random HF models for the conversion tests, and the per-rank check for TP2 / PP2.
+
+The tests import the helpers; `test_megatron_model` also runs this file on 2 ranks:
+    torchrun --standalone --nproc-per-node 2 tests/megatron_ranks.py --tp 2 llama qwen2
+Each rank builds the same HF models (same seed), converts its share with `hf_to_megatron`,
+builds its Megatron stage and runs one forward through Megatron's pipeline schedule; the
+last stage compares logits with HF's and the script exits non-zero on a mismatch.
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from alignflow.convert.sharding import hf_to_megatron
+from alignflow.megatron import runtime
+from alignflow.megatron.model import build_gpt, load_megatron_state
+
+TOLERANCE = 1e-5  # fp32, max abs over all logits
+TINY = dict(
+    vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+    initializer_range=0.1,  # large enough that attention is peaked: a layout error shows in the logits
+)
+
+# case -> (config class, model class, what differs from TINY)
+CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama_tied": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "mistral_window": (MistralConfig, MistralForCausalLM, {"sliding_window": 4}),
+    "llama3_rope": (LlamaConfig, LlamaForCausalLM, {
+        "max_position_embeddings": 16384,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    }),
+}
+
+
+def tiny_hf_model(case: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
+    """A random HF model (norms and biases random too, so their mapping matters) and its config dict."""
+    config_cls, model_cls, extra = CASES[case]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **extra}, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    return model, {**model.config.to_dict(), "architectures": [model_cls.__name__]}
+
+
+def saved_state(model: torch.nn.Module, folder: Path) -> dict[str, torch.Tensor]:
+    """The state as HF saves it (tied weights once): what the converter reads from disk."""
+    model.save_pretrained(folder)
+    return load_file(folder / "model.safetensors")
+
+
+def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def megatron_logits(chunks: list, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Full-vocab logits on the last pipeline stage (None elsewhere), through Megatron's
+    schedule with one sequence per micro batch (virtual PP needs several micro batches)."""
+    def step(data_iterator, chunk):
+        return chunk(next(data_iterator), None, None, runtime_gather_output=True), None
+
+    micro_batches = list(ids.split(1))
+    outputs = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=[iter(micro_batches) for _ in chunks], model=chunks,
+        num_microbatches=len(micro_batches), seq_length=ids.shape[1], micro_batch_size=1, forward_only=True,
+    )
+    return torch.cat(outputs) if parallel_state.is_pipeline_last_stage() else None
+
+
+def max_logit_error(case: str, parallel: dict, hf_state: dict) -> Optional[float]:
+    """Convert `case` for this rank, run it, and return max |Megatron - HF| (None off the last stage)."""
+    hf_model, hf_config = tiny_hf_model(case)
+    built = build_gpt(hf_config, parallel)
+    chunks = built if isinstance(built, list) else [built]
+    vp_size = parallel["virtual_pipeline_model_parallel_size"]
+    for vp_stage, chunk in enumerate(chunks):
+        load_megatron_state(chunk.eval(), hf_to_megatron(
+            hf_state, hf_config,
+            parallel_state.get_tensor_model_parallel_rank(), parallel["tensor_model_parallel_size"],
+            parallel_state.get_pipeline_model_parallel_rank(), parallel["pipeline_model_parallel_size"],
+            vp_stage=vp_stage if vp_size else None, vp_size=vp_size,
+        ))
+    ids = tokens()
+    with torch.no_grad():
+        logits = megatron_logits(chunks, ids)
+        if logits is None:
+            return None
+        return (logits[..., : hf_config["vocab_size"]] - hf_model(ids).logits).abs().max().item()
+
+
+def parallel_cfg(tp: int = 1, pp: int = 1, vp: Optional[int] = None) -> dict:
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": vp,
+            "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vp", type=int, default=None)
+    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:  # saved before init: HF saves on rank 0 only once distributed
+        hf_states = {case: saved_state(tiny_hf_model(case)[0], Path(workdir) / case) for case in args.cases}
+    parallel = parallel_cfg(args.tp, args.pp, args.vp)
+    runtime.init_parallel(parallel)
+    failed = False
+    for case, hf_state in hf_states.items():
+        error = max_logit_error(case, parallel, hf_state)
+        if error is not None:
+            print(f"{case} tp={args.tp} pp={args.pp} vp={args.vp}: max |logits - HF| = {error:.2e}", flush=True)
+            failed |= not error < TOLERANCE
+    runtime.teardown()
+    return int(failed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

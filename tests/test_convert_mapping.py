@@ -1,0 +1,174 @@
+"""The Llama-family table: every HF tensor read once, every Megatron tensor made once, fused
+layouts and TP shards exact in both directions, and clear refusals."""
+
+from collections import Counter
+from typing import Iterator, Mapping
+
+import pytest
+import torch
+from megatron_ranks import saved_state, tiny_hf_model
+
+from alignflow.convert.layout import merge_fc1, merge_qkv, split_fc1, split_qkv
+from alignflow.convert.llama import model_shape
+from alignflow.convert.sharding import (
+    hf_to_megatron, megatron_to_hf, padded_vocab_size, shard, stage_layers, stage_params, unshard,
+)
+
+CASES = ["llama", "llama_tied", "qwen2"]  # GQA untied, tied, tied with qkv bias
+LAYER_NAMES = [
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_proj.weight",
+    "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc2.weight",
+]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> dict:
+    """Each case's HF state as saved on disk, and its config."""
+    states = {}
+    for case in CASES:
+        model, config = tiny_hf_model(case)
+        states[case] = (saved_state(model, tmp_path_factory.mktemp(case)), config)
+    return states
+
+
+class Reads(Mapping):
+    """An HF state that counts how often each tensor is read."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]):
+        self.state, self.counts = state, Counter()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.counts[name] += 1
+        return self.state[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+def test_megatron_names(hf):
+    layers = {f"decoder.layers.{i}.{name}" for i in range(4) for name in LAYER_NAMES}
+    ends = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    assert set(hf_to_megatron(*hf["llama"], 0, 1, 0, 1)) == layers | ends | {"output_layer.weight"}
+    qkv_bias = {f"decoder.layers.{i}.self_attention.linear_qkv.bias" for i in range(4)}
+    assert set(hf_to_megatron(*hf["qwen2"], 0, 1, 0, 1)) == layers | ends | qkv_bias  # tied: no output layer
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("case", CASES)
+def test_every_hf_tensor_is_read_once_and_every_megatron_tensor_made_once(hf, case, pp):
+    hf_state, config = hf[case]
+    shape = model_shape(config)
+    reads = Reads(hf_state)
+    for pp_rank in range(pp):
+        names = [param.megatron_name(local) for param, _, local in stage_params(shape, pp_rank, pp)]
+        assert len(names) == len(set(names))
+        assert set(hf_to_megatron(reads, config, 0, 1, pp_rank, pp)) == set(names)
+    tied_copy = Counter({"model.embed_tokens.weight": 1} if shape.tied_embeddings and pp > 1 else {})
+    assert reads.counts == Counter(dict.fromkeys(hf_state, 1)) + tied_copy  # the last stage's output copy
+
+
+def test_pipeline_stages_number_layers_locally(hf):
+    hf_state, config = hf["llama"]
+    second = hf_to_megatron(hf_state, config, 0, 1, 1, 2)
+    assert torch.equal(second["decoder.layers.0.self_attention.linear_proj.weight"], hf_state["model.layers.2.self_attn.o_proj.weight"])
+    assert "embedding.word_embeddings.weight" not in second and "output_layer.weight" in second
+
+
+def test_stage_layers_follow_megatron():
+    shape = model_shape(tiny_hf_model("llama")[1])
+    assert [stage_layers(shape, r, 2) for r in range(2)] == [range(0, 2), range(2, 4)]
+    interleaved = [stage_layers(shape, r, 2, vp, 2) for vp in range(2) for r in range(2)]
+    assert interleaved == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 2), (4, 4), (4, 1)])  # GQA, MHA, MQA
+def test_qkv_merge_and_split_are_exact_inverses(heads, groups):
+    head_dim, hidden, per_group = 8, 32, heads // groups
+    for rest in [(hidden,), ()]:  # weight and bias
+        q, k, v = (torch.randn(n * head_dim, *rest) for n in (heads, groups, groups))
+        fused = merge_qkv(q, k, v, heads, groups, head_dim)
+        assert fused.shape == ((heads + 2 * groups) * head_dim, *rest)
+        group0 = torch.cat([q[: per_group * head_dim], k[:head_dim], v[:head_dim]])
+        assert torch.equal(fused[: (per_group + 2) * head_dim], group0)  # [q_g; k_g; v_g] per group
+        assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, heads, groups, head_dim), (q, k, v)))
+
+
+def test_fc1_merge_and_split_are_exact_inverses():
+    gate, up = torch.randn(64, 32), torch.randn(64, 32)
+    fused = merge_fc1(gate, up)
+    assert torch.equal(fused[:64], gate)
+    assert all(torch.equal(a, b) for a, b in zip(split_fc1(fused), (gate, up)))
+
+
+def test_a_tp_rank_takes_whole_query_groups_and_its_slice_of_gate_and_up():
+    heads, groups, head_dim, hidden = 4, 2, 8, 32
+    q, k, v = (torch.randn(n * head_dim, hidden) for n in (heads, groups, groups))
+    gate, up, proj = torch.randn(64, hidden), torch.randn(64, hidden), torch.randn(hidden, heads * head_dim)
+    for r in range(2):
+        mine = merge_qkv(q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r], heads // 2, groups // 2, head_dim)
+        assert torch.equal(shard("decoder.layers.0.self_attention.linear_qkv.weight", merge_qkv(q, k, v, heads, groups, head_dim), r, 2), mine)
+        assert torch.equal(shard("decoder.layers.0.mlp.linear_fc1.weight", merge_fc1(gate, up), r, 2), merge_fc1(gate.chunk(2)[r], up.chunk(2)[r]))
+        assert torch.equal(shard("decoder.layers.0.self_attention.linear_proj.weight", proj, r, 2), proj.chunk(2, dim=1)[r])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp_shards_concatenate_to_the_full_tensor(hf, case):
+    hf_state, config = hf[case]
+    full = hf_to_megatron(hf_state, config, 0, 1, 0, 1)
+    shards = [hf_to_megatron(hf_state, config, r, 2, 0, 1) for r in range(2)]
+    assert all(s.keys() == full.keys() for s in shards)
+    for name, tensor in full.items():
+        gathered = unshard(name, [s[name] for s in shards])
+        rows = tensor.shape[0]
+        assert torch.equal(gathered[:rows], tensor), name
+        assert not gathered[rows:].any(), name  # vocab: TP2 pads further, with zeros
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_to_megatron_to_hf_through_tp2_is_exact(hf, case):
+    hf_state, config = hf[case]
+    shards = [hf_to_megatron(hf_state, config, r, 2, 0, 1) for r in range(2)]
+    back = megatron_to_hf({name: unshard(name, [s[name] for s in shards]) for name in shards[0]}, config)
+    assert back.keys() == hf_state.keys()
+    assert all(torch.equal(back[name], hf_state[name]) for name in hf_state)
+
+
+def test_tp_must_split_query_groups_whole(hf):
+    with pytest.raises(ValueError, match="num_query_groups=2 does not split over TP=4"):
+        hf_to_megatron(*hf["llama"], 0, 4, 0, 1)
+
+
+def test_megatron_to_hf_refuses_tensors_it_does_not_know(hf):
+    hf_state, config = hf["llama"]
+    full = {**hf_to_megatron(hf_state, config, 0, 1, 0, 1), "decoder.layers.0.mlp.linear_fc2.bias": torch.zeros(64)}
+    with pytest.raises(ValueError, match="linear_fc2.bias"):
+        megatron_to_hf(full, config)
+
+
+def test_vocab_is_padded_to_a_multiple_of_128_times_tp():
+    assert [padded_vocab_size(100, tp) for tp in (1, 2)] == [128, 256]
+    assert padded_vocab_size(32000, 8) == 32768 and padded_vocab_size(151936, 1) == 151936
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        model_shape({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 2.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "low_freq_factor"),
+])
+def test_unsupported_config_fails_clearly(change, message):
+    with pytest.raises(ValueError, match=message):
+        model_shape({**tiny_hf_model("llama")[1], **change})

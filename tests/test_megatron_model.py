@@ -1,0 +1,98 @@
+"""Megatron models built from HF weights compute HF's logits (fp32, max abs 1e-5): one rank
+in this process, and TP2 / PP2 / PP2 with virtual chunks on 2 ranks under torchrun."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_ranks import CASES, TOLERANCE, max_logit_error, parallel_cfg, saved_state, tiny_hf_model
+
+from alignflow import PROJECT_ROOT
+from alignflow.convert.sharding import hf_to_megatron, megatron_to_hf
+from alignflow.megatron import runtime
+from alignflow.megatron.model import build_gpt, checkpoint_names, load_megatron_state, megatron_state
+
+RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A single-rank Megatron runtime (env, gloo, groups, seeds) for this module."""
+    parallel = parallel_cfg()
+    runtime.init_parallel(parallel)
+    yield parallel
+    runtime.teardown()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_rank_logits_match_hf(one_rank, case, tmp_path):
+    assert max_logit_error(case, one_rank, saved_state(tiny_hf_model(case)[0], tmp_path)) < TOLERANCE
+
+
+def test_local_spec_norms_load_under_checkpoint_names(one_rank, tmp_path):
+    hf_model, config = tiny_hf_model("qwen2")
+    model = build_gpt(config, one_rank)
+    names = checkpoint_names(model)
+    assert names["decoder.layers.0.input_layernorm.weight"] == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    assert names["decoder.layers.0.pre_mlp_layernorm.weight"] == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert set(hf_to_megatron(saved_state(hf_model, tmp_path), config, 0, 1, 0, 1)) == set(names.values())
+    assert model.embedding.word_embeddings.weight.shape == (128, 64)  # vocab 100 padded to 128
+
+
+def test_hf_through_a_megatron_model_and_back_is_exact(one_rank, tmp_path):
+    hf_model, config = tiny_hf_model("llama")
+    hf_state = saved_state(hf_model, tmp_path)
+    model = build_gpt(config, one_rank)
+    load_megatron_state(model, hf_to_megatron(hf_state, config, 0, 1, 0, 1))
+    back = megatron_to_hf(megatron_state(model), config)
+    assert back.keys() == hf_state.keys()
+    assert all(torch.equal(back[name], hf_state[name]) for name in hf_state)
+
+
+def test_load_refuses_a_state_that_does_not_match(one_rank, tmp_path):
+    hf_model, config = tiny_hf_model("llama")
+    state = hf_to_megatron(saved_state(hf_model, tmp_path), config, 0, 1, 0, 1)
+    del state["decoder.layers.1.mlp.linear_fc2.weight"]
+    with pytest.raises(ValueError, match="missing .*decoder.layers.1.mlp.linear_fc2.weight"):
+        load_megatron_state(build_gpt(config, one_rank), state)
+
+
+def test_seeds_make_init_reproducible_and_the_rng_tracker_runs_on_cpu(one_rank):
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    config = tiny_hf_model("llama")[1]
+
+    def init(seed: int) -> dict:
+        runtime.seed_all(seed)
+        return megatron_state(build_gpt(config, one_rank))
+
+    first, second, other = init(7), init(7), init(8)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert not torch.equal(first["output_layer.weight"], other["output_layer.weight"])
+    outer = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():  # the 'model-parallel-rng' state, on the CPU generator
+        inside = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), outer) and not torch.equal(inside, torch.rand(4))
+
+
+def test_unsupported_architecture_fails_before_building():
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        build_gpt({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]}, parallel_cfg())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--vp", "2"]], ids=["tp2", "pp2", "pp2-vp2"])
+def test_two_ranks_logits_match_hf(layout):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # torchrun sets them per rank
+    run = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, "llama", "qwen2"],
+        capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count("max |logits - HF|") == (4 if "--tp" in layout else 2)  # each last-stage rank, both models
