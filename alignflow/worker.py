@@ -10,6 +10,7 @@ import importlib
 import logging
 import os
 import sys
+import warnings
 
 import fsspec
 from omegaconf import OmegaConf
@@ -21,6 +22,7 @@ def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str, storage_options
     """Run `alignflow.stages.<stage>.run` on this rank; every rank returns its metrics."""
     rank = _setup_rank()
     _log_to_stdout(rank)
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")  # expected on CPU
     _configure_storage(out, storage_options)
     config = OmegaConf.create(cfg)  # secrets are still `${oc.env:...}` here and resolve from this job's env
     module = importlib.import_module(worker_module(stage))

@@ -64,6 +64,12 @@ class DPOLoss(Enum):
     ipo = "ipo"
 
 
+class ExportDtype(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class MonitorMode(Enum):
     min = "min"
     max = "max"
@@ -87,7 +93,8 @@ class StoreConfig:
 
 @dataclass
 class ModelConfig:
-    source: str = MISSING  # HF checkpoint directory (any fsspec URI)
+    source: str = MISSING  # HF checkpoint directory, or a Megatron / NeMo 2 torch_dist one (any fsspec URI)
+    hf_config: Optional[str] = None  # directory with the HF config.json of a torch_dist source
     tokenizer: str = "${.source}"
     chat_template: Optional[str] = None
     make_vocab_size_divisible_by: int = 128
@@ -312,9 +319,9 @@ class EvalConfig(ModelStageBase):
 
 @dataclass
 class ExportConfig(StageBase):
-    destination: Optional[str] = None  # also copy the export here (local path or s3://)
-    dtype: str = "float32"
-    max_shard_size: str = "2GB"
+    destination: Optional[str] = None  # also publish the export here (local path or s3://)
+    dtype: ExportDtype = ExportDtype.float32
+    max_shard_size: str = "2GB"  # HF units: 2GB = 2e9 bytes, 2GiB = 2**31
 
 
 # ----------------------------------------------------------------------------- top level

@@ -5,24 +5,17 @@ a config in one round trip instead of one GPU-hour at a time.
 """
 
 import json
-from dataclasses import dataclass
 
 import fsspec
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.stages import STAGES, as_names
 from alignflow.store import options_for
 
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the offending keys."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    num_heads: int
-    num_query_groups: int
 
 
 def validate(cfg: DictConfig, check_paths: bool = True) -> None:
@@ -57,19 +50,18 @@ def _check_pipeline(cfg: DictConfig) -> list[str]:
 
 
 def _model_shape(cfg: DictConfig, problems: list[str]) -> ModelShape | None:
-    """Layer and head counts from the HF config.json of `model.source`."""
-    uri = f"{cfg.model.source.rstrip('/')}/config.json"
+    """The model's shape from the HF config.json of `model.source` (or `model.hf_config`)."""
+    key = "model.hf_config" if cfg.model.hf_config else "model.source"
+    uri = f"{OmegaConf.select(cfg, key).rstrip('/')}/config.json"
     try:
-        with fsspec.open(uri, "r") as f:
-            hf = json.load(f)
+        with fsspec.open(uri, "r", **options_for(uri, cfg)) as f:
+            return model_shape(json.load(f))
     except FileNotFoundError:
-        problems.append(f"model.source: {uri} does not exist (for the demo model run `align demo` first)")
-        return None
+        hint = "; a Megatron/NeMo source needs model.hf_config" if key == "model.source" else ""
+        problems.append(f"{key}: {uri} does not exist (for the demo model run `align demo` first{hint})")
     except (OSError, ValueError) as err:
-        problems.append(f"model.source: cannot read {uri}: {err}")
-        return None
-    heads = hf.get("num_attention_heads", 0)
-    return ModelShape(hf.get("num_hidden_layers", 0), heads, hf.get("num_key_value_heads", heads))
+        problems.append(f"{key}: {uri}: {err}")
+    return None
 
 
 def _check_stage(cfg: DictConfig, stage: str, shape: ModelShape | None) -> list[str]:
@@ -111,8 +103,8 @@ def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelSha
     if vpp is not None and (vpp < 1 or pp == 1):
         problems.append(f"{key}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1 and a value >= 1")
     if shape is not None:
-        if shape.num_heads % tp:
-            problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_heads} attention heads (model.source)")
+        if shape.num_attention_heads % tp:
+            problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_attention_heads} attention heads (model.source)")
         if shape.num_query_groups % tp:
             problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_query_groups} query groups (model.source)")
         if shape.num_layers % (pp * (vpp or 1)):

@@ -23,10 +23,6 @@ import re
 from typing import Mapping, Optional, Sequence
 
 import torch
-from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch import Tensor
 
 from alignflow.convert.layout import fuse, unfuse
@@ -111,6 +107,8 @@ def pad_vocab(t: Tensor, padded: int) -> Tensor:
 
 def stage_ends(pp_rank: int, pp_size: int, vp_stage: Optional[int] = None, vp_size: Optional[int] = None) -> tuple[bool, bool]:
     """(pre_process, post_process): whether this stage / chunk holds the embedding, the output layer."""
+    from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage  # see stage_layers
+
     return (
         pp_rank == 0 and is_vp_first_stage(vp_stage, vp_size),
         pp_rank == pp_size - 1 and is_vp_last_stage(vp_stage, vp_size),
@@ -118,7 +116,14 @@ def stage_ends(pp_rank: int, pp_size: int, vp_stage: Optional[int] = None, vp_si
 
 
 def stage_layers(shape: ModelShape, pp_rank: int, pp_size: int, vp_stage: Optional[int] = None, vp_size: Optional[int] = None) -> range:
-    """The global layer numbers a pipeline stage (virtual chunk) holds, by Megatron-Core's rule."""
+    """The global layer numbers a pipeline stage (virtual chunk) holds, by Megatron-Core's rule.
+
+    Megatron-Core is imported here, not at the top: the streaming converter uses this module
+    without pipeline placement, and megatron-core's imports cost a job ~110 MB of RSS."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,

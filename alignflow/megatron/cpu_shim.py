@@ -13,8 +13,10 @@ Each patch keeps Megatron's own code path and only moves what it pins to CUDA on
   device="cuda")`) and the tied embedding's `.cuda()` when the output layer lives on another
   pipeline stage. Those functions run under `_CudaOnCpu`, which places them on the CPU.
 
-Not covered: `torch.cuda.synchronize` (build the model with `batch_p2p_sync=False`, as
-`alignflow.megatron.model` does on CPU), activation recompute, Megatron's optimizer wrapper,
+- `torch.cuda.synchronize()`: a no-op, as there is no device queue to wait for (Megatron's
+  checkpoint writer calls it before saving; the model is built with `batch_p2p_sync=False`).
+
+Not covered: activation recompute, Megatron's optimizer wrapper,
 fused kernels, and Transformer Engine (absent on CPU anyway).
 """
 
@@ -105,6 +107,7 @@ def apply() -> None:
         return
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # what initialize_rng_tracker instantiates
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
     for owner, name in CUDA_BY_NAME:
         setattr(owner, name, _on_cpu(getattr(owner, name)))
     _applied = True

@@ -32,13 +32,13 @@ _DATA_SOURCES = tuple(f"data.{kind}.{split}" for kind in ("sft", "preference", "
 
 STAGES: dict[str, StageSpec] = {
     "prep": StageSpec(1, reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",), built=True),
-    "convert": StageSpec(1, reads=("model",), sources=("model.source",)),
+    "convert": StageSpec(1, reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer"), built=True),
     "ref_logprobs": StageSpec(1, reads=("model",)),
     "sft": StageSpec(1, reads=("model",), resumable=True),
     "dpo": StageSpec(1, reads=("model",), resumable=True),
     "grpo": StageSpec(1, reads=("model",), resumable=True),
     "eval": StageSpec(1, reads=("model", "data.seq_length")),
-    "export": StageSpec(1, reads=("model",)),
+    "export": StageSpec(1, built=True),
 }
 
 

@@ -1,0 +1,156 @@
+"""Streaming conversion between HF safetensors and Megatron torch_dist checkpoints.
+
+HF -> Megatron: every table entry becomes one checkpoint key (per-layer parameters stacked
+on a leading layer axis, as Megatron-Core stores them) whose chunks are loaders of at most
+CHUNK_BYTES of rows: plain rows, rows of gate then of up for fc1, whole query groups for
+qkv. `dist_io.save_lazy` calls them a few at a time, so memory stays near a few chunks
+whatever the model size. Megatron -> HF reads one layer's slice of a key at
+a time and yields the HF tensors in the order of their precomputed specs, for
+`safetensors_io.write_sharded`. A torch_dist source (Megatron-LM or NeMo 2, whose keys carry
+a `module.` prefix) is re-keyed chunk by chunk.
+
+The stored layout is the global one whatever the TP/PP that later loads it; only the vocab
+padding depends on TP (Megatron loads embeddings with a padded-size mismatch allowed).
+"""
+
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+
+from alignflow.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry
+from alignflow.checkpoint.safetensors_io import SafetensorsReader, TensorSpec
+from alignflow.convert.layout import fuse, merge_qkv, unfuse
+from alignflow.convert.llama import ModelShape, Param, params_for
+from alignflow.convert.sharding import VOCAB_PARAMS, param_to_hf
+
+LAYER_PLACEHOLDER = "decoder.layers.{layer}."
+STACKED_PREFIX = "decoder.layers."
+NEMO_PREFIX = "module."
+CHUNK_BYTES = 32 << 20  # rows per stored chunk: memory per writer thread, whatever the model size
+
+
+def checkpoint_key(param: Param) -> str:
+    """The key Megatron-Core stores a parameter under: per-layer ones share one stacked key."""
+    return param.megatron.replace(LAYER_PLACEHOLDER, STACKED_PREFIX)
+
+
+def hf_to_dist_entries(reader: SafetensorsReader, shape: ModelShape, padded_vocab: int) -> list[Entry]:
+    """Checkpoint entries whose chunks (at most CHUNK_BYTES of rows each) read HF rows on demand."""
+    entries = []
+    for param in params_for(shape):
+        full = _fused_shape(param, reader, shape)
+        layers = range(shape.num_layers) if param.per_layer else [None]
+        chunks = []
+        for layer in layers:
+            pieces = ROW_PLANS[param.fuse](reader, param.hf_names(layer if layer is not None else 0), shape)
+            if param.megatron in VOCAB_PARAMS and padded_vocab > full[0]:
+                pieces.append((full[0], padded_vocab - full[0], partial(_zero_rows, padded_vocab - full[0], full[1:], reader.spec(param.hf_names(0)[0]).dtype)))
+            chunks += [_chunk(layer, row, rows, full[1:], load) for row, rows, load in pieces]
+        global_shape = ((padded_vocab,) if param.megatron in VOCAB_PARAMS else full[:1]) + full[1:]
+        if param.per_layer:
+            global_shape = (shape.num_layers,) + global_shape
+        entries.append(Entry(checkpoint_key(param), global_shape, reader.spec(param.hf_names(0)[0]).dtype, tuple(chunks)))
+    return entries
+
+
+# A row piece of a fused tensor: (first row in the fused tensor, number of rows, loader).
+Piece = tuple[int, int, Callable[[], torch.Tensor]]
+
+
+def _chunk(layer: int | None, row: int, rows: int, rest: tuple[int, ...], load: Callable) -> Chunk:
+    if layer is None:
+        return Chunk((row,) + (0,) * len(rest), (rows,) + rest, load)
+    return Chunk((layer, row) + (0,) * len(rest), (1, rows) + rest, lambda: load().unsqueeze(0))
+
+
+def _row_ranges(rows: int, row_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def _row_bytes(spec) -> int:
+    return spec.nbytes // spec.shape[0]
+
+
+def _plain_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape) -> list[Piece]:
+    (name,) = names
+    spec = reader.spec(name)
+    return [(a, b - a, partial(reader.read, name, (a, b))) for a, b in _row_ranges(spec.shape[0], _row_bytes(spec))]
+
+
+def _fc1_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape) -> list[Piece]:
+    """[gate; up]: rows of gate, then rows of up after all of gate's."""
+    pieces = []
+    for base, name in zip((0, reader.spec(names[0]).shape[0]), names):
+        pieces += [(base + row, rows, load) for row, rows, load in _plain_rows(reader, (name,), shape)]
+    return pieces
+
+
+def _qkv_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape) -> list[Piece]:
+    """Whole query groups at a time: group g's rows are [q_g; k_g; v_g] (see layout.merge_qkv)."""
+    per_group = shape.num_attention_heads // shape.num_query_groups
+    group_rows = (per_group + 2) * shape.head_dim
+    row_bytes = _row_bytes(reader.spec(names[1])) if reader.spec(names[1]).shape else 0
+    return [
+        (g0 * group_rows, (g1 - g0) * group_rows, partial(_qkv_groups, reader, names, g0, g1, per_group, shape.head_dim))
+        for g0, g1 in _row_ranges(shape.num_query_groups, group_rows * row_bytes)
+    ]
+
+
+def _qkv_groups(reader: SafetensorsReader, names: tuple[str, ...], g0: int, g1: int, per_group: int, head_dim: int) -> torch.Tensor:
+    q, k, v = names
+    q_rows = (g0 * per_group * head_dim, g1 * per_group * head_dim)
+    kv_rows = (g0 * head_dim, g1 * head_dim)
+    return merge_qkv(reader.read(q, q_rows), reader.read(k, kv_rows), reader.read(v, kv_rows), (g1 - g0) * per_group, g1 - g0, head_dim)
+
+
+ROW_PLANS = {None: _plain_rows, "fc1": _fc1_rows, "qkv": _qkv_rows}
+
+
+def _zero_rows(rows: int, rest: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros((rows, *rest), dtype=dtype)  # vocab padding: zero rows, as Megatron pads
+
+
+def _fused_shape(param: Param, reader: SafetensorsReader, shape: ModelShape) -> tuple[int, ...]:
+    parts = [torch.empty(reader.spec(name).shape, device="meta") for name in param.hf_names(0)]
+    return tuple(fuse(param.fuse, parts, shape).shape)
+
+
+def dist_to_dist_entries(reader: DistCheckpointReader, shape: ModelShape) -> list[Entry]:
+    """The model's keys of a Megatron / NeMo 2 torch_dist checkpoint, without the `module.` prefix."""
+    prefix = NEMO_PREFIX if any(k.startswith(NEMO_PREFIX) for k in reader.keys()) else ""
+    entries = []
+    for param in params_for(shape):
+        key = prefix + checkpoint_key(param)
+        if key not in reader.keys():
+            raise KeyError(f"the source checkpoint has no {key!r} (found e.g. {sorted(reader.keys())[:5]})")
+        stored = reader.metadata.state_dict_metadata[key]
+        chunks = tuple(
+            Chunk(tuple(c.offsets), tuple(c.sizes), partial(reader.read_chunk, key, c.offsets)) for c in stored.chunks
+        )
+        entries.append(Entry(checkpoint_key(param), reader.shape(key), reader.dtype(key), chunks))
+    return entries
+
+
+def dist_to_hf(reader: DistCheckpointReader, shape: ModelShape, dtype: torch.dtype) -> tuple[list[TensorSpec], Iterator[torch.Tensor]]:
+    """The HF tensor specs of the model and a generator producing them, one layer at a time."""
+    placed = [(p, layer) for p in params_for(shape) for layer in (range(shape.num_layers) if p.per_layer else [None])]
+    specs = [spec for param, layer in placed for spec in _hf_specs(reader, param, layer, shape, dtype)]
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for param, layer in placed:
+            full = reader.read(checkpoint_key(param), layer)
+            for tensor in param_to_hf(param, layer, full, shape).values():
+                yield tensor.to(dtype)
+
+    return specs, tensors()
+
+
+def _hf_specs(reader: DistCheckpointReader, param: Param, layer: int | None, shape: ModelShape, dtype: torch.dtype) -> list[TensorSpec]:
+    stored = reader.shape(checkpoint_key(param))
+    full = stored[1:] if param.per_layer else stored
+    if param.megatron in VOCAB_PARAMS:
+        full = (shape.vocab_size,) + full[1:]
+    parts = unfuse(param.fuse, torch.empty(full, device="meta"), shape)
+    return [TensorSpec(name, dtype, tuple(t.shape)) for name, t in zip(param.hf_names(layer), parts)]

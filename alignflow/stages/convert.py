@@ -1,0 +1,90 @@
+"""The convert stage: an HF checkpoint (or a Megatron / NeMo 2 torch_dist one) -> Megatron torch_dist.
+
+Supported: the Llama family of `alignflow.convert.llama` (Llama 2/3, Mistral, Qwen2; GQA,
+tied or untied embeddings, qkv bias), from `model.safetensors` or shards + index.json on any
+fsspec URI; or a torch_dist checkpoint whose keys may carry NeMo 2's `module.` prefix, with
+its HF config.json in `model.hf_config`. Tensors stream one fused parameter at a time, so
+peak memory stays near one layer's largest parameter. The fingerprint covers the content of
+the source files (see `alignflow.fingerprint`), so an edited source is never served stale.
+
+Output (`alignflow.checkpoint` layout): `model/` the torch_dist checkpoint, `hf/` the HF
+config it came from, `tokenizer/` the tokenizer files. A torch_dist checkpoint stores global
+tensors, so `convert.parallel` only sets the vocab padding (multiple of
+make_vocab_size_divisible_by x TP) and is checked against the model at compose time; any
+TP/PP layout loads the result.
+"""
+
+import json
+import logging
+import time
+
+import fsspec
+
+from alignflow.checkpoint import HF_CONFIG_FILES, HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.checkpoint.dist_io import DistCheckpointReader, save_lazy
+from alignflow.checkpoint.safetensors_io import SafetensorsReader
+from alignflow.convert.llama import model_shape
+from alignflow.convert.sharding import padded_vocab_size
+from alignflow.convert.streaming import dist_to_dist_entries, hf_to_dist_entries
+
+log = logging.getLogger("alignflow.convert")
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    started = time.time()
+    source = cfg.model.source.rstrip("/")
+    config_dir = (cfg.model.hf_config or source).rstrip("/")
+    shape = model_shape(json.loads(fsspec.open(f"{config_dir}/config.json").open().read()))
+    tp = cfg.convert.parallel.tensor_model_parallel_size
+    padded = padded_vocab_size(shape.vocab_size, tp, cfg.model.make_vocab_size_divisible_by)
+    if is_dist_checkpoint(source):
+        entries = dist_to_dist_entries(DistCheckpointReader(source), shape)
+    else:
+        entries = hf_to_dist_entries(SafetensorsReader(source), shape, padded)
+    log.info("converting %s (%s, %d layers) to %s", source, shape.architecture, shape.num_layers, out)
+    save_lazy(f"{out}/{MODEL_DIR}", entries)
+    copy_files(config_dir, HF_CONFIG_FILES, f"{out}/{HF_DIR}", required=("config.json",))
+    copy_files(cfg.model.tokenizer, TOKENIZER_FILES, f"{out}/{TOKENIZER_DIR}")
+    seconds = time.time() - started
+    nbytes = sum(_numel(e.global_shape) * e.dtype.itemsize for e in entries)
+    return {
+        "architecture": shape.architecture,
+        "parameters": sum(_numel(e.global_shape) for e in entries),
+        "megabytes": round(nbytes / 1e6, 3),
+        "mb_per_s": round(nbytes / 1e6 / seconds, 1),
+        "padded_vocab_size": padded,
+        "seconds": round(seconds, 3),
+    }
+
+
+def is_dist_checkpoint(uri: str) -> bool:
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs.exists(f"{path.rstrip('/')}/metadata.json") and fs.exists(f"{path.rstrip('/')}/.metadata")
+
+
+def copy_files(src: str, names: tuple[str, ...], dest: str, required: tuple[str, ...] = ()) -> list[str]:
+    """Copy the named files that exist in `src` to `dest` (any fsspec URIs)."""
+    src_fs, src_root = fsspec.core.url_to_fs(src)
+    dest_fs, dest_root = fsspec.core.url_to_fs(dest)
+    dest_fs.makedirs(dest_root, exist_ok=True)
+    copied = []
+    for name in names:
+        path = f"{src_root.rstrip('/')}/{name}"
+        if src_fs.exists(path):
+            dest_fs.pipe(f"{dest_root.rstrip('/')}/{name}", src_fs.cat_file(path))
+            copied.append(name)
+        elif name in required:
+            raise FileNotFoundError(f"{src}: no {name}")
+    return copied
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

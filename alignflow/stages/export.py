@@ -1,0 +1,78 @@
+"""The export stage: a model stage's torch_dist checkpoint -> an HF safetensors directory.
+
+Supported: any checkpoint in the `alignflow.checkpoint` layout (convert, and the training
+stages), whatever TP/PP wrote it, for the Llama family of `alignflow.convert.llama`. Tensors
+stream one layer at a time into safetensors shards (+ index.json past `max_shard_size`);
+`config.json` (dtype set to `export.dtype`), `generation_config.json` and the tokenizer
+files go beside them, so `AutoModelForCausalLM.from_pretrained(out)` loads it with no missing
+or unexpected keys. With `export.destination` the finished directory is also published
+there (local path or s3://), files first and config.json last.
+"""
+
+import json
+import logging
+import re
+import time
+
+import fsspec
+import torch
+
+from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.checkpoint.dist_io import DistCheckpointReader
+from alignflow.checkpoint.safetensors_io import write_sharded
+from alignflow.convert.llama import model_shape
+from alignflow.convert.streaming import dist_to_hf
+from alignflow.stages.convert import TOKENIZER_FILES, copy_files
+
+log = logging.getLogger("alignflow.export")
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    started = time.time()
+    model = inputs["model"].rstrip("/")
+    hf_config = json.loads(fsspec.open(f"{model}/{HF_DIR}/config.json").open().read())
+    shape = model_shape(hf_config)
+    dtype_name = _name(cfg.export.dtype)
+    specs, tensors = dist_to_hf(DistCheckpointReader(f"{model}/{MODEL_DIR}"), shape, getattr(torch, dtype_name))
+    files = write_sharded(out, specs, tensors, parse_size(cfg.export.max_shard_size))
+    copy_files(f"{model}/{HF_DIR}", ("generation_config.json",), out)
+    copy_files(f"{model}/{TOKENIZER_DIR}", TOKENIZER_FILES, out)
+    dtype_key = "torch_dtype" if "torch_dtype" in hf_config and "dtype" not in hf_config else "dtype"
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.pipe(f"{root.rstrip('/')}/config.json", json.dumps({**hf_config, dtype_key: dtype_name}, indent=2).encode())
+    if cfg.export.destination:
+        publish(out, cfg.export.destination)
+    return {
+        "architecture": shape.architecture,
+        "dtype": dtype_name,
+        "shards": len(files),
+        "megabytes": round(sum(s.nbytes for s in specs) / 1e6, 3),
+        "destination": cfg.export.destination or out,
+        "seconds": round(time.time() - started, 3),
+    }
+
+
+def parse_size(size: str) -> int:
+    """HF's shard size strings: "2GB" = 2e9 bytes, "500MiB" = 500 * 2**20."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", size.upper())
+    if not match:
+        raise ValueError(f"export.max_shard_size: cannot read {size!r} (e.g. 2GB, 500MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def publish(src: str, dest: str) -> None:
+    """Copy the export to `dest`, config.json last so a reader never sees a partial model."""
+    src_fs, src_root = fsspec.core.url_to_fs(src)
+    dest_fs, dest_root = fsspec.core.url_to_fs(dest)
+    dest_fs.makedirs(dest_root, exist_ok=True)
+    names = sorted(p[len(src_root.rstrip("/")) + 1 :] for p in src_fs.find(src_root))
+    for name in sorted(names, key=lambda n: n == "config.json"):
+        with src_fs.open(f"{src_root.rstrip('/')}/{name}", "rb") as f_in, dest_fs.open(f"{dest_root.rstrip('/')}/{name}", "wb") as f_out:
+            while block := f_in.read(64 << 20):
+                f_out.write(block)
+
+
+def _name(value) -> str:
+    return getattr(value, "value", value)
