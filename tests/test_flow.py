@@ -27,34 +27,42 @@ async def artifact(key: str):
 
 
 def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
-    first = align(pipeline="demo", overrides=base_overrides)["prep"]
-    assert not first.cached and first.job["launcher"] == "local"
+    results = align(pipeline="demo", overrides=base_overrides)
+    assert list(results) == ["prep", "convert", "export"]
+    first = results["prep"]
+    assert not any(r.cached for r in results.values()) and first.job["launcher"] == "local"
     manifest = json.loads((tmp_path / "store" / "prep" / first.fingerprint / "_SUCCESS.json").read_text())
     assert manifest["fingerprint"] == first.fingerprint and manifest["metrics"] == first.metrics
     assert {f["path"] for f in manifest["files"]} >= {"metadata.json", "sft/train-00000.parquet"}
-    assert jobs_submitted(tmp_path) == 1
+    export_manifest = json.loads((tmp_path / "store" / "export" / results["export"].fingerprint / "_SUCCESS.json").read_text())
+    assert export_manifest["inputs"]["convert"]["uri"] == results["convert"].uri
+    assert jobs_submitted(tmp_path) == 3
 
-    second = align(pipeline="demo", overrides=base_overrides)["prep"]
-    assert second.cached and second.fingerprint == first.fingerprint and second.uri == first.uri
-    assert jobs_submitted(tmp_path) == 1  # a cache hit submits no job
+    again = align(pipeline="demo", overrides=base_overrides)
+    assert all(r.cached for r in again.values())
+    assert [r.uri for r in again.values()] == [r.uri for r in results.values()]
+    assert jobs_submitted(tmp_path) == 3  # cache hits submit no job
 
     summary = asyncio.run(artifact("align-demo"))
-    assert first.fingerprint in summary.data and "cache hit" in summary.data
+    for stage, result in results.items():
+        assert f"| {stage} | cache hit | `{result.fingerprint}`" in summary.data
     table = asyncio.run(artifact("stage-prep"))
     assert first.uri in json.dumps(table.data)
 
 
 def test_changed_input_config_reruns_and_force_reruns(base_overrides, tmp_path):
-    first = align(pipeline="demo", overrides=base_overrides)["prep"]
-    shorter = align(pipeline="demo", overrides=[*base_overrides, "data.seq_length=128"])["prep"]
-    assert shorter.fingerprint != first.fingerprint and not shorter.cached
-    forced = align(pipeline="demo", overrides=base_overrides, force=["prep"])["prep"]
-    assert forced.fingerprint == first.fingerprint and not forced.cached
-    assert jobs_submitted(tmp_path) == 3
+    first = align(pipeline="demo", overrides=base_overrides)
+    shorter = align(pipeline="demo", overrides=[*base_overrides, "data.seq_length=128"])
+    assert shorter["prep"].fingerprint != first["prep"].fingerprint and not shorter["prep"].cached
+    assert shorter["convert"].cached and shorter["export"].cached  # they do not read the data
+    forced = align(pipeline="demo", overrides=base_overrides, force=["prep"])
+    assert forced["prep"].fingerprint == first["prep"].fingerprint and not forced["prep"].cached
+    assert forced["convert"].cached
+    assert jobs_submitted(tmp_path) == 5
 
 
 def test_pipeline_with_unbuilt_stages_is_refused_before_any_job(base_overrides, tmp_path):
-    with pytest.raises(PipelineNotReady, match="not built yet: convert, sft, ref_logprobs, dpo, eval, export"):
+    with pytest.raises(PipelineNotReady, match="not built yet: sft, ref_logprobs, dpo, eval"):
         align(pipeline="sft_dpo", overrides=base_overrides)
     assert jobs_submitted(tmp_path) == 0
 

@@ -35,4 +35,30 @@ def test_prep_reads_and_commits_on_s3(s3_endpoint, demo_dir, base_overrides):
     assert "test-secret-value" not in json.dumps(manifest)
 
     assert run_stage(cfg, "prep", {}, log=print).cached
-    assert [p.status for p in plan(cfg)] == ["committed"]
+    assert plan(cfg)[0].status == "committed"
+
+
+def test_convert_and_export_through_s3(s3_endpoint, demo_dir, base_overrides):
+    """HF source on S3 -> torch_dist in an S3 store -> HF export published to an S3 destination."""
+    from safetensors.torch import load_file, load
+
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    fs = fsspec.filesystem("s3", **options)
+    fs.put(str(demo_dir / "tiny-llama"), "test/models/tiny-llama", recursive=True)
+    overrides = [
+        *base_overrides,
+        "store.root=s3://test/store2",
+        f"+store.storage_options.client_kwargs.endpoint_url={s3_endpoint}",
+        "model.source=s3://test/models/tiny-llama",
+        "export.destination=s3://test/published/tiny-llama",
+    ]
+    cfg = compose("demo", overrides)
+    converted = run_stage(cfg, "convert", {}, log=print)
+    assert fs.exists(f"test/store2/convert/{converted.fingerprint}/model/.metadata")
+    exported = run_stage(cfg, "export", {"convert": converted}, log=print)
+    assert exported.uri.startswith("s3://test/store2/export/")
+    source = load_file(demo_dir / "tiny-llama" / "model.safetensors")
+    for root in (exported.uri.removeprefix("s3://"), "test/published/tiny-llama"):
+        back = load(fs.cat_file(f"{root}/model.safetensors"))
+        assert set(back) == set(source) and all(back[k].equal(source[k]) for k in source)
+        assert fs.exists(f"{root}/config.json") and fs.exists(f"{root}/tokenizer.json")
