@@ -1,8 +1,8 @@
 """Streaming conversion between HF safetensors and Megatron torch_dist checkpoints.
 
 HF -> Megatron: every table entry becomes one checkpoint key (per-layer parameters stacked
-on a leading layer axis, as Megatron-Core stores them) whose chunks are loaders of at most
-CHUNK_BYTES of rows: plain rows, rows of gate then of up for fc1, whole query groups for
+on a leading layer axis, as Megatron-Core stores them) whose chunks are loaders of a bounded
+number of bytes of rows (CHUNK_BYTES_RANGE): plain rows, rows of gate then of up for fc1, whole query groups for
 qkv. `dist_io.save_lazy` calls them a few at a time, so memory stays near a few chunks
 whatever the model size. Megatron -> HF reads one layer's slice of a key at
 a time and yields the HF tensors in the order of their precomputed specs, for
@@ -27,7 +27,10 @@ from alignflow.convert.sharding import VOCAB_PARAMS, param_to_hf
 LAYER_PLACEHOLDER = "decoder.layers.{layer}."
 STACKED_PREFIX = "decoder.layers."
 NEMO_PREFIX = "module."
-CHUNK_BYTES = 32 << 20  # rows per stored chunk: memory per writer thread, whatever the model size
+# Bytes of rows per stored chunk: 1/128 of the checkpoint, within these bounds. Writer memory
+# is a few chunks per thread; small models stay far below their size, big ones get ~128+ files.
+CHUNK_BYTES_RANGE = (16 << 20, 256 << 20)
+CHUNKS_PER_CHECKPOINT = 128
 
 
 def checkpoint_key(param: Param) -> str:
@@ -36,14 +39,17 @@ def checkpoint_key(param: Param) -> str:
 
 
 def hf_to_dist_entries(reader: SafetensorsReader, shape: ModelShape, padded_vocab: int) -> list[Entry]:
-    """Checkpoint entries whose chunks (at most CHUNK_BYTES of rows each) read HF rows on demand."""
+    """Checkpoint entries whose chunks (see CHUNK_BYTES_RANGE) read HF rows on demand."""
+    total = sum(reader.spec(name).nbytes for name in reader.keys())
+    low, high = CHUNK_BYTES_RANGE
+    chunk_bytes = min(max(total // CHUNKS_PER_CHECKPOINT, low), high)
     entries = []
     for param in params_for(shape):
         full = _fused_shape(param, reader, shape)
         layers = range(shape.num_layers) if param.per_layer else [None]
         chunks = []
         for layer in layers:
-            pieces = ROW_PLANS[param.fuse](reader, param.hf_names(layer if layer is not None else 0), shape)
+            pieces = ROW_PLANS[param.fuse](reader, param.hf_names(layer if layer is not None else 0), shape, chunk_bytes)
             if param.megatron in VOCAB_PARAMS and padded_vocab > full[0]:
                 pieces.append((full[0], padded_vocab - full[0], partial(_zero_rows, padded_vocab - full[0], full[1:], reader.spec(param.hf_names(0)[0]).dtype)))
             chunks += [_chunk(layer, row, rows, full[1:], load) for row, rows, load in pieces]
@@ -64,8 +70,8 @@ def _chunk(layer: int | None, row: int, rows: int, rest: tuple[int, ...], load: 
     return Chunk((layer, row) + (0,) * len(rest), (1, rows) + rest, lambda: load().unsqueeze(0))
 
 
-def _row_ranges(rows: int, row_bytes: int) -> list[tuple[int, int]]:
-    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+def _row_ranges(rows: int, row_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, chunk_bytes // max(row_bytes, 1))
     return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
@@ -73,28 +79,28 @@ def _row_bytes(spec) -> int:
     return spec.nbytes // spec.shape[0]
 
 
-def _plain_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape) -> list[Piece]:
+def _plain_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape, chunk_bytes: int) -> list[Piece]:
     (name,) = names
     spec = reader.spec(name)
-    return [(a, b - a, partial(reader.read, name, (a, b))) for a, b in _row_ranges(spec.shape[0], _row_bytes(spec))]
+    return [(a, b - a, partial(reader.read, name, (a, b))) for a, b in _row_ranges(spec.shape[0], _row_bytes(spec), chunk_bytes)]
 
 
-def _fc1_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape) -> list[Piece]:
+def _fc1_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape, chunk_bytes: int) -> list[Piece]:
     """[gate; up]: rows of gate, then rows of up after all of gate's."""
     pieces = []
     for base, name in zip((0, reader.spec(names[0]).shape[0]), names):
-        pieces += [(base + row, rows, load) for row, rows, load in _plain_rows(reader, (name,), shape)]
+        pieces += [(base + row, rows, load) for row, rows, load in _plain_rows(reader, (name,), shape, chunk_bytes)]
     return pieces
 
 
-def _qkv_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape) -> list[Piece]:
+def _qkv_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape, chunk_bytes: int) -> list[Piece]:
     """Whole query groups at a time: group g's rows are [q_g; k_g; v_g] (see layout.merge_qkv)."""
     per_group = shape.num_attention_heads // shape.num_query_groups
     group_rows = (per_group + 2) * shape.head_dim
     row_bytes = _row_bytes(reader.spec(names[1])) if reader.spec(names[1]).shape else 0
     return [
         (g0 * group_rows, (g1 - g0) * group_rows, partial(_qkv_groups, reader, names, g0, g1, per_group, shape.head_dim))
-        for g0, g1 in _row_ranges(shape.num_query_groups, group_rows * row_bytes)
+        for g0, g1 in _row_ranges(shape.num_query_groups, group_rows * row_bytes, chunk_bytes)
     ]
 
 
