@@ -2,7 +2,6 @@
 
 import json
 import re
-from enum import Enum
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -325,15 +324,6 @@ def test_sft_truncation(assets, tok, tmp_path, mode):
     else:
         assert metrics["sft.train.no_loss_rows"] == 0 and rows[0]["input_ids"] == full[-32:]
         assert masked(tok, rows[0]["input_ids"], rows[0]["loss_mask"]) == f"41{EOS}"
-
-
-def test_truncation_mode_may_be_an_enum(assets, tok, tmp_path):
-    class Truncation(Enum):  # what the typed schema hands over
-        keep_end = "keep_end"
-
-    f = write_jsonl(tmp_path / "t.jsonl", [long_chat()])
-    cfg = make_cfg(assets, sft=spec(f), packing=False, seq_length=32, truncation=Truncation.keep_end)
-    assert run_prep(cfg, tmp_path)[0]["sft.train.rows"] == 1
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])

@@ -8,6 +8,7 @@ bytes as tensors are produced, so an exporter never holds a whole shard.
 """
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Iterator
@@ -32,7 +33,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class SafetensorsReader:
         shape = where.spec.shape
         start, stop = rows or (0, shape[0] if shape else 1)
         out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=where.spec.dtype)
-        row_bytes = out.element_size() * _numel(shape[1:])
+        row_bytes = out.element_size() * math.prod(shape[1:])
         want = out.numel() * out.element_size()
         view = memoryview(out.view(-1).view(torch.uint8).numpy()) if want else memoryview(b"")
         with self.fs.open(where.file, "rb") as f:
@@ -139,10 +140,3 @@ def _header(shard: list[TensorSpec]) -> bytes:
     body = json.dumps(meta, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)  # the data section starts 8-byte aligned
     return struct.pack("<Q", len(body)) + body
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

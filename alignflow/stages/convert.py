@@ -16,6 +16,7 @@ TP/PP layout loads the result.
 
 import json
 import logging
+import math
 import time
 
 import fsspec
@@ -51,10 +52,10 @@ def run(cfg, inputs: dict, out: str) -> dict:
     copy_files(config_dir, HF_CONFIG_FILES, f"{out}/{HF_DIR}", required=("config.json",))
     copy_files(cfg.model.tokenizer, TOKENIZER_FILES, f"{out}/{TOKENIZER_DIR}")
     seconds = time.time() - started
-    nbytes = sum(_numel(e.global_shape) * e.dtype.itemsize for e in entries)
+    nbytes = sum(math.prod(e.global_shape) * e.dtype.itemsize for e in entries)
     return {
         "architecture": shape.architecture,
-        "parameters": sum(_numel(e.global_shape) for e in entries),
+        "parameters": sum(math.prod(e.global_shape) for e in entries),
         "megabytes": round(nbytes / 1e6, 3),
         "mb_per_s": round(nbytes / 1e6 / seconds, 1),
         "padded_vocab_size": padded,
@@ -81,10 +82,3 @@ def copy_files(src: str, names: tuple[str, ...], dest: str, required: tuple[str,
         elif name in required:
             raise FileNotFoundError(f"{src}: no {name}")
     return copied
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -34,7 +34,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     model = inputs["model"].rstrip("/")
     hf_config = json.loads(fsspec.open(f"{model}/{HF_DIR}/config.json").open().read())
     shape = model_shape(hf_config)
-    dtype_name = _name(cfg.export.dtype)
+    dtype_name = cfg.export.dtype
     specs, tensors = dist_to_hf(DistCheckpointReader(f"{model}/{MODEL_DIR}"), shape, getattr(torch, dtype_name))
     files = write_sharded(out, specs, tensors, parse_size(cfg.export.max_shard_size))
     copy_files(f"{model}/{HF_DIR}", ("generation_config.json",), out)
@@ -72,7 +72,3 @@ def publish(src: str, dest: str) -> None:
         with src_fs.open(f"{src_root.rstrip('/')}/{name}", "rb") as f_in, dest_fs.open(f"{dest_root.rstrip('/')}/{name}", "wb") as f_out:
             while block := f_in.read(64 << 20):
                 f_out.write(block)
-
-
-def _name(value) -> str:
-    return getattr(value, "value", value)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from enum import Enum
 from itertools import chain
 
 import fsspec
@@ -112,11 +111,6 @@ def tokenizer_info(tokenizer) -> dict:
     }
 
 
-def name(value) -> str:
-    """Enum members (the typed schema) and plain strings (OmegaConf.create) alike."""
-    return value.value if isinstance(value, Enum) else str(value)
-
-
 # ---------------------------------------------------------------- one dataset
 
 
@@ -152,7 +146,7 @@ def load_splits(spec, seed: int) -> dict[str, list[tuple[int, Record]]]:
 
 
 def resolve_format(kind: str, spec, records: list[tuple[int, Record]]) -> str:
-    fmt = name(spec.format)
+    fmt = spec.format
     check_format(kind, fmt)
     if fmt != "auto":
         return fmt
@@ -197,7 +191,7 @@ def encode_split(kind: str, fmt: str, records, cfg, encoder: ChatEncoder, contex
 
 def encode_sft(sample_id: int, ex: Chat, data, encoder: ChatEncoder):
     enc = encoder.encode_chat(ex.messages)
-    ids, mask, cut = truncate(enc.input_ids, enc.loss_mask, data.seq_length, name(data.truncation))
+    ids, mask, cut = truncate(enc.input_ids, enc.loss_mask, data.seq_length, data.truncation)
     return ((sample_id, ids, mask) if any(mask) else None), cut
 
 
@@ -208,7 +202,7 @@ def encode_preference(sample_id: int, ex: PreferencePair, data, encoder: ChatEnc
     p = chosen.prompt_length
     if rejected.prompt_length != p or rejected.input_ids[:p] != chosen.input_ids[:p]:
         raise ValueError("chat template renders the same prompt differently for chosen and rejected")
-    prompt, _, cut_prompt = truncate(chosen.input_ids[:p], [0] * p, data.max_prompt_length, name(data.truncation))
+    prompt, _, cut_prompt = truncate(chosen.input_ids[:p], [0] * p, data.max_prompt_length, data.truncation)
     budget = data.seq_length - len(prompt)
     seqs, cut = [], cut_prompt
     for enc in (chosen, rejected):
@@ -222,7 +216,7 @@ def encode_preference(sample_id: int, ex: PreferencePair, data, encoder: ChatEnc
 
 def encode_prompt(sample_id: int, ex: PromptAnswer, data, encoder: ChatEncoder):
     text, ids = encoder.encode_prompt(ex.prompt)
-    kept, _, cut = truncate(ids, [0] * len(ids), data.max_prompt_length, name(data.truncation))
+    kept, _, cut = truncate(ids, [0] * len(ids), data.max_prompt_length, data.truncation)
     if cut:
         text = encoder.tokenizer.decode(kept)
     return (sample_id, kept, text, ex.answer), cut
