@@ -70,20 +70,20 @@ def test_stale_lease_of_a_dead_run_is_taken_over(tmp_path):
 def test_heartbeat_keeps_a_long_run_alive(tmp_path):
     store = Store(str(tmp_path), {})
     got = []
-    with store.lease("prep", "f1", ttl_s=0.4, poll_s=0.05, log=lambda _: None):
+    with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None):
         def contender():
-            with store.lease("prep", "f1", ttl_s=0.4, poll_s=0.05, log=lambda _: None) as acquired:
+            with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as acquired:
                 got.append((time.time(), acquired))
 
         t = threading.Thread(target=contender)
         started = time.time()
         t.start()
-        time.sleep(1.2)  # three TTLs: without heartbeats the contender would have taken over
+        time.sleep(3.0)  # three TTLs: without heartbeats the contender would have taken over
         assert not got
         released = time.time()
     t.join()
     assert got and got[0][0] >= released and got[0][1] is True
-    assert released - started >= 1.2
+    assert released - started >= 3.0
 
 
 def test_manifest_is_inside_when_the_directory_appears(tmp_path):
