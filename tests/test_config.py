@@ -96,3 +96,8 @@ def test_cli_config_error_exits_2_without_submitting(base_overrides, tmp_path, c
     assert main(["run", *base_overrides, "sft.optim.lrr=1"]) == 2
     assert "sft.optim.lrr" in capsys.readouterr().out
     assert not (tmp_path / "jobs").exists() and not (tmp_path / "store").exists()
+
+
+def test_unknown_reward_function_fails_at_compose(base_overrides):
+    with pytest.raises(ConfigError, match=r"grpo.environment\[0\].name: reward 'exactmatch'"):
+        compose("sft_grpo", [*base_overrides, "grpo.environment=[{name: exactmatch}]"])

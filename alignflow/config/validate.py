@@ -10,6 +10,7 @@ import fsspec
 from omegaconf import DictConfig, OmegaConf
 
 from alignflow.convert.llama import ModelShape, model_shape
+from alignflow.rewards import resolve
 from alignflow.stages import STAGES, as_names
 from alignflow.store import options_for
 
@@ -148,6 +149,11 @@ def _check_grpo(section: DictConfig) -> list[str]:
         problems.append("grpo.num_generations_per_prompt: group baselines need at least 2 generations per prompt")
     if not section.environment:
         problems.append("grpo.environment: needs at least one reward function")
+    for i, reward in enumerate(section.environment):
+        try:
+            resolve(reward.name)
+        except ValueError as err:
+            problems.append(f"grpo.environment[{i}].name: {err}")
     return problems
 
 
