@@ -114,7 +114,7 @@ def _execute(cfg: DictConfig, store: Store, stage: str, fp: str, upstream: dict[
     staging = store.uri(store.staging_path(stage, fp))
     store.fs.makedirs(store.staging_path(stage, fp), exist_ok=True)
     executor = make_executor(cfg.launcher, cfg[stage], job_name=f"{stage}-{fp}")
-    paths = stage_paths(stage, spec.reads)
+    paths = (*stage_paths(stage, spec.reads), *spec.context)
     storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
     job = executor.submit(run_stage_job, stage, for_job(cfg, paths), inputs, staging, storage_options)
     record = job_record(job, cfg.launcher.name.value)

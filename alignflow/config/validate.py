@@ -76,6 +76,8 @@ def _check_stage(cfg: DictConfig, stage: str, shape: ModelShape | None) -> list[
         problems += _check_parallel(stage, section, world, shape)
     if "optim" in section:
         problems += _check_optim(stage, section)
+    if STAGES[stage].resumable and "://" in cfg.store.root and not cfg.store.root.startswith("file://"):
+        problems.append(f"store.root: {stage} checkpoints into its output, which must be a local or shared filesystem path for now")
     if stage == "dpo":
         if section.beta <= 0:
             problems.append(f"dpo.beta: must be > 0, got {section.beta}")
@@ -83,6 +85,8 @@ def _check_stage(cfg: DictConfig, stage: str, shape: ModelShape | None) -> list[
             problems.append(f"dpo.label_smoothing: must be in [0, 0.5), got {section.label_smoothing}")
     if stage == "grpo":
         problems += _check_grpo(section)
+    if stage == "eval" and (world != 1 or section.parallel.tensor_model_parallel_size * section.parallel.pipeline_model_parallel_size != 1):
+        problems.append("eval.resources / eval.parallel: eval runs on one rank (TP1, PP1); generation at TP/PP > 1 is not built")
     return problems
 
 
@@ -98,6 +102,8 @@ def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelSha
             f"{stage}.resources.nodes x tasks_per_node = {world}"
         )
     dp = max(world // (tp * pp * cp), 1)
+    if cp > 1:
+        problems.append(f"{key}.context_parallel_size: context parallelism needs Transformer Engine's attention and is not built")
     if par.sequence_parallel and tp == 1:
         problems.append(f"{key}.sequence_parallel: needs tensor_model_parallel_size > 1")
     vpp = par.virtual_pipeline_model_parallel_size

@@ -31,6 +31,10 @@ from alignflow.megatron.runtime import parallel_sizes
 CPU_SETTINGS = {
     "use_cpu_initialization": True,  # weights built on the CPU, from the full weight: TP ranks agree
     "batch_p2p_sync": False,  # it calls torch.cuda.synchronize
+    # On gloo, the interleaved (virtual PP) schedule's batched isend/irecv pairs activations and
+    # gradients of the same shape in the wrong order; one op at a time in Megatron's fixed
+    # even/odd order is exact.
+    "batch_p2p_comm": False,
 }
 
 # HF rope type -> GPTModel arguments, given the HF scaling factor.

@@ -7,6 +7,8 @@ module `alignflow.stages.<name>`, the Prefect task and the store prefix `{root}/
   part of the fingerprint (a docstring edit must not re-run SFT).
 - `reads`: the config paths the stage reads besides its own section; they form its
   config slice, hence its identity.
+- `context`: config paths the job also receives but that never change its output (logging,
+  wandb), so they stay out of its identity;
 - `sources`: config paths holding URIs of external inputs (data files, checkpoints,
   tokenizers); their content identity is part of the fingerprint, so a changed file is
   never served from cache.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 class StageSpec:
     version: int
     reads: tuple[str, ...] = ()
+    context: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
     resumable: bool = False
     built: bool = False
@@ -33,11 +36,11 @@ _DATA_SOURCES = tuple(f"data.{kind}.{split}" for kind in ("sft", "preference", "
 STAGES: dict[str, StageSpec] = {
     "prep": StageSpec(1, reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",), built=True),
     "convert": StageSpec(1, reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer"), built=True),
-    "ref_logprobs": StageSpec(1, reads=("model",)),
-    "sft": StageSpec(1, reads=("model",), resumable=True),
-    "dpo": StageSpec(1, reads=("model",), resumable=True),
-    "grpo": StageSpec(1, reads=("model",), resumable=True),
-    "eval": StageSpec(1, reads=("model", "data.seq_length")),
+    "ref_logprobs": StageSpec(1, reads=("model",), built=True),
+    "sft": StageSpec(1, reads=("model",), context=("logging",), resumable=True, built=True),
+    "dpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
+    "grpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
+    "eval": StageSpec(1, reads=("model",), built=True),
     "export": StageSpec(1, built=True),
 }
 

@@ -1,0 +1,156 @@
+"""The eval stage: how good is each model of the pipeline on held-out data?
+
+For the model under test (`inputs["model"]`) and each baseline (`inputs["baselines"]`, e.g.
+the converted base model and the SFT model), on prep's validation splits:
+- SFT validation loss (mean over loss tokens) and perplexity, on `eval.limit_batches` micro batches;
+- preference accuracy: the share of held-out pairs whose chosen response the model finds
+  more likely than the rejected one (summed log-probs of the response tokens);
+- task accuracy: greedy generation (up to `eval.max_new_tokens`, stopping at EOS) on the
+  first `eval.num_generation_samples` prompts, scored by exact numeric match with the answer;
+  `eval.num_examples_shown` generations are kept as samples.
+Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
+`eval.json` holds them and the samples. Runs on one rank (TP1/PP1): generation at TP/PP > 1
+is not built here, and the model is small enough for evaluation to need neither.
+Greedy decoding recomputes the prefix each step (no KV cache); prompts of equal length are
+batched so the whole batch steps together.
+"""
+
+import json
+import logging
+
+import fsspec
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.megatron import checkpoint, runtime
+from alignflow.megatron.model import build_gpt
+from alignflow.rewards import exact_match
+from alignflow.stages.sft import PackedSFT, sft_forward, sft_loss
+from alignflow.train.checkpointing import local_path
+from alignflow.train.data import list_column, packed_rows, read_split
+
+log = logging.getLogger("alignflow.eval")
+SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+               "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    data = inputs["data"].rstrip("/")
+    meta = json.loads(fsspec.open(f"{data}/metadata.json").open().read())
+    tokenizer = meta["tokenizer"]
+    pad_id = tokenizer["pad_token_id"] if tokenizer["pad_token_id"] is not None else tokenizer["eos_token_id"]
+    runtime.init_parallel(SINGLE_RANK, seed=0)
+    models = {_stage_name(uri): uri for uri in [inputs["model"], *inputs.get("baselines", [])]}
+    metrics, samples = {}, {}
+    try:
+        for name, uri in models.items():
+            model, decode = load_model(uri, cfg.model.make_vocab_size_divisible_by)
+            results, samples[name] = evaluate(model, decode, data, meta["seq_length"], pad_id, tokenizer, cfg.eval)
+            metrics |= {f"{name}.{k}": v for k, v in results.items()}
+            log.info("%s: %s", name, results)
+    finally:
+        runtime.teardown()
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe(f"{root.rstrip('/')}/eval.json", json.dumps({"metrics": metrics, "samples": samples}, indent=2).encode())
+    return metrics
+
+
+def _stage_name(uri: str) -> str:
+    """`{root}/{stage}/{fingerprint}` -> stage."""
+    return uri.rstrip("/").split("/")[-2]
+
+
+def load_model(uri: str, divisible_by: int):
+    """The model of a stage output (`alignflow.checkpoint` layout) and its tokenizer's decode."""
+    root = local_path(uri)
+    hf_config = json.loads((root / HF_DIR / "config.json").read_text())
+    model = build_gpt(hf_config, SINGLE_RANK, make_vocab_size_divisible_by=divisible_by)
+    checkpoint.load([model], str(root / MODEL_DIR))
+    tokenizer = AutoTokenizer.from_pretrained(root / TOKENIZER_DIR)
+    return model.eval(), lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def evaluate(model, decode, data: str, seq_length: int, pad_id: int, tokenizer: dict, cfg) -> tuple[dict, list]:
+    results, samples = {}, []
+    val = read_split(f"{data}/sft", "val")
+    if val is not None and val.num_rows:
+        results |= sft_val_loss(model, PackedSFT(val, seq_length, pad_id), cfg.micro_batch_size, cfg.limit_batches)
+    pairs = read_split(f"{data}/preference", "val")
+    if pairs is not None and pairs.num_rows:
+        results["preference_accuracy"] = preference_accuracy(model, pairs, seq_length, pad_id, cfg.micro_batch_size)
+    prompts = read_split(f"{data}/prompts", "val")
+    if prompts is not None and prompts.num_rows:
+        results["accuracy"], samples = task_accuracy(model, decode, prompts, tokenizer, cfg)
+    return results, samples
+
+
+def sft_val_loss(model, dataset: PackedSFT, micro_batch_size: int, limit_batches: int) -> dict:
+    total, count = 0.0, 0
+    for start in range(0, min(len(dataset), micro_batch_size * limit_batches), micro_batch_size):
+        batch = dataset.collate(range(start, min(start + micro_batch_size, len(dataset))))
+        terms = sft_loss(sft_forward(model, batch), batch)
+        total, count = total + terms.total.item(), count + int(terms.count)
+    loss = total / max(count, 1)
+    return {"val_loss": loss, "perplexity": float(np.exp(loss))}
+
+
+def preference_accuracy(model, pairs, seq_length: int, pad_id: int, micro_batch_size: int) -> float:
+    """Share of pairs where sum log p(chosen response) > sum log p(rejected response)."""
+    logps = {side: response_logps(model, pairs, side, seq_length, pad_id, micro_batch_size) for side in ("chosen", "rejected")}
+    return float((logps["chosen"] > logps["rejected"]).float().mean())
+
+
+def response_logps(model, table, side: str, seq_length: int, pad_id: int, micro_batch_size: int) -> torch.Tensor:
+    ids, off = list_column(table, f"{side}_input_ids")
+    mask, _ = list_column(table, f"{side}_loss_mask")
+    out = []
+    for start in range(0, table.num_rows, micro_batch_size):
+        rows = [(ids[off[i] : off[i + 1]], mask[off[i] : off[i + 1]], [0, off[i + 1] - off[i]])
+                for i in range(start, min(start + micro_batch_size, table.num_rows))]
+        batch = vars(packed_rows(rows, seq_length, pad_id))
+        per_token = sft_forward(model, batch)
+        out.append(-(per_token * batch["loss_mask"]).sum(-1))
+    return torch.cat(out)
+
+
+def task_accuracy(model, decode, prompts, tokenizer: dict, cfg) -> tuple[float, list]:
+    ids, off = list_column(prompts, "prompt_ids")
+    n = min(prompts.num_rows, cfg.num_generation_samples)
+    texts, answers = prompts.column("prompt").to_pylist(), prompts.column("answer").to_pylist()
+    by_length: dict[int, list[int]] = {}
+    for i in range(n):
+        by_length.setdefault(int(off[i + 1] - off[i]), []).append(i)
+    completions: dict[int, list[int]] = {}
+    for rows in by_length.values():
+        for chunk in (rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)):
+            prompt = torch.tensor(np.stack([ids[off[i] : off[i + 1]] for i in chunk]), dtype=torch.int64)
+            completions |= dict(zip(chunk, greedy(model, prompt, cfg.max_new_tokens, tokenizer["eos_token_id"], tokenizer["vocab_size"])))
+    scored = []
+    for i in range(n):
+        text = decode(completions[i])
+        scored.append({"prompt": texts[i], "completion": text, "answer": answers[i], "correct": exact_match(texts[i], text, answers[i])})
+    return sum(s["correct"] for s in scored) / max(n, 1), scored[: cfg.num_examples_shown]
+
+
+def greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_id: int, vocab_size: int) -> list[list[int]]:
+    """Greedy continuations of a batch of equal-length prompts, each cut at its first EOS
+    (the padded vocab rows beyond `vocab_size` are never chosen)."""
+    tokens, done = prompt, torch.zeros(prompt.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        length = tokens.shape[1]
+        mask = ~torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+        positions = torch.arange(length)[None].expand_as(tokens)
+        logits = model(tokens, positions, mask)
+        next_token = logits[:, -1, :vocab_size].argmax(-1)
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+        done |= next_token == eos_id
+        if done.all():
+            break
+    out = []
+    for row in tokens[:, prompt.shape[1] :].tolist():
+        out.append(row[: row.index(eos_id)] if eos_id in row else row)
+    return out

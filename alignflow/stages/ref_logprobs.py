@@ -1,0 +1,128 @@
+"""The ref_logprobs stage: the reference model's log-probs of every preference pair, once.
+
+NeMo-RL and NeMo-Aligner run the reference model beside the policy at every DPO step; here
+it runs forward only, once per (reference model, data) fingerprint, and the DPO stage reads
+the result instead of holding a second model. Supported: any model in the
+`alignflow.checkpoint` layout at the configured TP/PP/DP (`ref_logprobs.parallel`,
+`ref_logprobs.resources`); the chosen and rejected sequences of a pair share a micro batch.
+
+Output: `{split}-{dp_rank:05d}.parquet` for the train and val splits of prep's preference
+data, with `sample_id` int64, `chosen_logp` and `rejected_logp` float64 (sums over response
+tokens, fp32 forward), `chosen_tokens` and `rejected_tokens` int32 (the token counts, so a
+consumer can average).
+"""
+
+import json
+import logging
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from alignflow.checkpoint import HF_DIR, MODEL_DIR
+from alignflow.megatron import checkpoint, runtime
+from alignflow.megatron.model import build_gpt
+from alignflow.train.checkpointing import local_path
+from alignflow.train.data import list_column, packed_rows, read_split
+
+log = logging.getLogger("alignflow.ref_logprobs")
+SIDES = ("chosen", "rejected")
+
+
+class PreferencePairs:
+    """Prep's preference rows as micro batches: the chosen rows of the pairs, then their rejected rows."""
+
+    def __init__(self, table: pa.Table, seq_length: int, pad_id: int):
+        self.sample_ids = table.column("sample_id").to_numpy()
+        self.columns = {side: (list_column(table, f"{side}_input_ids"), list_column(table, f"{side}_loss_mask")) for side in SIDES}
+        self.seq_length, self.pad_id = seq_length, pad_id
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def rows(self, side: str, indices) -> list:
+        (ids, off), (mask, _) = self.columns[side]
+        return [(ids[off[i] : off[i + 1]], mask[off[i] : off[i + 1]], [0, int(off[i + 1] - off[i])]) for i in indices]
+
+    def collate(self, indices) -> dict:
+        return vars(packed_rows([*self.rows("chosen", indices), *self.rows("rejected", indices)], self.seq_length, self.pad_id))
+
+    def num_tokens(self, indices) -> int:
+        return sum(int(off[i + 1] - off[i]) for (_, off), _ in self.columns.values() for i in indices)
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    section, data = cfg.ref_logprobs, inputs["data"].rstrip("/")
+    model_dir = local_path(inputs["model"])
+    meta = json.loads(fsspec.open(f"{data}/metadata.json").open().read())
+    pad_id = meta["tokenizer"]["pad_token_id"] if meta["tokenizer"]["pad_token_id"] is not None else meta["tokenizer"]["eos_token_id"]
+    runtime.init_parallel(section.parallel, seed=0)
+    try:
+        hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
+        built = build_gpt(hf_config, section.parallel, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        chunks = [c.eval() for c in (built if isinstance(built, list) else [built])]
+        checkpoint.load(chunks, str(model_dir / MODEL_DIR))
+        metrics = {}
+        for split in ("train", "val"):
+            table = read_split(f"{data}/preference", split)
+            if table is None or not table.num_rows:
+                continue
+            result = pair_logprobs(chunks, PreferencePairs(table, meta["seq_length"], pad_id), section.micro_batch_size)
+            if result is not None:
+                write(result, out, split)
+                metrics |= {f"{split}.pairs": len(result["sample_id"]), f"{split}.mean_chosen_logp": float(np.mean(result["chosen_logp"]))}
+        dist.barrier()
+    finally:
+        runtime.teardown()
+    return metrics
+
+
+def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -> dict | None:
+    """This DP rank's share of the pairs through the model; the columns on the rank that writes them."""
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    share = np.array_split(np.arange(len(pairs)), dp_size)[dp_rank]
+    micro = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+    batches = [pairs.collate(m) for m in micro]
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=[iter(batches) for _ in chunks], model=chunks, num_microbatches=len(batches),
+            seq_length=pairs.seq_length, micro_batch_size=2 * micro_batch_size, forward_only=True,
+        )
+    writes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    if not writes:
+        return None
+    columns: dict[str, list] = {"sample_id": [], **{f"{s}_{k}": [] for s in SIDES for k in ("logp", "tokens")}}
+    for m, batch, per_token in zip(micro, batches, outputs):
+        logps = -(per_token.double() * batch["loss_mask"]).sum(-1)
+        tokens = batch["loss_mask"].sum(-1).to(torch.int32)
+        n = len(m)
+        columns["sample_id"] += pairs.sample_ids[m].tolist()
+        for k, side in enumerate(SIDES):
+            columns[f"{side}_logp"] += logps[k * n : (k + 1) * n].tolist()
+            columns[f"{side}_tokens"] += tokens[k * n : (k + 1) * n].tolist()
+    return columns
+
+
+def _forward_step(data_iterator, model):
+    """Per-token negative log-likelihood [b, s] on the last stage; no loss function, so the
+    schedule hands the outputs back as they are."""
+    batch = next(data_iterator)
+    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]), None
+
+
+def write(columns: dict, out: str, split: str) -> None:
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    table = pa.table({
+        "sample_id": pa.array(columns["sample_id"], pa.int64()),
+        **{f"{s}_logp": pa.array(columns[f"{s}_logp"], pa.float64()) for s in SIDES},
+        **{f"{s}_tokens": pa.array(columns[f"{s}_tokens"], pa.int32()) for s in SIDES},
+    })
+    with fs.open(f"{root.rstrip('/')}/{split}-{parallel_state.get_data_parallel_rank():05d}.parquet", "wb") as f:
+        pq.write_table(table, f)

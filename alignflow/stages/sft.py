@@ -1,0 +1,132 @@
+"""The SFT stage: supervised fine-tuning of a converted model on prep's packed SFT data.
+
+Inputs: `data` = a prep output (`sft/train-*.parquet`, optional `sft/val-*.parquet`,
+`metadata.json`), `model` = a model stage output (`alignflow.checkpoint` layout).
+Output under `out`: `model/` (the final weights, torch_dist), `hf/` and `tokenizer/` copied
+from the input model, `metrics.jsonl`, and `checkpoints/` (see
+`alignflow.train.checkpointing`), from whose latest complete step a retried job resumes.
+Returns the final train loss, final val loss, steps, tokens and tokens/s.
+
+Supported: everything `alignflow.train.engine` supports (TP, PP, virtual PP, DP, gradient
+accumulation, schedules, clipping, validation, early stopping, top-k checkpoints, exact
+resume, wandb). Each packed row is one sequence whose documents do not see each other:
+an explicit block-diagonal causal attention mask (bool, True = masked, Megatron's
+convention) built from cu_seqlens; labels are the next token, trained only where
+loss_mask marks it and within the same document; the loss is averaged over the loss
+tokens of the whole global batch.
+
+Simplified:
+- Position ids restart at each document and are passed to the model, but Megatron's
+  GPTModel computes RoPE for positions 0..s-1 of the row whatever position_ids say. RoPE
+  scores depend only on the distance i - j, and attention never crosses a document, so
+  this equals restarted positions up to float rounding (the test checks a packed row
+  against its documents run one by one to 1e-5).
+- The mask is dense ([micro, 1, s, s]): fine at CPU/test scale, quadratic in memory.
+  Packed THD attention through cu_seqlens (`PackedSeqParams` with Transformer Engine's
+  fused attention, no mask) is the GPU path and is not implemented.
+- The input model and `out` must be local (or shared POSIX) paths: Megatron's checkpoint
+  I/O and the atomic checkpoint renames need a filesystem (the data may be any fsspec URI).
+"""
+
+import json
+import logging
+import shutil
+from typing import Sequence
+
+import fsspec
+import torch
+from omegaconf import OmegaConf
+
+from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.train.checkpointing import local_path
+from alignflow.train.data import list_column, packed_rows, read_split
+from alignflow.train.engine import LossTerms, Objective, Trainer, TrainData
+
+log = logging.getLogger("alignflow.sft")
+
+
+class PackedSFT:
+    """Prep's SFT rows as micro batches of packed documents (see `alignflow.train.data`)."""
+
+    def __init__(self, table, seq_length: int, pad_id: int):
+        self.ids, self.ids_off = list_column(table, "input_ids")
+        self.mask, _ = list_column(table, "loss_mask")
+        self.cu, self.cu_off = list_column(table, "cu_seqlens")
+        self.seq_length, self.pad_id = seq_length, pad_id
+
+    def __len__(self) -> int:
+        return len(self.ids_off) - 1
+
+    def row(self, i: int):
+        a, b = self.ids_off[i], self.ids_off[i + 1]
+        return self.ids[a:b], self.mask[a:b], self.cu[self.cu_off[i] : self.cu_off[i + 1]]
+
+    def collate(self, indices: Sequence[int]) -> dict:
+        rows = packed_rows([self.row(int(i)) for i in indices], self.seq_length, self.pad_id)
+        return vars(rows)
+
+    def num_tokens(self, indices: Sequence[int]) -> int:
+        return int(sum(self.ids_off[i + 1] - self.ids_off[i] for i in indices))
+
+
+def sft_forward(model, batch: dict) -> torch.Tensor:
+    """Per-token cross entropy [b, s] on the last stage (hidden states elsewhere)."""
+    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+
+
+def sft_loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
+    mask = batch["loss_mask"]
+    return LossTerms(total=(per_token.float() * mask).sum(), count=mask.sum().to(torch.int64))
+
+
+SFT = Objective(forward=sft_forward, loss=sft_loss)
+
+
+def load_data(data_uri: str) -> TrainData:
+    with fsspec.open(f"{data_uri.rstrip('/')}/metadata.json") as f:
+        meta = json.load(f)
+    seq_length, tok = meta["seq_length"], meta["tokenizer"]
+    pad_id = tok["pad_token_id"] if tok["pad_token_id"] is not None else tok["eos_token_id"]
+    train = read_split(f"{data_uri}/sft", "train")
+    if train is None:
+        raise FileNotFoundError(f"{data_uri}/sft has no train-*.parquet: run prep with data.sft set")
+    val = read_split(f"{data_uri}/sft", "val")
+    return TrainData(
+        train=PackedSFT(train, seq_length, pad_id),
+        val=PackedSFT(val, seq_length, pad_id) if val is not None and val.num_rows else None,
+        seq_length=seq_length,
+    )
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    model_dir = local_path(inputs["model"])
+    hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
+    wandb_cfg = OmegaConf.select(cfg, "logging.wandb")
+    trainer = Trainer(cfg.sft, cfg.model, hf_config, str(model_dir), load_data(inputs["data"]), SFT, out, wandb_cfg, name="sft")
+    try:
+        trainer.setup()
+        result = trainer.train()
+        if trainer.rank == 0:
+            publish(result.checkpoint, model_dir, local_path(out))
+    finally:
+        trainer.cleanup()
+    return {
+        "train_loss": result.train_loss,
+        "val_loss": result.val_loss,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "stopped_early": result.stopped_early,
+    }
+
+
+def publish(checkpoint, model_dir, out) -> None:
+    """The final checkpoint's weights as `{out}/model`, with the input model's hf/ and tokenizer/."""
+    for name, source in ((MODEL_DIR, checkpoint / "model"), (HF_DIR, model_dir / HF_DIR), (TOKENIZER_DIR, model_dir / TOKENIZER_DIR)):
+        tmp = out / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if source.exists():
+            shutil.copytree(source, tmp)
+            shutil.rmtree(out / name, ignore_errors=True)
+            tmp.rename(out / name)
+    log.info("final model at %s", out / MODEL_DIR)

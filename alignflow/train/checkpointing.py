@@ -1,0 +1,164 @@
+"""Training checkpoints inside a stage's output, written atomically, resumed from the latest.
+
+Layout under `{out}/checkpoints/`:
+
+    step-00000010/
+        model/               Megatron torch_dist (global tensors; `alignflow.megatron.checkpoint`)
+        rank-00000.pt ...    per rank: optimizer state and RNG states (python, numpy, torch,
+                             Megatron's RNG tracker, CUDA when present)
+        trainer.json         step, data position, tracked metrics, early-stopping state
+        complete             written last: a checkpoint without it does not exist
+    .tmp-step-00000010/      a checkpoint being written (removed when found stale)
+    wandb-run-id             the wandb run a retry continues
+
+Every rank writes into the temp folder; after a barrier rank 0 writes trainer.json,
+renames the folder to `step-N` and writes `complete`. The per-rank files assume the same
+TP/PP/DP layout on resume (a retry of the same fingerprint has it); the model part would
+reshard to any layout. Local (or shared POSIX) filesystems only.
+
+`prune` keeps the latest checkpoint (for resume) and the `save_top_k` best by the monitored
+metric (`val_loss` or `loss`), whose value is the latest one computed at or before the
+checkpoint's step.
+"""
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+
+from alignflow.megatron import checkpoint as megatron_checkpoint
+from alignflow.train.data import DataPosition
+
+COMPLETE = "complete"
+WANDB_RUN_ID = "wandb-run-id"
+
+
+@dataclass
+class TrainerState:
+    """Everything besides weights, optimizer and RNG that a resumed run needs to continue exactly."""
+
+    step: int = 0
+    position: DataPosition = field(default_factory=DataPosition)
+    tokens: int = 0
+    last_loss: Optional[float] = None
+    last_val_loss: Optional[float] = None
+    best_val_loss: Optional[float] = None
+    bad_validations: int = 0  # validations since the last improvement (early stopping)
+    stopped_early: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TrainerState":
+        return cls(**{**data, "position": DataPosition(**data["position"])})
+
+
+def local_path(uri: str) -> Path:
+    if "://" in uri and not uri.startswith("file://"):
+        raise NotImplementedError(f"training stages checkpoint to local or shared filesystems only, not {uri}")
+    return Path(uri.removeprefix("file://"))
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps with a complete checkpoint, ascending."""
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / COMPLETE).exists())
+
+
+def rng_states() -> dict:
+    states = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def save(root: Path, chunks, optimizer: torch.optim.Optimizer, state: TrainerState) -> Path:
+    """Write `step-N` atomically (every rank calls this); returns its path."""
+    rank = dist.get_rank()
+    final, tmp = step_dir(root, state.step), root / f".tmp-step-{state.step:08d}"
+    if rank == 0:
+        for stale in (tmp, final):  # a half-written attempt, or a renamed one that never got `complete`
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    megatron_checkpoint.save(chunks, str(tmp / "model"))
+    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_states()}, tmp / f"rank-{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / "trainer.json").write_text(json.dumps(state.to_json(), indent=2) + "\n")
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        (final / COMPLETE).write_text("")
+    dist.barrier()
+    return final
+
+
+def load(path: Path, chunks, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Restore weights, optimizer, RNG states and trainer state from a complete checkpoint."""
+    megatron_checkpoint.load(chunks, str(path / "model"))
+    saved = torch.load(path / f"rank-{dist.get_rank():05d}.pt", weights_only=False)
+    optimizer.load_state_dict(saved["optimizer"])
+    set_rng_states(saved["rng"])
+    return TrainerState.from_json(json.loads((path / "trainer.json").read_text()))
+
+
+def prune(root: Path, keep_top_k: int, monitor: str, mode: str) -> list[int]:
+    """Keep the latest checkpoint and the `keep_top_k` best by `monitor` (rank 0; -1 keeps all).
+
+    Checkpoints without the monitored value rank below those with it, newer before older.
+    Returns the steps deleted."""
+    steps = complete_steps(root)
+    if keep_top_k < 0 or len(steps) <= 1:
+        return []
+
+    def rank_key(step: int):
+        value = json.loads((step_dir(root, step) / "trainer.json").read_text()).get(_STATE_KEYS.get(monitor, monitor))
+        if value is None:
+            return (1, -step)
+        return (0, value if mode == "min" else -value, -step)
+
+    keep = set(sorted(steps, key=rank_key)[:keep_top_k]) | {steps[-1]}
+    deleted = [s for s in steps if s not in keep]
+    for step in deleted:
+        shutil.rmtree(step_dir(root, step))
+    return deleted
+
+
+# monitor names -> TrainerState fields holding them at checkpoint time
+_STATE_KEYS = {"val_loss": "last_val_loss", "loss": "last_loss", "train_loss": "last_loss"}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,131 @@
+"""Training data: Parquet token tables, a deterministic resumable global-batch order, DP shards.
+
+- `read_split(uri, split)`: every `{split}-*.parquet` shard of a prep output folder as one
+  Arrow table (columns stay Arrow lists; rows are sliced out on demand).
+- `GlobalBatches`: epoch `e` visits the rows in the order `permutation(seed, e)`, cut into
+  global batches of `global_batch_size` rows (a last partial batch is dropped). A
+  `DataPosition` (epoch, batch) says where training is, so a resumed run reads exactly the
+  rows an uninterrupted one would.
+- `dp_micro_batches`: this data-parallel rank's share of a global batch, in micro batches.
+- `packed_rows`: block-diagonal causal masks, per-document position ids and next-token
+  labels for rows packing several documents (cu_seqlens), padded to one length.
+
+A dataset the engine trains on is anything with `__len__`, `collate(indices) -> dict of
+tensors` (one micro batch) and `num_tokens(indices) -> int` (for throughput).
+"""
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+
+class Dataset(Protocol):
+    def __len__(self) -> int: ...
+
+    def collate(self, indices: Sequence[int]) -> dict: ...
+
+    def num_tokens(self, indices: Sequence[int]) -> int: ...
+
+
+def read_split(uri: str, split: str) -> pa.Table | None:
+    """All `{split}-*.parquet` shards under `uri` (sorted) as one table; None if there are none."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    files = sorted(fs.glob(f"{root.rstrip('/')}/{split}-*.parquet"))
+    if not files:
+        return None
+    return pa.concat_tables([pq.read_table(f, filesystem=fs) for f in files])
+
+
+def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, offsets) of a list column: row i is values[offsets[i]:offsets[i + 1]]."""
+    column = table.column(name).combine_chunks()
+    if isinstance(column, pa.ChunkedArray):  # an empty table
+        column = pa.array([], type=column.type)
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.to_numpy(zero_copy_only=False)
+    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+
+@dataclass
+class DataPosition:
+    epoch: int = 0
+    batch: int = 0  # global batches already consumed in this epoch
+
+
+class GlobalBatches:
+    """The row indices of each global batch, reproducible from (seed, epoch, batch)."""
+
+    def __init__(self, num_rows: int, global_batch_size: int, seed: int):
+        self.num_rows, self.size, self.seed = num_rows, global_batch_size, seed
+        self.per_epoch = num_rows // global_batch_size
+        if self.per_epoch == 0:
+            raise ValueError(f"{num_rows} training rows are fewer than one global batch of {global_batch_size}")
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_rows))
+        return self._order[1]
+
+    def indices(self, pos: DataPosition) -> np.ndarray:
+        return self.order(pos.epoch)[pos.batch * self.size : (pos.batch + 1) * self.size]
+
+    def next(self, pos: DataPosition) -> DataPosition:
+        batch = pos.batch + 1
+        return DataPosition(pos.epoch + 1, 0) if batch >= self.per_epoch else DataPosition(pos.epoch, batch)
+
+
+def dp_micro_batches(indices: np.ndarray, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[np.ndarray]:
+    """Rank `dp_rank`'s contiguous share of a global batch, split into micro batches."""
+    share = len(indices) // dp_size
+    mine = indices[dp_rank * share : (dp_rank + 1) * share]
+    return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+@dataclass
+class PackedRows:
+    """Model inputs for a micro batch of packed rows, every row padded to `length`."""
+
+    tokens: torch.Tensor  # [b, s] int64
+    labels: torch.Tensor  # [b, s] the next token (pad where there is none)
+    loss_mask: torch.Tensor  # [b, s] float: 1 where labels[t] is trained on
+    position_ids: torch.Tensor  # [b, s] restart at 0 in each document
+    attention_mask: torch.Tensor  # [b, 1, s, s] bool, True = masked (Megatron's convention)
+
+
+def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], length: int, pad_id: int) -> PackedRows:
+    """Rows of (input_ids, loss_mask, cu_seqlens) -> padded model inputs.
+
+    A token attends to the earlier tokens of its own document only; padding forms one more
+    document and is never trained on. Position t predicts token t + 1 when that token is in
+    the same document and its loss_mask is 1 (loss_mask marks tokens to predict)."""
+    b = len(rows)
+    tokens = np.full((b, length), pad_id, dtype=np.int64)
+    labels = np.full((b, length), pad_id, dtype=np.int64)
+    loss = np.zeros((b, length), dtype=np.float32)
+    positions = np.zeros((b, length), dtype=np.int64)
+    doc = np.zeros((b, length), dtype=np.int64)
+    for i, (ids, mask, cu) in enumerate(rows):
+        n = len(ids)
+        if n > length:
+            raise ValueError(f"a row of {n} tokens is longer than seq_length {length}")
+        cu = np.asarray(cu, dtype=np.int64)
+        tokens[i, :n] = ids
+        labels[i, : n - 1] = ids[1:]
+        doc_of = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
+        doc[i, :n], doc[i, n:] = doc_of, len(cu) - 1
+        positions[i, :n] = np.arange(n) - cu[doc_of]
+        positions[i, n:] = np.arange(length - n)
+        same_doc_next = doc_of[:-1] == doc_of[1:]
+        loss[i, : n - 1] = np.asarray(mask[1:], dtype=np.float32) * same_doc_next
+    doc_t = torch.from_numpy(doc)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = (doc_t[:, :, None] == doc_t[:, None, :]) & causal
+    return PackedRows(
+        torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions), (~allowed)[:, None]
+    )

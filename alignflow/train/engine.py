@@ -1,0 +1,365 @@
+"""The training engine shared by the training stages (SFT now; DPO and GRPO plug in the same way).
+
+A stage gives the engine three things, none of them subclasses:
+- `data`: `TrainData(train, val, seq_length)`, datasets that turn row indices into micro
+  batches (dicts of tensors; see `alignflow.train.data.Dataset`);
+- `objective`: `Objective(forward, loss)`: `forward(model, batch)` runs one model chunk on a
+  micro batch (on pipeline stages other than the last it returns the hidden states), and
+  `loss(output, batch)` (last stage only) returns `LossTerms(total, count)`: the summed loss
+  and how many units (tokens, pairs, ...) it sums over. The step's loss is
+  sum(total) / sum(count) over the whole global batch (all micro batches, all DP ranks).
+- the stage's config section (`TrainStageBase` as plain data) and the model to start from.
+
+`Trainer.setup()` builds everything in order (parallel groups, model, weights, optimizer,
+data order, resume, metrics); `Trainer.train()` is the loop; `save_checkpoint` / `cleanup`.
+
+Per step: the global batch's rows are cut into this DP rank's micro batches
+(num_micro = global / (micro * DP)), forwarded and backwarded through Megatron's
+`get_forward_backward_func` (no pipelining, 1F1B, or interleaved with virtual PP) with
+`calculate_per_token_loss` so the schedule leaves the sums alone; gradients are summed over
+DP (and between the tied embedding copies of the first and last PP stages, and over TP
+for sequence-parallel norms), divided by the global count, clipped by the global norm across
+TP/PP (TP-replicated and shared parameters counted once), and applied by torch AdamW/Adam
+(Megatron's optimizer wrapper hard-codes CUDA). No weight decay on biases and norms, as Megatron.
+
+Simplified / missing: fp32 only (bf16 needs fp32 main weights, i.e. Megatron's optimizer:
+not wired); no distributed optimizer (each DP rank holds the full optimizer state of its
+TP/PP shard); no context parallelism, and sequence parallelism only with Transformer Engine
+(its gradient reduction is written but untested here); a resumed run must keep
+the TP/PP/DP layout (the per-rank optimizer files are not resharded).
+"""
+
+import functools
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import param_is_not_shared
+from torch import Tensor
+
+from alignflow.megatron import checkpoint as megatron_checkpoint
+from alignflow.megatron import runtime
+from alignflow.megatron.model import build_gpt
+from alignflow.train import checkpointing
+from alignflow.train.checkpointing import TrainerState
+from alignflow.train.data import Dataset, GlobalBatches, dp_micro_batches
+from alignflow.train.metrics import MetricsLog
+from alignflow.train.schedule import lr_at
+
+log = logging.getLogger("alignflow.train")
+
+
+@dataclass
+class LossTerms:
+    total: Tensor  # summed loss of the micro batch (a scalar with grad)
+    count: Tensor  # units it sums over (int scalar)
+
+
+@dataclass
+class Objective:
+    forward: Callable[[Any, dict], Tensor]
+    loss: Callable[[Tensor, dict], LossTerms]
+
+
+@dataclass
+class TrainData:
+    train: Dataset
+    val: Optional[Dataset]
+    seq_length: int  # every micro batch is padded to it (pipeline buffers have one shape)
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    train_loss: Optional[float]
+    val_loss: Optional[float]
+    tokens: int
+    tokens_per_s: float
+    stopped_early: bool
+    checkpoint: Path  # the final checkpoint folder
+
+
+def check_supported(parallel: Any) -> None:
+    if parallel.context_parallel_size > 1:
+        raise NotImplementedError("context_parallel_size > 1 needs Transformer Engine's attention: not implemented")
+    if parallel.sequence_parallel and not gpt_layer_specs.HAVE_TE:
+        raise NotImplementedError("sequence_parallel needs Transformer Engine's norms; Megatron's local spec (CPU) refuses it")
+
+
+def resolve_precision(precision: str) -> torch.dtype:
+    """auto = bf16 on GPU, fp32 on CPU. Only fp32 training is implemented."""
+    resolved = ("bf16" if torch.cuda.is_available() else "fp32") if precision == "auto" else precision
+    if resolved != "fp32":
+        raise NotImplementedError(f"precision {precision} -> {resolved}: only fp32 training is implemented (bf16 needs fp32 main weights)")
+    return torch.float32
+
+
+class Trainer:
+    def __init__(self, cfg: Any, model_cfg: Any, hf_config: dict, init_model: str, data: TrainData, objective: Objective,
+                 out: str, wandb_cfg: Any = None, name: str = "train"):
+        self.cfg, self.model_cfg, self.hf_config, self.init_model = cfg, model_cfg, hf_config, init_model
+        self.data, self.objective, self.name, self.wandb_cfg = data, objective, name, wandb_cfg
+        self.out = checkpointing.local_path(out)
+        self.checkpoints = self.out / "checkpoints"
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        check_supported(cfg.parallel)
+        dtype = resolve_precision(cfg.precision)
+        runtime.init_parallel(cfg.parallel, seed=cfg.trainer.seed)
+        self.rank = dist.get_rank()
+        self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        self.num_micro = cfg.global_batch_size // (cfg.micro_batch_size * self.dp_size)
+        if self.num_micro * cfg.micro_batch_size * self.dp_size != cfg.global_batch_size:
+            raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * DP "
+                             f"({cfg.micro_batch_size} * {self.dp_size})")
+        built = build_gpt(self.hf_config, cfg.parallel, params_dtype=dtype,
+                          make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by,
+                          hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+                          calculate_per_token_loss=True)
+        self.chunks = built if isinstance(built, list) else [built]
+        self.optimizer = build_optimizer(self.chunks, cfg.optim)
+        self.batches = GlobalBatches(len(self.data.train), cfg.global_batch_size, cfg.trainer.seed)
+        self.total_steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else cfg.trainer.max_epochs * self.batches.per_epoch
+        self.state = self.resume_or_start()
+        self.metrics = MetricsLog(self.out, self.checkpoints, self.state.step, self.wandb_cfg, self.name) if self.rank == 0 else None
+
+    def resume_or_start(self) -> TrainerState:
+        """The latest complete checkpoint, or the input model (with resume off, old checkpoints are removed)."""
+        if not self.cfg.checkpoint.resume and self.rank == 0:
+            shutil.rmtree(self.checkpoints, ignore_errors=True)
+        dist.barrier()
+        steps = checkpointing.complete_steps(self.checkpoints)
+        if steps:
+            path = checkpointing.step_dir(self.checkpoints, steps[-1])
+            state = checkpointing.load(path, self.chunks, self.optimizer)
+            if self.rank == 0:
+                log.info("resumed from %s (step %d of %d)", path, state.step, self.total_steps)
+            return state
+        megatron_checkpoint.load(self.chunks, f"{self.init_model.rstrip('/')}/model")
+        if self.rank == 0:
+            log.info("starting from %s: %d steps of %d rows", self.init_model, self.total_steps, self.cfg.global_batch_size)
+        return TrainerState()
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> TrainResult:
+        cfg, state = self.cfg.trainer, self.state
+        started, window_start, window_tokens, first_tokens = time.time(), time.time(), 0, state.tokens
+        for chunk in self.chunks:
+            chunk.train()
+        while state.step < self.total_steps and not state.stopped_early:
+            stats = self.train_step(self.batches.indices(state.position))
+            state.step += 1
+            state.position = self.batches.next(state.position)
+            state.tokens += stats.tokens
+            state.last_loss = stats.loss
+            window_tokens += stats.tokens
+            last = state.step == self.total_steps
+            val_loss = None
+            if self.data.val is not None and (last or _every(state.step, cfg.val_check_interval)):
+                val_loss = self.validate()
+                self.track_early_stopping(val_loss)
+            if val_loss is not None or last or state.step == 1 or _every(state.step, cfg.log_every_n_steps):
+                now = time.time()
+                record = {"step": state.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                          "tokens": state.tokens, "tokens_per_s": window_tokens / max(now - window_start, 1e-9)}
+                if val_loss is not None:
+                    record["val_loss"] = val_loss
+                if self.metrics is not None:
+                    self.metrics.write(record, self.total_steps)
+                window_start, window_tokens = now, 0
+            if last or state.stopped_early or _every(state.step, self.cfg.checkpoint.every_n_steps):
+                self.save_checkpoint()
+        seconds = time.time() - started
+        final = checkpointing.complete_steps(self.checkpoints)
+        if not final or final[-1] != state.step:  # e.g. zero steps ran: nothing to resume from yet
+            self.save_checkpoint()
+        return TrainResult(
+            steps=state.step, train_loss=state.last_loss, val_loss=state.last_val_loss, tokens=state.tokens,
+            tokens_per_s=(state.tokens - first_tokens) / max(seconds, 1e-9),
+            stopped_early=state.stopped_early, checkpoint=checkpointing.step_dir(self.checkpoints, state.step),
+        )
+
+    def train_step(self, indices: np.ndarray) -> StepStats:
+        cfg = self.cfg
+        lr = lr_at(self.state.step + 1, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
+                   total_steps=self.total_steps, schedule=cfg.optim.schedule)
+        micro = dp_micro_batches(indices, cfg.micro_batch_size, self.dp_rank, self.dp_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        total, count = self.run_micro_batches(micro, forward_only=False)
+        params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+        reduce_gradients(self.chunks, params, scale=1.0 / max(count, 1.0))
+        grad_norm = clip_grad_norm(params, cfg.trainer.gradient_clip_val)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        tokens = sum(self.data.train.num_tokens(m) for m in micro)
+        return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=all_reduce_dp(tokens))
+
+    def run_micro_batches(self, micro: list[np.ndarray], dataset: Optional[Dataset] = None, forward_only: bool = False) -> tuple[float, float]:
+        """Forward (and backward) `micro`; returns the global (loss sum, count) on every rank."""
+        dataset = dataset or self.data.train
+        batches = [to_device(dataset.collate(m)) for m in micro]
+        outputs = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=[iter(batches) for _ in self.chunks],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0], num_microbatches=len(batches),
+            seq_length=self.data.seq_length, micro_batch_size=self.cfg.micro_batch_size, forward_only=forward_only,
+        )
+        sums = torch.zeros(2, dtype=torch.float64, device=device())
+        for out in outputs:
+            sums += out["terms"].double()
+        dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage has it
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        return sums[0].item(), sums[1].item()
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        return self.objective.forward(model, batch), functools.partial(self._loss, batch)
+
+    def _loss(self, batch: dict, output: Tensor):
+        terms = self.objective.loss(output, batch)
+        reported = torch.stack([terms.total.detach().float(), terms.count.detach().float()])
+        return terms.total, terms.count.to(torch.int), {"terms": reported}
+
+    # ------------------------------------------------------------------ validation, early stopping
+
+    def validate(self) -> Optional[float]:
+        """Mean loss over the first limit_val_batches micro batches per DP rank of the val split."""
+        micro_size = self.cfg.micro_batch_size
+        n = min(self.cfg.trainer.limit_val_batches, len(self.data.val) // (micro_size * self.dp_size))
+        if n <= 0:
+            return None
+        micro = dp_micro_batches(np.arange(n * micro_size * self.dp_size), micro_size, self.dp_rank, self.dp_size)
+        for chunk in self.chunks:
+            chunk.eval()
+        with torch.no_grad():
+            total, count = self.run_micro_batches(micro, self.data.val, forward_only=True)
+        for chunk in self.chunks:
+            chunk.train()
+        self.state.last_val_loss = total / max(count, 1.0)
+        return self.state.last_val_loss
+
+    def track_early_stopping(self, val_loss: Optional[float]) -> None:
+        patience, state = self.cfg.trainer.early_stopping_patience, self.state
+        if val_loss is None:
+            return
+        if state.best_val_loss is None or val_loss < state.best_val_loss - self.cfg.trainer.early_stopping_min_delta:
+            state.best_val_loss, state.bad_validations = val_loss, 0
+            return
+        state.bad_validations += 1
+        if patience is not None and state.bad_validations >= patience:
+            state.stopped_early = True
+            log.info("early stopping at step %d: val_loss has not improved for %d validations", state.step, patience)
+
+    # ------------------------------------------------------------------ checkpoint, cleanup
+
+    def save_checkpoint(self) -> None:
+        path = checkpointing.save(self.checkpoints, self.chunks, self.optimizer, self.state)
+        if self.rank == 0:
+            ckpt = self.cfg.checkpoint
+            deleted = checkpointing.prune(self.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
+            log.info("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
+        dist.barrier()
+
+    def cleanup(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        runtime.teardown()
+
+
+# ---------------------------------------------------------------------- shared pieces
+
+
+def build_optimizer(chunks: list, optim: Any) -> torch.optim.Optimizer:
+    """AdamW (decoupled decay) or Adam (L2 decay); biases and 1-D weights (norms) get no decay."""
+    decay, no_decay = [], []
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad:
+                (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+    if optim.name not in kinds:
+        raise ValueError(f"unknown optimizer {optim.name!r}; supported: {', '.join(kinds)}")
+    return kinds[optim.name](groups, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+
+
+def reduce_gradients(chunks: list, params: list[Tensor], scale: float) -> None:
+    """Sum gradients over DP, tie the embedding copies across PP, sum SP norms over TP; then scale."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if parallel_state.get_data_parallel_world_size() > 1:
+        _all_reduce_flat([p.grad for p in params], parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        for chunk in (chunks[0], chunks[-1]) if len(chunks) > 1 else chunks:
+            if chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process):
+                dist.all_reduce(chunk.shared_embedding_or_output_weight().grad, group=parallel_state.get_embedding_group())
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+        if sp:
+            _all_reduce_flat(sp, parallel_state.get_tensor_model_parallel_group())
+    for p in params:
+        p.grad.mul_(scale)
+
+
+def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
+    """The global L2 norm over TP and PP (each parameter counted once); clip when max_norm > 0."""
+    squares = torch.zeros((), dtype=torch.float64, device=device())
+    for p in params:
+        if param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+            squares += p.grad.double().pow(2).sum()
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    norm = squares.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        coefficient = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(coefficient)
+    return norm
+
+
+def all_reduce_dp(value: int) -> int:
+    t = torch.tensor(value, dtype=torch.int64, device=device())
+    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return int(t.item())
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_device(batch: dict) -> dict:
+    if not torch.cuda.is_available():
+        return batch
+    return {k: v.cuda(non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+def _every(step: int, interval: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+def _all_reduce_flat(tensors: list[Tensor], group) -> None:
+    flat = torch._utils._flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+        t.copy_(synced)

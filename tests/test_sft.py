@@ -1,0 +1,216 @@
+"""The SFT stage end to end on the demo task: TP2 and PP2 reproduce TP1, a job killed with
+SIGKILL resumes to the same weights as an uninterrupted one, and the val loss goes down."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from alignflow import PROJECT_ROOT
+from alignflow.checkpoint.dist_io import DistCheckpointReader
+from alignflow.stages import sft
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import convert_demo, metrics_lines, prep_demo, sft_cfg  # noqa: E402
+
+RANKS = Path(__file__).with_name("train_ranks.py")
+
+
+@pytest.fixture(scope="module")
+def inputs(demo_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft-inputs")
+    return {"data": str(prep_demo(demo_dir, root / "data")), "model": str(convert_demo(demo_dir, root / "model"))}
+
+
+@pytest.fixture(scope="module")
+def other_models(inputs, demo_dir, tmp_path_factory):
+    """The same data with a 4-layer model (PP2 VP2: 2 chunks of 1 layer per stage) or a tied one
+    (PP2: the embedding's copy on the last stage gets the first stage's gradient too)."""
+    root = tmp_path_factory.mktemp("sft-models")
+    return {
+        "4-layers": {**inputs, "model": str(convert_demo(demo_dir, root / "four-layers", num_hidden_layers=4))},
+        "tied": {**inputs, "model": str(convert_demo(demo_dir, root / "tied", tie_word_embeddings=True))},
+    }
+
+
+def run_sft(cfg: dict, inputs: dict, out: Path) -> dict:
+    return sft.run(OmegaConf.create(cfg), inputs, str(out))
+
+
+def job_env() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def job_args(cfg: dict, inputs: dict, out: Path) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_file = out.with_suffix(".cfg.json")
+    cfg_file.write_text(json.dumps(cfg))
+    return [str(RANKS), str(cfg_file), inputs["data"], inputs["model"], str(out)]
+
+
+def torchrun(nproc: int, cfg: dict, inputs: dict, out: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), *job_args(cfg, inputs, out)],
+                         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=job_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    reader = DistCheckpointReader(str(model_dir))
+    return {key: reader.read(key) for key in reader.keys()}
+
+
+def test_sft_writes_the_model_layout_and_metrics(demo_dir, inputs, tmp_path):
+    out = tmp_path / "out"
+    metrics = run_sft(sft_cfg(demo_dir, trainer={"max_steps": 3, "val_check_interval": 2}), inputs, out)
+    assert metrics["steps"] == 3 and metrics["tokens"] > 0 and metrics["tokens_per_s"] > 0
+    assert {p.name for p in out.iterdir()} >= {"model", "hf", "tokenizer", "metrics.jsonl", "checkpoints"}
+    assert (out / "hf" / "config.json").exists() and (out / "tokenizer" / "tokenizer.json").exists()
+    lines = metrics_lines(out)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert set(lines[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"}
+    assert [("val_loss" in line) for line in lines] == [False, True, True]
+    assert lines[-1]["loss"] == pytest.approx(metrics["train_loss"]) and lines[-1]["val_loss"] == pytest.approx(metrics["val_loss"])
+    final, initial = weights(out / "model"), weights(Path(inputs["model"]) / "model")
+    assert final.keys() == initial.keys() and not torch.equal(final["output_layer.weight"], initial["output_layer.weight"])
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,dp,vp,model", [
+    (2, 1, 1, None, None), (1, 2, 1, None, None), (1, 1, 2, None, None), (1, 2, 1, 2, "4-layers"), (1, 2, 1, None, "tied"),
+], ids=["tp2", "pp2", "dp2", "pp2-vp2", "pp2-tied"])
+def test_two_ranks_match_one_rank(demo_dir, inputs, other_models, tmp_path, tp, pp, dp, vp, model):
+    """Same losses, grad norms and val loss over 5 steps to 1e-4 (4 micro batches of 2 rows per
+    step: PP2 pipelines them, interleaved with virtual PP on a 4-layer model, DP2 splits them
+    and all-reduces the gradients; with tied embeddings PP2 also ties the two copies' grads)."""
+    inputs = other_models[model] if model else inputs
+    reference = tmp_path / "tp1"
+    run_sft(sft_cfg(demo_dir, trainer={"val_check_interval": 5}), inputs, reference)
+    parallel = tmp_path / f"tp{tp}pp{pp}dp{dp}"
+    cfg = sft_cfg(demo_dir, tp=tp, pp=pp, resources={"tasks_per_node": tp * pp * dp}, trainer={"val_check_interval": 5},
+                  parallel={"virtual_pipeline_model_parallel_size": vp})
+    torchrun(tp * pp * dp, cfg, inputs, parallel)
+    expected, got = metrics_lines(reference), metrics_lines(parallel)
+    print(f"tp{tp} pp{pp} dp{dp} vp{vp}: max |loss - tp1| = {max(abs(a['loss'] - b['loss']) for a, b in zip(expected, got)):.2e}")
+    assert [line["step"] for line in got] == [1, 2, 3, 4, 5]
+    for a, b in zip(expected, got):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-4), (key, a, b)
+    assert json.loads((parallel / "result.json").read_text())["steps"] == 5
+
+
+@pytest.mark.slow
+def test_killed_job_resumes_to_the_uninterrupted_weights(demo_dir, inputs, tmp_path, caplog):
+    """SIGKILL after the first checkpoint, a half-written later checkpoint left behind, and the
+    retry on the same `out` ends with bit-identical weights and the same metrics (dropout on,
+    so the RNG states must be restored too)."""
+    cfg = sft_cfg(demo_dir, hidden_dropout=0.1, attention_dropout=0.1,
+                  trainer={"max_steps": 8, "val_check_interval": 2, "log_every_n_steps": 1},
+                  checkpoint={"every_n_steps": 3, "save_top_k": 1})
+    reference = tmp_path / "uninterrupted"
+    run_sft(cfg, inputs, reference)
+
+    out = tmp_path / "killed"
+    job = subprocess.Popen([sys.executable, *job_args(cfg, inputs, out), "--pause-after-checkpoint", "60"],
+                           cwd=PROJECT_ROOT, env=job_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = out / "checkpoints" / "step-00000003" / "complete"
+    deadline = time.time() + 120
+    while not first.exists() and job.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGKILL)  # the job and the checkpoint writer it may have spawned
+    job.wait(timeout=30)
+    assert first.exists() and job.returncode == -signal.SIGKILL, job.stdout.read().decode()[-3000:]
+    assert not (out / "model").exists()
+    (out / "checkpoints" / ".tmp-step-00000006" / "model").mkdir(parents=True)  # as if killed while writing step 6
+    (out / "checkpoints" / "step-00000006").mkdir()  # renamed, but never marked complete
+    with (out / "metrics.jsonl").open("a") as f:  # a line logged after the checkpoint, before the kill
+        f.write(json.dumps({"step": 4, "loss": 0.0}) + "\n")
+
+    with caplog.at_level(logging.INFO, logger="alignflow"):
+        resumed = run_sft(cfg, inputs, out)
+    assert f"resumed from {out / 'checkpoints' / 'step-00000003'} (step 3 of 8)" in caplog.text
+    assert resumed["steps"] == 8
+    expected, got = weights(reference / "model"), weights(out / "model")
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    strip = lambda lines: [{k: v for k, v in line.items() if k != "tokens_per_s"} for line in lines]  # noqa: E731
+    assert strip(metrics_lines(out)) == strip(metrics_lines(reference))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(p.name for p in (reference / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_sft_lowers_the_val_loss_on_the_demo_task(demo_dir, inputs, tmp_path):
+    cfg = sft_cfg(demo_dir, micro_batch_size=4, global_batch_size=16,
+                  trainer={"max_steps": 80, "val_check_interval": 10, "limit_val_batches": 4, "log_every_n_steps": 10},
+                  optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4}, checkpoint={"every_n_steps": 40, "save_top_k": 1})
+    started = time.time()
+    metrics = run_sft(cfg, inputs, tmp_path / "out")
+    val = [line["val_loss"] for line in metrics_lines(tmp_path / "out") if "val_loss" in line]
+    print(f"val loss {val[0]:.3f} -> {val[-1]:.3f} in {time.time() - started:.1f} s")
+    assert len(val) == 8 and metrics["val_loss"] == pytest.approx(val[-1])
+    assert val[-1] < val[0] - 1.0 and val[-1] < 2.5
+
+
+def test_early_stopping_ends_the_run_and_a_retry_does_not_continue_it(demo_dir, inputs, tmp_path):
+    cfg = sft_cfg(demo_dir, trainer={"max_steps": 20, "val_check_interval": 2, "early_stopping_patience": 1,
+                                     "early_stopping_min_delta": 100.0},  # no validation can improve by that much
+                  checkpoint={"every_n_steps": 10})
+    first = run_sft(cfg, inputs, tmp_path / "out")
+    assert first["stopped_early"] and first["steps"] == 4  # validations at 2 (best) and 4 (no improvement)
+    again = run_sft(cfg, inputs, tmp_path / "out")
+    assert again["stopped_early"] and again["steps"] == 4 and again["val_loss"] == first["val_loss"]
+
+
+def test_wandb_offline_run_continues_after_a_retry(demo_dir, inputs, tmp_path):
+    cfg = sft_cfg(demo_dir, trainer={"max_steps": 2}, checkpoint={"every_n_steps": 1})
+    cfg["logging"]["wandb"].update(enabled=True, project="alignflow-test")
+    out = tmp_path / "out"
+    run_sft(cfg, inputs, out)
+    run_id = (out / "checkpoints" / "wandb-run-id").read_text()
+    cfg["sft"]["trainer"]["max_steps"] = 3
+    run_sft(cfg, inputs, out)  # a longer run on the same out resumes at step 2, same wandb run
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    assert (out / "checkpoints" / "wandb-run-id").read_text() == run_id
+
+
+@pytest.mark.parametrize("sft_override,message", [
+    ({"parallel": {"context_parallel_size": 2}}, "context_parallel_size > 1"),
+    ({"parallel": {"sequence_parallel": True}}, "sequence_parallel needs Transformer Engine"),
+    ({"precision": "bf16"}, "only fp32 training"),
+], ids=["cp", "sp", "bf16"])
+def test_unsupported_settings_fail_before_training(demo_dir, inputs, tmp_path, sft_override, message):
+    with pytest.raises(NotImplementedError, match=message):
+        run_sft(sft_cfg(demo_dir, **sft_override), inputs, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_a_two_rank_submitit_job_trains_through_the_worker(demo_dir, inputs, tmp_path):
+    """The production path: `alignflow.launch` submits `alignflow.worker.run_stage_job` on 2 local
+    ranks (TP2); rank 0 returns the metrics and prints the progress lines."""
+    from alignflow.config.schema import LauncherConfig
+    from alignflow.launch import make_executor, wait
+    from alignflow.worker import run_stage_job
+
+    cfg = sft_cfg(demo_dir, tp=2, trainer={"max_steps": 3, "val_check_interval": 3})
+    launcher = OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs")})
+    job = make_executor(launcher, OmegaConf.create(cfg["sft"]), "sft").submit(run_stage_job, "sft", cfg, inputs, str(tmp_path / "out"), {})
+    lines = []
+    metrics = wait(job, lines.append, poll_s=0.5)
+    assert metrics["steps"] == 3 and metrics["val_loss"] is not None
+    assert [r["train_loss"] for r in job.results()] == [metrics["train_loss"]] * 2
+    assert any("alignflow.train: step 3/3: loss" in line for line in lines), lines[-20:]
+    assert len(metrics_lines(tmp_path / "out")) == 3

@@ -1,0 +1,151 @@
+"""The training engine's pieces: schedules, data order, packed rows, checkpoint pruning, and a
+packed row's loss equal to its documents' losses run one by one."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from alignflow.train import checkpointing
+from alignflow.train.data import DataPosition, GlobalBatches, dp_micro_batches, packed_rows
+from alignflow.train.schedule import lr_at
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import SEQ_LENGTH, prep_demo  # noqa: E402
+
+LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110
+
+
+def sched(step, schedule, warmup=WARMUP):
+    return lr_at(step, lr=LR, min_lr=MIN_LR, warmup_steps=warmup, total_steps=TOTAL, schedule=schedule)
+
+
+# ---------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_warmup_is_linear_to_lr(schedule):
+    for step in range(1, WARMUP + 1):
+        assert sched(step, schedule) == pytest.approx(LR * step / WARMUP, rel=1e-12)
+
+
+def test_cosine_decays_to_min_lr():
+    for step in range(WARMUP + 1, TOTAL + 1):
+        p = (step - WARMUP) / (TOTAL - WARMUP)
+        assert sched(step, "cosine") == pytest.approx(MIN_LR + (LR - MIN_LR) * 0.5 * (1 + math.cos(math.pi * p)), rel=1e-12)
+    assert sched(TOTAL, "cosine") == pytest.approx(MIN_LR)
+    assert sched(TOTAL + 5, "cosine") == pytest.approx(MIN_LR)  # clamped past the end
+    assert sched(WARMUP + (TOTAL - WARMUP) // 2, "cosine") == pytest.approx((LR + MIN_LR) / 2)
+
+
+def test_linear_decays_to_min_lr_and_constant_stays():
+    for step in range(WARMUP + 1, TOTAL + 1):
+        p = (step - WARMUP) / (TOTAL - WARMUP)
+        assert sched(step, "linear") == pytest.approx(LR - (LR - MIN_LR) * p, rel=1e-12)
+        assert sched(step, "constant") == LR
+    assert sched(1, "cosine", warmup=0) == pytest.approx(MIN_LR + (LR - MIN_LR) * 0.5 * (1 + math.cos(math.pi / TOTAL)))
+    with pytest.raises(ValueError, match="unknown schedule"):
+        sched(1, "step")
+
+
+# ---------------------------------------------------------------- data order
+
+
+def test_global_batches_are_a_seeded_permutation_per_epoch_and_resumable():
+    batches = GlobalBatches(num_rows=23, global_batch_size=4, seed=7)
+    assert batches.per_epoch == 5
+    pos, seen = DataPosition(), []
+    for _ in range(10):
+        seen.append(batches.indices(pos))
+        pos = batches.next(pos)
+    assert pos == DataPosition(epoch=2, batch=0)
+    epoch0, epoch1 = np.concatenate(seen[:5]), np.concatenate(seen[5:])
+    assert len(set(epoch0)) == 20 and len(set(epoch1)) == 20 and not np.array_equal(epoch0, epoch1)
+    fresh = GlobalBatches(23, 4, seed=7)  # a resumed run rebuilds the order from (seed, epoch)
+    assert np.array_equal(fresh.indices(DataPosition(1, 3)), seen[8])
+    assert not np.array_equal(GlobalBatches(23, 4, seed=8).indices(DataPosition()), seen[0])
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        GlobalBatches(3, 4, 0)
+
+
+def test_dp_ranks_split_a_global_batch_into_micro_batches():
+    indices = np.arange(100, 112)
+    shares = [dp_micro_batches(indices, micro_batch_size=2, dp_rank=r, dp_size=2) for r in range(2)]
+    assert [m.tolist() for m in shares[0]] == [[100, 101], [102, 103], [104, 105]]
+    assert np.array_equal(np.concatenate([np.concatenate(s) for s in shares]), indices)
+
+
+def test_packed_rows_mask_positions_and_labels():
+    ids, mask, cu = np.array([5, 6, 7, 8, 9]), np.array([0, 1, 1, 0, 1]), np.array([0, 3, 5])
+    rows = packed_rows([(ids, mask, cu)], length=7, pad_id=0)
+    assert rows.tokens[0].tolist() == [5, 6, 7, 8, 9, 0, 0]
+    assert rows.labels[0, :4].tolist() == [6, 7, 8, 9]
+    assert rows.loss_mask[0].tolist() == [1, 1, 0, 1, 0, 0, 0]  # no loss across the document boundary
+    assert rows.position_ids[0, :5].tolist() == [0, 1, 2, 0, 1]
+    allowed = ~rows.attention_mask[0, 0]  # True = masked
+    expected = torch.zeros(7, 7, dtype=torch.bool)
+    for a, b in ((0, 3), (3, 5), (5, 7)):
+        expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    assert torch.equal(allowed, expected)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def fake_checkpoint(root: Path, step: int, val_loss, complete=True):
+    path = checkpointing.step_dir(root, step)
+    path.mkdir(parents=True)
+    (path / "trainer.json").write_text(json.dumps({"step": step, "last_val_loss": val_loss}))
+    if complete:
+        (path / checkpointing.COMPLETE).write_text("")
+
+
+def test_prune_keeps_the_top_k_and_the_latest(tmp_path):
+    for step, val in ((10, 3.0), (20, 2.0), (30, 2.5), (40, 2.8), (50, None)):
+        fake_checkpoint(tmp_path, step, val)
+    fake_checkpoint(tmp_path, 60, 1.0, complete=False)  # a checkpoint killed mid-write does not exist
+    assert checkpointing.complete_steps(tmp_path) == [10, 20, 30, 40, 50]
+    assert checkpointing.prune(tmp_path, 2, "val_loss", "min") == [10, 40]
+    assert checkpointing.complete_steps(tmp_path) == [20, 30, 50]
+    assert checkpointing.prune(tmp_path, 1, "val_loss", "max") == [20]
+    assert checkpointing.prune(tmp_path, 0, "val_loss", "min") == [30]
+    assert checkpointing.complete_steps(tmp_path) == [50]
+
+
+# ---------------------------------------------------------------- packed attention
+
+
+def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
+    """Every document's loss in a packed row equals its loss run alone (block-diagonal mask,
+    positions restarting; RoPE is relative, so equal up to float rounding)."""
+    from alignflow.megatron import runtime
+    from alignflow.megatron.model import build_gpt
+    from alignflow.stages.sft import load_data, sft_forward
+    from train_ranks import sft_cfg
+
+    data = load_data(str(prep_demo(demo_dir, tmp_path / "data")))
+    hf_config = json.loads((demo_dir / "tiny-llama" / "config.json").read_text())
+    parallel = sft_cfg(demo_dir)["sft"]["parallel"]
+    rows = [i for i in range(len(data.train)) if len(data.train.row(i)[2]) >= 4][:2]  # rows with >= 3 documents
+    runtime.init_parallel(parallel, seed=3)
+    try:
+        model = build_gpt(hf_config, parallel, calculate_per_token_loss=True).eval()
+        with torch.no_grad():
+            packed = data.train.collate(rows)
+            per_token = sft_forward(model, packed) * packed["loss_mask"]
+            for b, i in enumerate(rows):
+                ids, mask, cu = data.train.row(i)
+                for a, e in zip(cu, cu[1:]):
+                    alone = vars(packed_rows([(ids[a:e], mask[a:e], np.array([0, e - a]))], SEQ_LENGTH, data.train.pad_id))
+                    loss_alone = (sft_forward(model, alone) * alone["loss_mask"])[0, : e - a]
+                    assert alone["loss_mask"].sum() > 0
+                    torch.testing.assert_close(per_token[b, a:e], loss_alone, atol=1e-5, rtol=1e-5)
+            # and the mask matters: without it the later documents' losses change
+            unmasked = dict(packed, attention_mask=torch.triu(torch.ones(SEQ_LENGTH, SEQ_LENGTH, dtype=torch.bool), 1)[None, None])
+            assert not torch.allclose(sft_forward(model, unmasked) * packed["loss_mask"], per_token, atol=1e-3)
+    finally:
+        runtime.teardown()

@@ -1,0 +1,120 @@
+"""Helpers for the SFT tests, and the job they run in a subprocess or on ranks under torchrun.
+
+    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT
+    python tests/train_ranks.py CFG.json DATA MODEL OUT --pause-after-checkpoint 2
+
+Each rank calls `alignflow.stages.sft.run(cfg, {"data": DATA, "model": MODEL}, OUT)`; rank 0
+writes the returned metrics to OUT/result.json. `--pause-after-checkpoint` sleeps after every
+checkpoint so that a test can kill the job between two checkpoints.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+SEQ_LENGTH = 64
+
+
+def prep_demo(demo_dir: Path, out: Path) -> Path:
+    """The demo SFT task packed into rows of SEQ_LENGTH tokens."""
+    from alignflow.stages import prep
+
+    data = demo_dir / "data"
+    spec = {"train": str(data / "sft_train.jsonl"), "val": str(data / "sft_val.jsonl"), "val_fraction": 0.0,
+            "format": "auto", "dev_choose_samples": None, "answer_key": "answer"}
+    prep.run(OmegaConf.create({
+        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+        "data": {"sft": spec, "preference": None, "prompts": None, "seq_length": SEQ_LENGTH, "max_prompt_length": 32,
+                 "truncation": "keep_start", "packing": True, "seed": 0},
+        "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
+    }), {}, str(out))
+    return out
+
+
+def convert_demo(demo_dir: Path, out: Path, **hf_overrides) -> Path:
+    """The demo's tiny random Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) as a model stage
+    output; with `hf_overrides` (num_hidden_layers, tie_word_embeddings), a random HF Llama of
+    the demo's shape with those changes."""
+    from alignflow.stages import convert
+
+    source = demo_dir / "tiny-llama"
+    if hf_overrides:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = json.loads((source / "config.json").read_text())
+        config = {k: v for k, v in config.items() if k != "architectures"} | hf_overrides
+        torch.manual_seed(0)
+        source = out.with_name(out.name + "-hf")
+        LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(source)
+    convert.run(OmegaConf.create({
+        "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
+                  "make_vocab_size_divisible_by": 128},
+        "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+    }), {}, str(out))
+    return out
+
+
+def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
+    """The schema's SFT defaults as plain data, with `sft` merged over them (nested dicts)."""
+    from alignflow.config.schema import LoggingConfig, ModelConfig, SFTConfig
+
+    base = OmegaConf.structured(SFTConfig)
+    base.optim.min_lr = 1e-4  # the default is an interpolation of the composed config
+    overrides = {
+        "resources": {"tasks_per_node": tp * pp},
+        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        "micro_batch_size": 2, "global_batch_size": 8,
+        "trainer": {"max_steps": 5, "log_every_n_steps": 1, "val_check_interval": 5, "limit_val_batches": 2},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+    }
+    merged = OmegaConf.merge(base, overrides, sft)
+    model = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"source": str(demo_dir / "tiny-llama"), "tokenizer": str(demo_dir / "tokenizer")})
+    logging_cfg = OmegaConf.structured(LoggingConfig)
+    logging_cfg.wandb.api_key = None
+    return {
+        "sft": OmegaConf.to_container(merged, enum_to_str=True),
+        "model": OmegaConf.to_container(model, enum_to_str=True),
+        "logging": OmegaConf.to_container(logging_cfg, enum_to_str=True),
+    }
+
+
+def metrics_lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cfg")
+    parser.add_argument("data")
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--pause-after-checkpoint", type=float, default=0.0)
+    args = parser.parse_args()
+
+    from alignflow.stages import sft
+    from alignflow.train import checkpointing
+
+    if args.pause_after_checkpoint:
+        save = checkpointing.save
+
+        def slow_save(*a, **kw):
+            path = save(*a, **kw)
+            print(f"checkpoint {path}", flush=True)
+            time.sleep(args.pause_after_checkpoint)
+            return path
+
+        checkpointing.save = slow_save
+    metrics = sft.run(OmegaConf.create(json.loads(Path(args.cfg).read_text())), {"data": args.data, "model": args.model}, args.out)
+    if int(os.environ.get("RANK", 0)) == 0:
+        (Path(args.out) / "result.json").write_text(json.dumps(metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
