@@ -18,11 +18,20 @@ from omegaconf import OmegaConf
 from alignflow.stages import worker_module
 
 
+# Library warnings that say nothing about the user's run, kept out of the Prefect logs.
+EXPECTED_WARNINGS = (
+    "Transformer Engine and Apex are not installed",  # on CPU
+    "Please use DTensor instead and we are deprecating ShardedTensor",  # Megatron's torch_dist strategy
+    "`load_state_dict` is deprecated",  # idem
+)
+
+
 def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str, storage_options: dict) -> dict:
     """Run `alignflow.stages.<stage>.run` on this rank; every rank returns its metrics."""
     rank = _setup_rank()
     _log_to_stdout(rank)
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")  # expected on CPU
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     _configure_storage(out, storage_options)
     config = OmegaConf.create(cfg)  # secrets are still `${oc.env:...}` here and resolve from this job's env
     module = importlib.import_module(worker_module(stage))

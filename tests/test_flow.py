@@ -13,6 +13,14 @@ from flows.align import align
 from flows.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
+FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1",
+        "eval.num_generation_samples=4", "eval.limit_batches=1"]
+STAGES = ["prep", "convert", "sft", "eval", "export"]
+
+
+@pytest.fixture
+def base_overrides(base_overrides):
+    return [*base_overrides, *FAST]
 
 
 def jobs_submitted(tmp_path) -> int:
@@ -28,20 +36,20 @@ async def artifact(key: str):
 
 def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
     results = align(pipeline="demo", overrides=base_overrides)
-    assert list(results) == ["prep", "convert", "export"]
+    assert list(results) == STAGES
     first = results["prep"]
     assert not any(r.cached for r in results.values()) and first.job["launcher"] == "local"
     manifest = json.loads((tmp_path / "store" / "prep" / first.fingerprint / "_SUCCESS.json").read_text())
     assert manifest["fingerprint"] == first.fingerprint and manifest["metrics"] == first.metrics
     assert {f["path"] for f in manifest["files"]} >= {"metadata.json", "sft/train-00000.parquet"}
     export_manifest = json.loads((tmp_path / "store" / "export" / results["export"].fingerprint / "_SUCCESS.json").read_text())
-    assert export_manifest["inputs"]["convert"]["uri"] == results["convert"].uri
-    assert jobs_submitted(tmp_path) == 3
+    assert export_manifest["inputs"]["sft"]["uri"] == results["sft"].uri
+    assert jobs_submitted(tmp_path) == 5
 
     again = align(pipeline="demo", overrides=base_overrides)
     assert all(r.cached for r in again.values())
     assert [r.uri for r in again.values()] == [r.uri for r in results.values()]
-    assert jobs_submitted(tmp_path) == 3  # cache hits submit no job
+    assert jobs_submitted(tmp_path) == 5  # cache hits submit no job
 
     summary = asyncio.run(artifact("align-demo"))
     for stage, result in results.items():
@@ -54,15 +62,16 @@ def test_changed_input_config_reruns_and_force_reruns(base_overrides, tmp_path):
     first = align(pipeline="demo", overrides=base_overrides)
     shorter = align(pipeline="demo", overrides=[*base_overrides, "data.seq_length=128"])
     assert shorter["prep"].fingerprint != first["prep"].fingerprint and not shorter["prep"].cached
-    assert shorter["convert"].cached and shorter["export"].cached  # they do not read the data
+    assert shorter["convert"].cached  # it does not read the data
+    assert not shorter["sft"].cached and shorter["sft"].fingerprint != first["sft"].fingerprint  # downstream of prep
     forced = align(pipeline="demo", overrides=base_overrides, force=["prep"])
     assert forced["prep"].fingerprint == first["prep"].fingerprint and not forced["prep"].cached
-    assert forced["convert"].cached
-    assert jobs_submitted(tmp_path) == 5
+    assert all(forced[s].cached for s in STAGES[1:])
+    assert jobs_submitted(tmp_path) == 5 + 4 + 1
 
 
 def test_pipeline_with_unbuilt_stages_is_refused_before_any_job(base_overrides, tmp_path):
-    with pytest.raises(PipelineNotReady, match="not built yet: sft, ref_logprobs, dpo, eval"):
+    with pytest.raises(PipelineNotReady, match="not built yet: dpo"):
         align(pipeline="sft_dpo", overrides=base_overrides)
     assert jobs_submitted(tmp_path) == 0
 
