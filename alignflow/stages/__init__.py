@@ -38,7 +38,7 @@ STAGES: dict[str, StageSpec] = {
     "convert": StageSpec(1, reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer"), built=True),
     "ref_logprobs": StageSpec(1, reads=("model",), built=True),
     "sft": StageSpec(1, reads=("model",), context=("logging",), resumable=True, built=True),
-    "dpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
+    "dpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True, built=True),
     "grpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
     "eval": StageSpec(1, reads=("model",), built=True),
     "export": StageSpec(1, built=True),

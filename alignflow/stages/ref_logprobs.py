@@ -28,32 +28,9 @@ from alignflow.checkpoint import HF_DIR, MODEL_DIR
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
 from alignflow.train.checkpointing import local_path
-from alignflow.train.data import list_column, packed_rows, read_split
+from alignflow.train.preference import SIDES, PreferencePairs, load_pairs
 
 log = logging.getLogger("alignflow.ref_logprobs")
-SIDES = ("chosen", "rejected")
-
-
-class PreferencePairs:
-    """Prep's preference rows as micro batches: the chosen rows of the pairs, then their rejected rows."""
-
-    def __init__(self, table: pa.Table, seq_length: int, pad_id: int):
-        self.sample_ids = table.column("sample_id").to_numpy()
-        self.columns = {side: (list_column(table, f"{side}_input_ids"), list_column(table, f"{side}_loss_mask")) for side in SIDES}
-        self.seq_length, self.pad_id = seq_length, pad_id
-
-    def __len__(self) -> int:
-        return len(self.sample_ids)
-
-    def rows(self, side: str, indices) -> list:
-        (ids, off), (mask, _) = self.columns[side]
-        return [(ids[off[i] : off[i + 1]], mask[off[i] : off[i + 1]], [0, int(off[i + 1] - off[i])]) for i in indices]
-
-    def collate(self, indices) -> dict:
-        return vars(packed_rows([*self.rows("chosen", indices), *self.rows("rejected", indices)], self.seq_length, self.pad_id))
-
-    def num_tokens(self, indices) -> int:
-        return sum(int(off[i + 1] - off[i]) for (_, off), _ in self.columns.values() for i in indices)
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
@@ -69,10 +46,10 @@ def run(cfg, inputs: dict, out: str) -> dict:
         checkpoint.load(chunks, str(model_dir / MODEL_DIR))
         metrics = {}
         for split in ("train", "val"):
-            table = read_split(f"{data}/preference", split)
-            if table is None or not table.num_rows:
+            pairs = load_pairs(data, split, meta["seq_length"], pad_id)
+            if pairs is None:
                 continue
-            result = pair_logprobs(chunks, PreferencePairs(table, meta["seq_length"], pad_id), section.micro_batch_size)
+            result = pair_logprobs(chunks, pairs, section.micro_batch_size)
             if result is not None:
                 write(result, out, split)
                 metrics |= {f"{split}.pairs": len(result["sample_id"]), f"{split}.mean_chosen_logp": float(np.mean(result["chosen_logp"]))}

@@ -5,9 +5,10 @@ A stage gives the engine three things, none of them subclasses:
   batches (dicts of tensors; see `alignflow.train.data.Dataset`);
 - `objective`: `Objective(forward, loss)`: `forward(model, batch)` runs one model chunk on a
   micro batch (on pipeline stages other than the last it returns the hidden states), and
-  `loss(output, batch)` (last stage only) returns `LossTerms(total, count)`: the summed loss
-  and how many units (tokens, pairs, ...) it sums over. The step's loss is
-  sum(total) / sum(count) over the whole global batch (all micro batches, all DP ranks).
+  `loss(output, batch)` (last stage only) returns `LossTerms(total, count, metrics)`: the
+  summed loss, how many units (tokens, pairs, ...) it sums over, and optional per-unit sums
+  of the metrics `Objective.metric_names` lists (e.g. DPO's reward accuracy). The step's loss
+  and metrics are sum / sum(count) over the whole global batch (all micro batches, all DP ranks).
 - the stage's config section (`TrainStageBase` as plain data) and the model to start from.
 
 `Trainer.setup()` builds everything in order (parallel groups, model, weights, optimizer,
@@ -33,7 +34,7 @@ import functools
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -62,12 +63,14 @@ log = logging.getLogger("alignflow.train")
 class LossTerms:
     total: Tensor  # summed loss of the micro batch (a scalar with grad)
     count: Tensor  # units it sums over (int scalar)
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # sums over the same units
 
 
 @dataclass
 class Objective:
     forward: Callable[[Any, dict], Tensor]
     loss: Callable[[Tensor, dict], LossTerms]
+    metric_names: tuple[str, ...] = ()  # every rank must know them: only the last stage computes them
 
 
 @dataclass
@@ -75,6 +78,7 @@ class TrainData:
     train: Dataset
     val: Optional[Dataset]
     seq_length: int  # every micro batch is padded to it (pipeline buffers have one shape)
+    rows_per_item: int = 1  # model rows per dataset item: 2 for preference pairs (chosen, rejected)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class StepStats:
     grad_norm: float
     lr: float
     tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -183,8 +188,9 @@ class Trainer:
                 now = time.time()
                 record = {"step": state.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                           "tokens": state.tokens, "tokens_per_s": window_tokens / max(now - window_start, 1e-9)}
+                record |= stats.metrics
                 if val_loss is not None:
-                    record["val_loss"] = val_loss
+                    record |= {"val_loss": val_loss, **self.last_val_metrics}
                 if self.metrics is not None:
                     self.metrics.write(record, self.total_steps)
                 window_start, window_tokens = now, 0
@@ -206,7 +212,7 @@ class Trainer:
                    total_steps=self.total_steps, schedule=cfg.optim.schedule)
         micro = dp_micro_batches(indices, cfg.micro_batch_size, self.dp_rank, self.dp_size)
         self.optimizer.zero_grad(set_to_none=True)
-        total, count = self.run_micro_batches(micro, forward_only=False)
+        total, count, metrics = self.run_micro_batches(micro, forward_only=False)
         params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         reduce_gradients(self.chunks, params, scale=1.0 / max(count, 1.0))
         grad_norm = clip_grad_norm(params, cfg.trainer.gradient_clip_val)
@@ -214,23 +220,27 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         tokens = sum(self.data.train.num_tokens(m) for m in micro)
-        return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=all_reduce_dp(tokens))
+        return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=all_reduce_dp(tokens),
+                         metrics={k: v / max(count, 1.0) for k, v in metrics.items()})
 
-    def run_micro_batches(self, micro: list[np.ndarray], dataset: Optional[Dataset] = None, forward_only: bool = False) -> tuple[float, float]:
-        """Forward (and backward) `micro`; returns the global (loss sum, count) on every rank."""
+    def run_micro_batches(self, micro: list[np.ndarray], dataset: Optional[Dataset] = None,
+                          forward_only: bool = False) -> tuple[float, float, dict[str, float]]:
+        """Forward (and backward) `micro`; returns the global (loss sum, count, metric sums) on every rank."""
         dataset = dataset or self.data.train
         batches = [to_device(dataset.collate(m)) for m in micro]
         outputs = get_forward_backward_func()(
             forward_step_func=self._forward_step, data_iterator=[iter(batches) for _ in self.chunks],
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0], num_microbatches=len(batches),
-            seq_length=self.data.seq_length, micro_batch_size=self.cfg.micro_batch_size, forward_only=forward_only,
+            seq_length=self.data.seq_length, micro_batch_size=self.cfg.micro_batch_size * self.data.rows_per_item,
+            forward_only=forward_only,
         )
-        sums = torch.zeros(2, dtype=torch.float64, device=device())
+        names = self.objective.metric_names
+        sums = torch.zeros(2 + len(names), dtype=torch.float64, device=device())
         for out in outputs:
             sums += out["terms"].double()
         dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage has it
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        return sums[0].item(), sums[1].item()
+        return sums[0].item(), sums[1].item(), {name: sums[2 + i].item() for i, name in enumerate(names)}
 
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
@@ -238,7 +248,8 @@ class Trainer:
 
     def _loss(self, batch: dict, output: Tensor):
         terms = self.objective.loss(output, batch)
-        reported = torch.stack([terms.total.detach().float(), terms.count.detach().float()])
+        extra = [terms.metrics[name].detach().float() for name in self.objective.metric_names]
+        reported = torch.stack([terms.total.detach().float(), terms.count.detach().float(), *extra])
         return terms.total, terms.count.to(torch.int), {"terms": reported}
 
     # ------------------------------------------------------------------ validation, early stopping
@@ -253,10 +264,11 @@ class Trainer:
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad():
-            total, count = self.run_micro_batches(micro, self.data.val, forward_only=True)
+            total, count, metrics = self.run_micro_batches(micro, self.data.val, forward_only=True)
         for chunk in self.chunks:
             chunk.train()
         self.state.last_val_loss = total / max(count, 1.0)
+        self.last_val_metrics = {f"val_{k}": v / max(count, 1.0) for k, v in metrics.items()}
         return self.state.last_val_loss
 
     def track_early_stopping(self, val_loss: Optional[float]) -> None:

@@ -1,0 +1,89 @@
+"""The dpo stage: DPO-family training from precomputed reference log-probs.
+
+Supported: the losses of `alignflow.losses.preference` (sigmoid DPO with `beta`, IPO,
+conservative DPO via `label_smoothing`), `sft_loss_weight`, `preference_loss_weight`,
+`preference_average_log_probs` and `sft_average_log_probs`, on the training engine of
+`alignflow.train` (TP/PP/DP, checkpoints and exact resume, as SFT). The reference model never
+runs here: `inputs["ref_logprobs"]` holds its per-pair log-prob sums and token counts,
+computed once by the ref_logprobs stage and joined on sample_id. The chosen and rejected
+sequences of a pair share a micro batch, so a pair's loss is computed where both are.
+Metrics per step (and per validation): loss, reward_accuracy, chosen_reward,
+rejected_reward, reward_margin, preference_loss, sft_loss.
+
+Output: the final policy in the `alignflow.checkpoint` layout, and metrics.jsonl.
+"""
+
+import json
+import logging
+
+import fsspec
+import torch
+from omegaconf import OmegaConf
+
+from alignflow.checkpoint import HF_DIR
+from alignflow.losses.preference import PreferenceLoss, PreferenceLossConfig, preference_loss
+from alignflow.stages.sft import publish, sft_forward
+from alignflow.train.checkpointing import local_path
+from alignflow.train.engine import LossTerms, Objective, Trainer, TrainData
+from alignflow.train.preference import load_pairs
+
+log = logging.getLogger("alignflow.dpo")
+METRICS = tuple(name for name in PreferenceLoss.__dataclass_fields__ if name != "loss")
+
+
+def dpo_objective(cfg: PreferenceLossConfig) -> Objective:
+    def loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
+        out = pair_loss(cfg, per_token, batch)
+        n = batch["ref_chosen_logp"].shape[0]
+        sums = {name: getattr(out, name) * n for name in METRICS}
+        return LossTerms(total=out.loss * n, count=torch.tensor(n, dtype=torch.int64), metrics=sums)
+
+    return Objective(forward=sft_forward, loss=loss, metric_names=METRICS)
+
+
+def pair_loss(cfg: PreferenceLossConfig, per_token: torch.Tensor, batch: dict) -> PreferenceLoss:
+    """The preference loss of a micro batch (chosen rows, then rejected rows) from per-token NLL."""
+    mask = batch["loss_mask"]
+    n = batch["ref_chosen_logp"].shape[0]
+    sums = -(per_token.float() * mask).sum(-1)
+    tokens = mask.sum(-1).clamp(min=1)
+    policy = sums / tokens if cfg.preference_average_log_probs else sums
+    ref = {side: batch[f"ref_{side}_logp"].to(sums.dtype) for side in ("chosen", "rejected")}
+    if cfg.preference_average_log_probs:
+        ref = {side: ref[side] / batch[f"ref_{side}_tokens"].clamp(min=1).to(sums.dtype) for side in ref}
+    chosen_nll = -(sums[:n] / tokens[:n] if cfg.sft_average_log_probs else sums[:n])
+    return preference_loss(cfg, policy[:n], policy[n:], ref["chosen"], ref["rejected"], chosen_nll)
+
+
+def load_data(data_uri: str, reference_uri: str) -> TrainData:
+    with fsspec.open(f"{data_uri.rstrip('/')}/metadata.json") as f:
+        meta = json.load(f)
+    tok = meta["tokenizer"]
+    pad_id = tok["pad_token_id"] if tok["pad_token_id"] is not None else tok["eos_token_id"]
+    train = load_pairs(data_uri, "train", meta["seq_length"], pad_id, reference_uri)
+    if train is None:
+        raise FileNotFoundError(f"{data_uri}/preference has no train-*.parquet: run prep with data.preference set")
+    val = load_pairs(data_uri, "val", meta["seq_length"], pad_id, reference_uri)
+    return TrainData(train=train, val=val, seq_length=meta["seq_length"], rows_per_item=2)
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    model_dir = local_path(inputs["model"])
+    hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
+    objective = dpo_objective(PreferenceLossConfig.from_stage(cfg.dpo))
+    data = load_data(inputs["data"], inputs["ref_logprobs"])
+    trainer = Trainer(cfg.dpo, cfg.model, hf_config, str(model_dir), data, objective, out, OmegaConf.select(cfg, "logging.wandb"), name="dpo")
+    try:
+        trainer.setup()
+        result = trainer.train()
+        if trainer.rank == 0:
+            publish(result.checkpoint, model_dir, local_path(out))
+    finally:
+        trainer.cleanup()
+    return {
+        "train_loss": result.train_loss,
+        "val_loss": result.val_loss,
+        "steps": result.steps,
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "stopped_early": result.stopped_early,
+    }
