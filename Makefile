@@ -9,7 +9,7 @@ install-dev:
 
 demo: install
 	.venv/bin/align demo
-	.venv/bin/align run pipeline=demo
+	.venv/bin/align run pipeline=sft_dpo
 
 test: install-dev
 	.venv/bin/python -m pytest -x -q --timeout=900

@@ -71,16 +71,16 @@ def test_changed_input_config_reruns_and_force_reruns(base_overrides, tmp_path):
 
 
 def test_pipeline_with_unbuilt_stages_is_refused_before_any_job(base_overrides, tmp_path):
-    with pytest.raises(PipelineNotReady, match="not built yet: dpo"):
-        align(pipeline="sft_dpo", overrides=base_overrides)
+    with pytest.raises(PipelineNotReady, match="not built yet: grpo"):
+        align(pipeline="sft_grpo", overrides=base_overrides)
     assert jobs_submitted(tmp_path) == 0
 
 
 def test_plan_marks_committed_stages(base_overrides, capsys):
     align(pipeline="demo", overrides=base_overrides)
-    assert main(["plan", "pipeline=sft_dpo", *base_overrides]) == 0
+    assert main(["plan", "pipeline=sft_grpo", *base_overrides]) == 0
     out = capsys.readouterr().out
-    for stage in ("prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"):
+    for stage in ("prep", "convert", "sft", "grpo", "eval", "export"):
         assert stage in out
     assert "not built" in out
     assert main(["plan", "pipeline=demo", *base_overrides]) == 0

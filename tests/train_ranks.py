@@ -1,9 +1,9 @@
 """Helpers for the SFT tests, and the job they run in a subprocess or on ranks under torchrun.
 
-    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT
+    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT [--stage dpo --ref-logprobs REF]
     python tests/train_ranks.py CFG.json DATA MODEL OUT --pause-after-checkpoint 2
 
-Each rank calls `alignflow.stages.sft.run(cfg, {"data": DATA, "model": MODEL}, OUT)`; rank 0
+Each rank calls `alignflow.stages.<stage>.run(cfg, {"data": DATA, "model": MODEL, ...}, OUT)`; rank 0
 writes the returned metrics to OUT/result.json. `--pause-after-checkpoint` sleeps after every
 checkpoint so that a test can kill the job between two checkpoints.
 """
@@ -62,9 +62,14 @@ def convert_demo(demo_dir: Path, out: Path, **hf_overrides) -> Path:
 
 def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
     """The schema's SFT defaults as plain data, with `sft` merged over them (nested dicts)."""
-    from alignflow.config.schema import LoggingConfig, ModelConfig, SFTConfig
+    return stage_cfg("sft", demo_dir, tp, pp, **sft)
 
-    base = OmegaConf.structured(SFTConfig)
+
+def stage_cfg(stage: str, demo_dir: Path, tp: int = 1, pp: int = 1, **section) -> dict:
+    """The schema's defaults of a training stage (sft, dpo) as plain data, `section` merged over them."""
+    from alignflow.config.schema import DPOConfig, LoggingConfig, ModelConfig, SFTConfig
+
+    base = OmegaConf.structured({"sft": SFTConfig, "dpo": DPOConfig}[stage])
     base.optim.min_lr = 1e-4  # the default is an interpolation of the composed config
     overrides = {
         "resources": {"tasks_per_node": tp * pp},
@@ -73,12 +78,12 @@ def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
         "trainer": {"max_steps": 5, "log_every_n_steps": 1, "val_check_interval": 5, "limit_val_batches": 2},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
     }
-    merged = OmegaConf.merge(base, overrides, sft)
+    merged = OmegaConf.merge(base, overrides, section)
     model = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"source": str(demo_dir / "tiny-llama"), "tokenizer": str(demo_dir / "tokenizer")})
     logging_cfg = OmegaConf.structured(LoggingConfig)
     logging_cfg.wandb.api_key = None
     return {
-        "sft": OmegaConf.to_container(merged, enum_to_str=True),
+        stage: OmegaConf.to_container(merged, enum_to_str=True),
         "model": OmegaConf.to_container(model, enum_to_str=True),
         "logging": OmegaConf.to_container(logging_cfg, enum_to_str=True),
     }
@@ -95,9 +100,11 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--pause-after-checkpoint", type=float, default=0.0)
+    parser.add_argument("--stage", default="sft", choices=["sft", "dpo"])
+    parser.add_argument("--ref-logprobs", default=None)
     args = parser.parse_args()
 
-    from alignflow.stages import sft
+    from alignflow.stages import dpo, sft
     from alignflow.train import checkpointing
 
     if args.pause_after_checkpoint:
@@ -110,7 +117,9 @@ def main() -> int:
             return path
 
         checkpointing.save = slow_save
-    metrics = sft.run(OmegaConf.create(json.loads(Path(args.cfg).read_text())), {"data": args.data, "model": args.model}, args.out)
+    inputs = {"data": args.data, "model": args.model} | ({"ref_logprobs": args.ref_logprobs} if args.ref_logprobs else {})
+    stage = {"sft": sft, "dpo": dpo}[args.stage]
+    metrics = stage.run(OmegaConf.create(json.loads(Path(args.cfg).read_text())), inputs, args.out)
     if int(os.environ.get("RANK", 0)) == 0:
         (Path(args.out) / "result.json").write_text(json.dumps(metrics))
     return 0
