@@ -21,6 +21,8 @@ from alignflow.stages import worker_module
 # Library warnings that say nothing about the user's run, kept out of the Prefect logs.
 EXPECTED_WARNINGS = (
     "Transformer Engine and Apex are not installed",  # on CPU
+    "Apex is not installed",  # idem
+    "full scope is deprecated",  # Megatron's own TransformerConfig default
     "Please use DTensor instead and we are deprecating ShardedTensor",  # Megatron's torch_dist strategy
     "`load_state_dict` is deprecated",  # idem
 )

@@ -48,7 +48,7 @@ def test_cross_field_checks(base_overrides, overrides, message):
 
 def test_key_under_a_dropped_section_is_a_config_error(base_overrides):
     with pytest.raises(ConfigError, match="null"):
-        compose("sft_dpo", [*base_overrides, "data.prompts.train=x"])  # sft_dpo drops data.prompts
+        compose("sft_grpo", [*base_overrides, "data.preference.train=x"])  # sft_grpo drops data.preference
 
 
 def test_all_problems_reported_at_once(base_overrides):
@@ -69,7 +69,6 @@ def test_config_is_read_only(base_overrides):
 
 
 def test_pipeline_drops_unused_datasets(base_overrides):
-    assert compose("sft_dpo", base_overrides).data.prompts is None
     assert compose("sft_grpo", base_overrides).data.preference is None
 
 

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 from alignflow import PROJECT_ROOT
 from alignflow.config.schema import AlignConfig

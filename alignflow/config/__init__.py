@@ -5,7 +5,6 @@ with `AlignConfig` as the typed schema, then cross-field validation. The returne
 config is read-only: nothing mutates it after validation.
 """
 
-from pathlib import Path
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir

@@ -14,20 +14,15 @@ Output: the final policy in the `alignflow.checkpoint` layout, and metrics.jsonl
 """
 
 import json
-import logging
 
 import fsspec
 import torch
-from omegaconf import OmegaConf
 
-from alignflow.checkpoint import HF_DIR
 from alignflow.losses.preference import PreferenceLoss, PreferenceLossConfig, preference_loss
-from alignflow.stages.sft import publish, sft_forward
-from alignflow.train.checkpointing import local_path
-from alignflow.train.engine import LossTerms, Objective, Trainer, TrainData
+from alignflow.stages.sft import sft_forward
+from alignflow.train.engine import LossTerms, Objective, TrainData, run_training_stage
 from alignflow.train.preference import load_pairs
 
-log = logging.getLogger("alignflow.dpo")
 METRICS = tuple(name for name in PreferenceLoss.__dataclass_fields__ if name != "loss")
 
 
@@ -68,22 +63,5 @@ def load_data(data_uri: str, reference_uri: str) -> TrainData:
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    model_dir = local_path(inputs["model"])
-    hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
     objective = dpo_objective(PreferenceLossConfig.from_stage(cfg.dpo))
-    data = load_data(inputs["data"], inputs["ref_logprobs"])
-    trainer = Trainer(cfg.dpo, cfg.model, hf_config, str(model_dir), data, objective, out, OmegaConf.select(cfg, "logging.wandb"), name="dpo")
-    try:
-        trainer.setup()
-        result = trainer.train()
-        if trainer.rank == 0:
-            publish(result.checkpoint, model_dir, local_path(out))
-    finally:
-        trainer.cleanup()
-    return {
-        "train_loss": result.train_loss,
-        "val_loss": result.val_loss,
-        "steps": result.steps,
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "stopped_early": result.stopped_early,
-    }
+    return run_training_stage("dpo", cfg, inputs, load_data(inputs["data"], inputs["ref_logprobs"]), objective, out)

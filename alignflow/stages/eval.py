@@ -32,6 +32,7 @@ from alignflow.train.checkpointing import local_path
 from alignflow.train.data import list_column, packed_rows, read_split
 
 log = logging.getLogger("alignflow.eval")
+HEADLINE = ("accuracy", "preference_accuracy", "val_loss", "perplexity")
 SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
                "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
 
@@ -52,6 +53,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
             log.info("%s: %s", name, results)
     finally:
         runtime.teardown()
+    metrics = {k: metrics[k] for k in sorted(metrics, key=lambda k: HEADLINE.index(k.split(".")[-1]))}  # accuracies lead summaries
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     fs.pipe(f"{root.rstrip('/')}/eval.json", json.dumps({"metrics": metrics, "samples": samples}, indent=2).encode())

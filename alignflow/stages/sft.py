@@ -29,20 +29,13 @@ Simplified:
 """
 
 import json
-import logging
-import shutil
 from typing import Sequence
 
 import fsspec
 import torch
-from omegaconf import OmegaConf
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
-from alignflow.train.checkpointing import local_path
 from alignflow.train.data import list_column, packed_rows, read_split
-from alignflow.train.engine import LossTerms, Objective, Trainer, TrainData
-
-log = logging.getLogger("alignflow.sft")
+from alignflow.train.engine import LossTerms, Objective, TrainData, run_training_stage
 
 
 class PackedSFT:
@@ -99,34 +92,4 @@ def load_data(data_uri: str) -> TrainData:
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    model_dir = local_path(inputs["model"])
-    hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
-    wandb_cfg = OmegaConf.select(cfg, "logging.wandb")
-    trainer = Trainer(cfg.sft, cfg.model, hf_config, str(model_dir), load_data(inputs["data"]), SFT, out, wandb_cfg, name="sft")
-    try:
-        trainer.setup()
-        result = trainer.train()
-        if trainer.rank == 0:
-            publish(result.checkpoint, model_dir, local_path(out))
-    finally:
-        trainer.cleanup()
-    return {
-        "train_loss": result.train_loss,
-        "val_loss": result.val_loss,
-        "steps": result.steps,
-        "tokens": result.tokens,
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "stopped_early": result.stopped_early,
-    }
-
-
-def publish(checkpoint, model_dir, out) -> None:
-    """The final checkpoint's weights as `{out}/model`, with the input model's hf/ and tokenizer/."""
-    for name, source in ((MODEL_DIR, checkpoint / "model"), (HF_DIR, model_dir / HF_DIR), (TOKENIZER_DIR, model_dir / TOKENIZER_DIR)):
-        tmp = out / f".tmp-{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        if source.exists():
-            shutil.copytree(source, tmp)
-            shutil.rmtree(out / name, ignore_errors=True)
-            tmp.rename(out / name)
-    log.info("final model at %s", out / MODEL_DIR)
+    return run_training_stage("sft", cfg, inputs, load_data(inputs["data"]), SFT, out)

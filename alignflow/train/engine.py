@@ -31,6 +31,7 @@ the TP/PP/DP layout (the per-rank optimizer files are not resharded).
 """
 
 import functools
+import json
 import logging
 import shutil
 import time
@@ -45,7 +46,10 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import param_is_not_shared
+from omegaconf import OmegaConf
 from torch import Tensor
+
+from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
 
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import runtime
@@ -375,3 +379,38 @@ def _all_reduce_flat(tensors: list[Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
         t.copy_(synced)
+
+
+def run_training_stage(name: str, cfg: Any, inputs: dict, data: TrainData, objective: Objective, out: str) -> dict:
+    """What a training stage's `run` does: train `cfg[name]` from `inputs["model"]`, then
+    publish the final weights as `{out}/model` beside the input model's hf/ and tokenizer/."""
+    model_dir = checkpointing.local_path(inputs["model"])
+    hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
+    trainer = Trainer(cfg[name], cfg.model, hf_config, str(model_dir), data, objective, out, OmegaConf.select(cfg, "logging.wandb"), name=name)
+    try:
+        trainer.setup()
+        result = trainer.train()
+        if trainer.rank == 0:
+            publish(result.checkpoint, model_dir, checkpointing.local_path(out))
+    finally:
+        trainer.cleanup()
+    return {
+        "train_loss": result.train_loss,
+        "val_loss": result.val_loss,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "stopped_early": result.stopped_early,
+    }
+
+
+def publish(checkpoint: Path, model_dir: Path, out: Path) -> None:
+    """The final checkpoint's weights as `{out}/model`, with the input model's hf/ and tokenizer/."""
+    for name, source in ((MODEL_DIR, checkpoint / "model"), (HF_DIR, model_dir / HF_DIR), (TOKENIZER_DIR, model_dir / TOKENIZER_DIR)):
+        tmp = out / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if source.exists():
+            shutil.copytree(source, tmp)
+            shutil.rmtree(out / name, ignore_errors=True)
+            tmp.rename(out / name)
+    log.info("final model at %s", out / MODEL_DIR)
