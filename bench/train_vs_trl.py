@@ -5,8 +5,9 @@ chat template), same effective batch (micro 4 x accumulation 4 = 16 rows per ste
 to 256 tokens for SFT), same number of steps. Each measurement runs in a fresh process so
 its peak RSS (VmHWM) is its own; throughput counts real (non-pad) tokens per second of the
 training loop (the reference pass: of the forward loop over the training pairs).
-- ours: `alignflow.stages.sft.run`, `ref_logprobs.run`, `dpo.run` (reading the precomputed
-  reference log-probs), as the pipeline runs them (checkpoints included);
+- ours: `alignflow.stages.sft.run` and `dpo.run` (reading the precomputed reference
+  log-probs) as the pipeline runs them (checkpoints included), and the forward loop of the
+  ref_logprobs stage (`pair_logprobs`);
 - TRL: `SFTTrainer` (packing, bfd), `DPOTrainer` with `precompute_ref_log_probs=True`
   (training only), and TRL's precompute loop (`compute_ref_log_probs` over its dataloader).
 
@@ -69,11 +70,18 @@ def ours(kind: str, work: Path) -> dict:
     demo, inputs = work / "demo", {"data": str(work / "prep"), "model": str(work / "model")}
     if kind == "sft":
         return {"tokens_per_s": sft.run(stage_cfg("sft", demo), inputs, str(work / "ours-sft"))["tokens_per_s"]}
-    if kind == "ref":
-        started = time.perf_counter()
+    if kind == "ref":  # the stage writes the reference DPO reads; then its forward loop alone is timed, as TRL's
+        from alignflow.megatron import runtime
+        from alignflow.stages.eval import SINGLE_RANK, load_model
+        from alignflow.train.preference import load_pairs
+
         ref_logprobs.run(stage_cfg("dpo", demo), inputs, str(work / "ours-ref"))
-        pairs = json.loads((work / "prep" / "metadata.json").read_text())["preference"]["splits"]["train"]
-        return {"tokens_per_s": pairs["tokens"] / (time.perf_counter() - started)}
+        runtime.init_parallel(SINGLE_RANK)
+        model, _ = load_model(inputs["model"], 128)
+        pairs = load_pairs(inputs["data"], "train", SEQ, 0)
+        started = time.perf_counter()
+        ref_logprobs.pair_logprobs([model], pairs, MICRO)
+        return {"tokens_per_s": pairs.num_tokens(range(len(pairs))) / (time.perf_counter() - started)}
     return {"tokens_per_s": dpo.run(stage_cfg("dpo", demo), {**inputs, "ref_logprobs": str(work / "ours-ref")}, str(work / "ours-dpo"))["tokens_per_s"]}
 
 

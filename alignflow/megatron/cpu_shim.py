@@ -9,9 +9,11 @@ Each patch keeps Megatron's own code path and only moves what it pins to CUDA on
   `get_emb`, pipeline p2p receive buffers, TP gathers); on a CPU-only torch it raises, so
   it answers the CPU device. Nothing else calls it where CUDA is absent.
 - Tensors created on "cuda" by name: the default and sliding-window causal masks
-  (`transformer/utils.py`), the token counter of the pipeline schedules (`torch.zeros(...,
-  device="cuda")`) and the tied embedding's `.cuda()` when the output layer lives on another
-  pipeline stage. Those functions run under `_CudaOnCpu`, which places them on the CPU.
+  (`transformer/utils.py`) and the tied embedding's `.cuda()` when the output layer lives on
+  another pipeline stage run under `_CudaOnCpu`, which places them on the CPU. The pipeline
+  schedules' token counter (`torch.zeros(..., device="cuda")`) is the only CUDA use in
+  `schedules.py`, which therefore sees `_TorchOnCpu` as its `torch`: a TorchFunctionMode
+  around a whole schedule would tax every op of the model's forward and backward.
 
 - `torch.cuda.synchronize()`: a no-op, as there is no device queue to wait for (Megatron's
   checkpoint writer calls it before saving; the model is built with `batch_p2p_sync=False`).
@@ -23,6 +25,7 @@ fused kernels, and Transformer Engine (absent on CPU anyway).
 import contextlib
 import functools
 import logging
+import types
 
 import torch
 from megatron.core.fusions import fused_softmax
@@ -93,11 +96,20 @@ CUDA_BY_NAME = (
     (transformer_utils, "get_sliding_window_causal_mask"),
     (fused_softmax, "get_default_causal_mask"),  # imported by name there
     (fused_softmax, "get_sliding_window_causal_mask"),
-    (schedules, "forward_backward_no_pipelining"),
-    (schedules, "forward_backward_pipelining_without_interleaving"),
-    (schedules, "forward_backward_pipelining_with_interleaving"),
     (LanguageModule, "setup_embeddings_and_output_layer"),
 )
+
+
+class _TorchOnCpu(types.ModuleType):
+    """`torch` as `pipeline_parallel/schedules.py` sees it: zeros asked for on "cuda" land on the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        return torch.zeros(*args, device="cpu" if on_cuda else device, **kwargs)
 
 
 def apply() -> None:
@@ -108,6 +120,7 @@ def apply() -> None:
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # what initialize_rng_tracker instantiates
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
+    schedules.torch = _TorchOnCpu("torch")
     for owner, name in CUDA_BY_NAME:
         setattr(owner, name, _on_cpu(getattr(owner, name)))
     _applied = True

@@ -59,7 +59,11 @@ def load_data(data_uri: str, reference_uri: str) -> TrainData:
     if train is None:
         raise FileNotFoundError(f"{data_uri}/preference has no train-*.parquet: run prep with data.preference set")
     val = load_pairs(data_uri, "val", meta["seq_length"], pad_id, reference_uri)
-    return TrainData(train=train, val=val, seq_length=meta["seq_length"], rows_per_item=2)
+    length = max(train.seq_length, val.seq_length if val is not None else 0)
+    for pairs in (train, val):
+        if pairs is not None:
+            pairs.seq_length = length  # one length for every micro batch: pipeline buffers have one shape
+    return TrainData(train=train, val=val, seq_length=length, rows_per_item=2)
 
 
 def run(cfg, inputs: dict, out: str) -> dict:

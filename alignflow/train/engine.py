@@ -173,11 +173,15 @@ class Trainer:
 
     def train(self) -> TrainResult:
         cfg, state = self.cfg.trainer, self.state
-        started, window_start, window_tokens, first_tokens = time.time(), time.time(), 0, state.tokens
+        # Throughput counts the time of training steps only: validation and checkpoints are I/O.
+        step_seconds, window_seconds, window_tokens, first_tokens = 0.0, 0.0, 0, state.tokens
         for chunk in self.chunks:
             chunk.train()
         while state.step < self.total_steps and not state.stopped_early:
+            step_started = time.perf_counter()
             stats = self.train_step(self.batches.indices(state.position))
+            step_seconds += time.perf_counter() - step_started
+            window_seconds += time.perf_counter() - step_started
             state.step += 1
             state.position = self.batches.next(state.position)
             state.tokens += stats.tokens
@@ -189,24 +193,22 @@ class Trainer:
                 val_loss = self.validate()
                 self.track_early_stopping(val_loss)
             if val_loss is not None or last or state.step == 1 or _every(state.step, cfg.log_every_n_steps):
-                now = time.time()
                 record = {"step": state.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                          "tokens": state.tokens, "tokens_per_s": window_tokens / max(now - window_start, 1e-9)}
+                          "tokens": state.tokens, "tokens_per_s": window_tokens / max(window_seconds, 1e-9)}
                 record |= stats.metrics
                 if val_loss is not None:
                     record |= {"val_loss": val_loss, **self.last_val_metrics}
                 if self.metrics is not None:
                     self.metrics.write(record, self.total_steps)
-                window_start, window_tokens = now, 0
+                window_seconds, window_tokens = 0.0, 0
             if last or state.stopped_early or _every(state.step, self.cfg.checkpoint.every_n_steps):
                 self.save_checkpoint()
-        seconds = time.time() - started
         final = checkpointing.complete_steps(self.checkpoints)
         if not final or final[-1] != state.step:  # e.g. zero steps ran: nothing to resume from yet
             self.save_checkpoint()
         return TrainResult(
             steps=state.step, train_loss=state.last_loss, val_loss=state.last_val_loss, tokens=state.tokens,
-            tokens_per_s=(state.tokens - first_tokens) / max(seconds, 1e-9),
+            tokens_per_s=(state.tokens - first_tokens) / max(step_seconds, 1e-9),
             stopped_early=state.stopped_early, checkpoint=checkpointing.step_dir(self.checkpoints, state.step),
         )
 

@@ -1,6 +1,9 @@
 """Preference pairs as micro batches: the chosen rows of the pairs, then their rejected rows.
 
-Rows come from prep's `preference/` Parquet (single documents, so `cu_seqlens` is [0, n]);
+Rows come from prep's `preference/` Parquet (single documents, so `cu_seqlens` is [0, n]),
+padded to the longest sequence of the dataset rounded up to a multiple of 8, not to the
+prep's seq_length: pairs are usually far shorter than a packed SFT row, and one length for
+every micro batch keeps pipeline-parallel buffers a fixed shape;
 with `reference` (the ref_logprobs stage's output for the same split, joined on sample_id)
 each micro batch also carries the reference model's per-pair log-prob sums and token counts.
 """
@@ -14,6 +17,7 @@ import torch
 from alignflow.train.data import list_column, packed_rows, read_split
 
 SIDES = ("chosen", "rejected")
+PAD_MULTIPLE = 8
 REFERENCE_COLUMNS = ("chosen_logp", "rejected_logp", "chosen_tokens", "rejected_tokens")
 
 
@@ -21,7 +25,8 @@ class PreferencePairs:
     def __init__(self, table: pa.Table, seq_length: int, pad_id: int, reference: pa.Table | None = None):
         self.sample_ids = table.column("sample_id").to_numpy()
         self.columns = {side: (list_column(table, f"{side}_input_ids"), list_column(table, f"{side}_loss_mask")) for side in SIDES}
-        self.seq_length, self.pad_id = seq_length, pad_id
+        longest = max(int(np.diff(off).max(initial=1)) for (_, off), _ in self.columns.values())
+        self.seq_length, self.pad_id = min(seq_length, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE), pad_id
         self.reference = _aligned(reference, self.sample_ids) if reference is not None else None
 
     def __len__(self) -> int:
