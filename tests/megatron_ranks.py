@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from alignflow.convert.sharding import hf_to_megatron
+from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.megatron.model import build_gpt, load_megatron_state
 
@@ -85,6 +86,32 @@ def megatron_logits(chunks: list, ids: torch.Tensor) -> Optional[torch.Tensor]:
 def max_logit_error(case: str, parallel: dict, hf_state: dict) -> Optional[float]:
     """Convert `case` for this rank, run it, and return max |Megatron - HF| (None off the last stage)."""
     hf_model, hf_config = tiny_hf_model(case)
+    chunks = converted_chunks(hf_config, parallel, hf_state)
+    ids = tokens()
+    with torch.no_grad():
+        logits = megatron_logits(chunks, ids)
+        if logits is None:
+            return None
+        return (logits[..., : hf_config["vocab_size"]] - hf_model(ids).logits).abs().max().item()
+
+
+def greedy_mismatches(case: str, parallel: dict, hf_state: dict) -> int:
+    """Prompts whose KV-cached Megatron greedy completion differs from HF's `generate` (every rank checks)."""
+    hf_model, hf_config = tiny_hf_model(case)
+    chunks = converted_chunks(hf_config, parallel, hf_state)
+    prompts = [ids.tolist() for ids in tokens(batch=4, seq=6)] + [ids.tolist() for ids in tokens(batch=2, seq=9)]
+    eos = prompts[0][-1]  # a token the model is likely to produce, so some completions stop early
+    sampling = Sampling(max_new_tokens=12, eos_id=eos, vocab_size=hf_config["vocab_size"])
+    ours = generate(chunks, prompts, sampling, batch_size=3)
+    mismatches = 0
+    for prompt, completion in zip(prompts, ours):
+        theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        mismatches += theirs[0, len(prompt) :].tolist() != completion.tokens
+    return mismatches
+
+
+def converted_chunks(hf_config: dict, parallel: dict, hf_state: dict) -> list:
+    """This rank's Megatron chunks with its share of the converted HF weights, in eval mode."""
     built = build_gpt(hf_config, parallel)
     chunks = built if isinstance(built, list) else [built]
     vp_size = parallel["virtual_pipeline_model_parallel_size"]
@@ -95,12 +122,7 @@ def max_logit_error(case: str, parallel: dict, hf_state: dict) -> Optional[float
             parallel_state.get_pipeline_model_parallel_rank(), parallel["pipeline_model_parallel_size"],
             vp_stage=vp_stage if vp_size else None, vp_size=vp_size,
         ))
-    ids = tokens()
-    with torch.no_grad():
-        logits = megatron_logits(chunks, ids)
-        if logits is None:
-            return None
-        return (logits[..., : hf_config["vocab_size"]] - hf_model(ids).logits).abs().max().item()
+    return chunks
 
 
 def parallel_cfg(tp: int = 1, pp: int = 1, vp: Optional[int] = None) -> dict:
@@ -113,6 +135,7 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vp", type=int, default=None)
+    parser.add_argument("--generate", action="store_true", help="also compare KV-cached greedy generation with HF's")
     parser.add_argument("cases", nargs="+", choices=sorted(CASES))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:  # saved before init: HF saves on rank 0 only once distributed
@@ -125,6 +148,10 @@ def main() -> int:
         if error is not None:
             print(f"{case} tp={args.tp} pp={args.pp} vp={args.vp}: max |logits - HF| = {error:.2e}", flush=True)
             failed |= not error < TOLERANCE
+        if args.generate:
+            mismatches = greedy_mismatches(case, parallel, hf_state)
+            print(f"{case} tp={args.tp} pp={args.pp}: {mismatches} greedy completions differ from HF's", flush=True)
+            failed |= mismatches > 0
     runtime.teardown()
     return int(failed)
 

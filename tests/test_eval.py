@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.stages import convert, eval as eval_stage, prep
 
@@ -54,10 +55,10 @@ def test_megatron_greedy_equals_hf_greedy(outputs, demo_dir):
     try:
         model, _ = eval_stage.load_model(str(root / "convert" / "c1"), 128)
         with torch.no_grad():
-            got = eval_stage.greedy(model, prompt, 10, eos_id=-1, vocab_size=hf.config.vocab_size)
+            got = generate(model, prompt.tolist(), Sampling(10, eos_id=-1, vocab_size=hf.config.vocab_size), batch_size=2)
     finally:
         runtime.teardown()
-    assert got == expected.tolist()
+    assert [c.tokens for c in got] == expected.tolist()
 
 
 def test_ref_logprobs_equal_eval_response_logps(outputs, tmp_path):

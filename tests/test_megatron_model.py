@@ -85,14 +85,17 @@ def test_unsupported_architecture_fails_before_building():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--vp", "2"]], ids=["tp2", "pp2", "pp2-vp2"])
-def test_two_ranks_logits_match_hf(layout):
+def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
+    """Logits at TP2 / PP2 / PP2 with virtual chunks; KV-cached greedy generation at TP2 and PP2."""
+    generate = [] if "--vp" in layout else ["--generate"]
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # torchrun sets them per rank
     run = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, "llama", "qwen2"],
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, *generate, "llama", "qwen2"],
         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("max |logits - HF|") == (4 if "--tp" in layout else 2)  # each last-stage rank, both models
+    assert run.stdout.count("0 greedy completions differ") == (4 if generate else 0)  # every rank, both models

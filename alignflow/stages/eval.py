@@ -11,8 +11,7 @@ the converted base model and the SFT model), on prep's validation splits:
 Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
 `eval.json` holds them and the samples. Runs on one rank (TP1/PP1): generation at TP/PP > 1
 is not built here, and the model is small enough for evaluation to need neither.
-Greedy decoding recomputes the prefix each step (no KV cache); prompts of equal length are
-batched so the whole batch steps together.
+Greedy decoding is `alignflow.generation`'s (KV-cached, prompts of equal length batched).
 """
 
 import json
@@ -24,6 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.generation import Sampling, generate
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match
@@ -123,36 +123,10 @@ def task_accuracy(model, decode, prompts, tokenizer: dict, cfg) -> tuple[float, 
     ids, off = list_column(prompts, "prompt_ids")
     n = min(prompts.num_rows, cfg.num_generation_samples)
     texts, answers = prompts.column("prompt").to_pylist(), prompts.column("answer").to_pylist()
-    by_length: dict[int, list[int]] = {}
-    for i in range(n):
-        by_length.setdefault(int(off[i + 1] - off[i]), []).append(i)
-    completions: dict[int, list[int]] = {}
-    for rows in by_length.values():
-        for chunk in (rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)):
-            prompt = torch.tensor(np.stack([ids[off[i] : off[i + 1]] for i in chunk]), dtype=torch.int64)
-            completions |= dict(zip(chunk, greedy(model, prompt, cfg.max_new_tokens, tokenizer["eos_token_id"], tokenizer["vocab_size"])))
+    sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer["eos_token_id"], vocab_size=tokenizer["vocab_size"])
+    completions = generate(model, [ids[off[i] : off[i + 1]].tolist() for i in range(n)], sampling, cfg.micro_batch_size)
     scored = []
-    for i in range(n):
-        text = decode(completions[i])
+    for i, completion in enumerate(completions):
+        text = decode(completion.tokens)
         scored.append({"prompt": texts[i], "completion": text, "answer": answers[i], "correct": exact_match(texts[i], text, answers[i])})
     return sum(s["correct"] for s in scored) / max(n, 1), scored[: cfg.num_examples_shown]
-
-
-def greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_id: int, vocab_size: int) -> list[list[int]]:
-    """Greedy continuations of a batch of equal-length prompts, each cut at its first EOS
-    (the padded vocab rows beyond `vocab_size` are never chosen)."""
-    tokens, done = prompt, torch.zeros(prompt.shape[0], dtype=torch.bool)
-    for _ in range(max_new_tokens):
-        length = tokens.shape[1]
-        mask = ~torch.ones(length, length, dtype=torch.bool).tril()[None, None]
-        positions = torch.arange(length)[None].expand_as(tokens)
-        logits = model(tokens, positions, mask)
-        next_token = logits[:, -1, :vocab_size].argmax(-1)
-        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        done |= next_token == eos_id
-        if done.all():
-            break
-    out = []
-    for row in tokens[:, prompt.shape[1] :].tolist():
-        out.append(row[: row.index(eos_id)] if eos_id in row else row)
-    return out

@@ -1,0 +1,83 @@
+"""KV-cached sampling on a Megatron model: HF's greedy tokens, seeded sampling, top-k / top-p.
+(TP2 and PP2 generation: `test_megatron_model.py::test_two_ranks_logits_and_greedy_generation_match_hf`.)"""
+
+import pytest
+import torch
+from megatron_ranks import CASES, greedy_mismatches, parallel_cfg, saved_state, tiny_hf_model
+
+from alignflow.convert.sharding import hf_to_megatron
+from alignflow.generation import Sampling, generate, sample
+from alignflow.megatron import runtime
+from alignflow.megatron.model import build_gpt, load_megatron_state
+
+PROMPTS = [[5, 9, 42, 7], [8, 8, 30, 2, 11, 6], [5, 9, 42, 7], [3, 3, 3, 3], [1, 2]]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    parallel = parallel_cfg()
+    runtime.init_parallel(parallel)
+    yield parallel
+    runtime.teardown()
+
+
+@pytest.fixture(scope="module")
+def llama(one_rank, tmp_path_factory):
+    hf_model, config = tiny_hf_model("llama")
+    model = build_gpt(config, one_rank)
+    load_megatron_state(model, hf_to_megatron(saved_state(hf_model, tmp_path_factory.mktemp("llama")), config, 0, 1, 0, 1))
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_generation_equals_hf_generate(one_rank, case, tmp_path):
+    assert greedy_mismatches(case, one_rank, saved_state(tiny_hf_model(case)[0], tmp_path)) == 0
+
+
+def test_sampling_is_reproducible_under_a_seed(llama):
+    sampling = Sampling(max_new_tokens=10, eos_id=-1, vocab_size=100, temperature=1.0, top_p=0.95, top_k=40)
+    first = generate(llama, PROMPTS, sampling, 2, seed=7)
+    other = generate(llama, PROMPTS, sampling, 2, seed=8)
+    assert [c.tokens for c in first] != [c.tokens for c in other]
+    assert [c.tokens for c in first] == [c.tokens for c in generate(llama, PROMPTS, sampling, 2, seed=7)]
+    assert all(len(c.tokens) == 10 and c.truncated for c in first)
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy(llama):
+    greedy = [c.tokens for c in generate(llama, PROMPTS, Sampling(8, -1, 100), 4)]
+    for sampling in (Sampling(8, -1, 100, temperature=1.0, top_k=1), Sampling(8, -1, 100, temperature=0.7, top_p=1e-6)):
+        assert [c.tokens for c in generate(llama, PROMPTS, sampling, 4, seed=1)] == greedy
+
+
+def test_completions_stop_after_eos_and_logps_are_the_models(llama):
+    greedy = generate(llama, PROMPTS, Sampling(8, -1, 100), 4)
+    eos = greedy[0].tokens[2]
+    stopped = generate(llama, PROMPTS, Sampling(8, eos, 100), 4)
+    assert stopped[0].tokens == greedy[0].tokens[: greedy[0].tokens.index(eos) + 1] and not stopped[0].truncated
+    ids = torch.tensor([PROMPTS[0] + greedy[0].tokens])
+    with torch.no_grad():
+        logits = llama(ids, None, None, runtime_gather_output=True)[0, len(PROMPTS[0]) - 1 : -1, :100]
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(greedy[0].tokens)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(greedy[0].logps), expected, atol=1e-5)
+
+
+def test_sample_draws_from_the_filtered_tempered_distribution():
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(0)).expand(20000, -1).contiguous()
+    logits = torch.cat([logits, torch.full((20000, 4), 50.0)], dim=1)  # padded vocab rows: never drawn
+    generator = torch.Generator().manual_seed(0)
+    tokens, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=0.5, top_k=5), generator)
+    allowed = logits[0, :12].topk(5).indices
+    assert torch.isin(tokens, allowed).all()
+    expected = (logits[0, allowed] / 0.5).softmax(-1)
+    observed = torch.stack([(tokens == t).float().mean() for t in allowed])
+    assert torch.allclose(observed, expected, atol=0.02)
+    probs = logits[0, :12].softmax(-1)
+    ordered = probs.sort(descending=True)
+    nucleus = ordered.indices[: int((ordered.values.cumsum(0) < 0.6).sum()) + 1]  # the fewest tokens reaching 0.6
+    tokens, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=1.0, top_p=0.6), generator)
+    assert set(tokens.unique().tolist()) == set(nucleus.tolist())
+
+
+def test_virtual_pipeline_chunks_are_refused(llama):
+    with pytest.raises(NotImplementedError, match="virtual pipeline"):
+        generate([llama, llama], PROMPTS, Sampling(4, -1, 100), 2)
