@@ -5,7 +5,7 @@ EOS or `max_new_tokens`. Prompts of equal length share a batch (at most `batch_s
 the prompt is prefilled once under a causal mask into Megatron's `StaticInferenceContext`
 (its KV cache), then each step feeds only the new token. Sampling: temperature 0 is greedy;
 otherwise logits / temperature, then top_k, then top_p (the smallest set of tokens whose
-probability reaches top_p), then a draw from a `torch.Generator` seeded by `seed`, so the
+probability reaches top_p), then a draw with a `torch.Generator` seeded by `seed`, so the
 same weights, prompts and seed give the same completions. Tokens of the padded vocab rows
 (beyond `vocab_size`) are never chosen.
 
@@ -41,7 +41,7 @@ class Completion:
     truncated: bool  # reached max_new_tokens without EOS
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_size: int, seed: int = 0) -> list[Completion]:
     """Completions of `prompts`, in order. `model` is this rank's GPTModel (one PP stage)."""
     if isinstance(model, list):
@@ -54,11 +54,16 @@ def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_
     for i, prompt in enumerate(prompts):
         by_length.setdefault(len(prompt), []).append(i)
     completions: dict[int, Completion] = {}
-    for rows in by_length.values():
-        for start in range(0, len(rows), batch_size):
-            batch = rows[start : start + batch_size]
-            prompt = torch.tensor([list(prompts[i]) for i in batch], dtype=torch.int64, device=_device())
-            completions |= dict(zip(batch, _generate_batch(model, prompt, sampling, generator)))
+    training = model.training
+    model.eval()  # Megatron uses the KV cache in eval mode only
+    try:
+        for rows in by_length.values():
+            for start in range(0, len(rows), batch_size):
+                batch = rows[start : start + batch_size]
+                prompt = torch.tensor([list(prompts[i]) for i in batch], dtype=torch.int64, device=_device())
+                completions |= dict(zip(batch, _generate_batch(model, prompt, sampling, generator)))
+    finally:
+        model.train(training)
     return [completions[i] for i in range(len(prompts))]
 
 
@@ -98,7 +103,14 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
             probs = sorted_scores.softmax(-1)
             outside = probs.cumsum(-1) - probs >= sampling.top_p  # the mass before the token already reaches top_p
             scores = scores.scatter(-1, order, sorted_scores.masked_fill(outside, float("-inf")))
-        token = torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+        # Inverse-CDF draw from softmax(scores) with one uniform per row (torch.multinomial is
+        # several times slower on CPU): the first token whose cdf exceeds u < total, which is
+        # never a zero-probability (filtered) one.
+        cdf = scores.softmax(-1).cumsum(-1)
+        total = cdf[:, -1:]
+        u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype) * total
+        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+        token = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     logp = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
     return token, logp
 
