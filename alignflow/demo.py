@@ -47,10 +47,11 @@ SENTENCES = (
     "Numbers such as 0, 7, 13, 42 and 99 appear in questions and in answers.",
 )
 
-SPLITS = {  # file stem -> (row kind, train rows, val rows, seed offset); val disjoint from train
-    "sft": ("messages", 2000, 200, 1),
-    "preference": ("preference", 1000, 200, 2),
-    "prompts": ("prompts", 1000, 200, 3),
+VAL_PROBLEMS = 200  # one held-out set: every kind's val split, never in any kind's train split
+SPLITS = {  # file stem -> (row kind, train rows, seed offset)
+    "sft": ("messages", 2000, 1),
+    "preference": ("preference", 1000, 2),
+    "prompts": ("prompts", 1000, 3),
 }
 
 MODEL_CONFIG = {
@@ -97,12 +98,14 @@ def answer(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b
 
 
-def split_problems(train_rows: int, val_rows: int, seed: int) -> tuple[list, list]:
-    """Disjoint (train, val) samples of the problems, drawn without replacement."""
+def split_problems(train_rows: int, seed: int) -> tuple[list, list]:
+    """(train, val): the shared held-out problems, and `train_rows` others drawn with `seed`,
+    so no stage trains on a problem that eval scores."""
     problems = all_problems()
-    order = np.random.default_rng(seed).permutation(len(problems))
-    picked = [problems[i] for i in order[: val_rows + train_rows]]
-    return picked[val_rows:], picked[:val_rows]
+    order = np.random.default_rng(SEED).permutation(len(problems))
+    val, rest = [problems[i] for i in order[:VAL_PROBLEMS]], order[VAL_PROBLEMS:]
+    train = np.random.default_rng(seed).choice(rest, size=train_rows, replace=False)
+    return [problems[i] for i in train], val
 
 
 def wrong_answer(correct: int, rng: np.random.Generator) -> int:
@@ -127,8 +130,8 @@ def make_rows(kind: str, problems: list, rng: np.random.Generator) -> list[dict]
 def data_files() -> dict[str, bytes]:
     """The six jsonl files of the demo task, as bytes."""
     files = {}
-    for stem, (kind, n_train, n_val, offset) in SPLITS.items():
-        train, val = split_problems(n_train, n_val, SEED + offset)
+    for stem, (kind, n_train, offset) in SPLITS.items():
+        train, val = split_problems(n_train, SEED + offset)
         rng = np.random.default_rng(SEED + 10 * offset)
         for split, problems in (("train", train), ("val", val)):
             lines = [json.dumps(row, ensure_ascii=False) for row in make_rows(kind, problems, rng)]

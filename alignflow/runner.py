@@ -25,10 +25,6 @@ _VERSIONED_PACKAGES = ("torch", "megatron-core", "transformers", "tokenizers", "
 _log = logging.getLogger("alignflow.runner")
 
 
-class PipelineNotReady(RuntimeError):
-    """The pipeline names stages whose workers are not built yet."""
-
-
 @dataclass
 class StageResult:
     """The small record a Prefect task returns: where the output is and what it measured."""
@@ -46,18 +42,8 @@ class PlannedStage:
     stage: str
     fingerprint: str
     uri: str
-    status: str  # "committed", "run", "forced", "not built"
+    status: str  # "committed", "run", "forced"
     reason: str
-
-
-def check_built(cfg: DictConfig) -> None:
-    missing = [s for s in cfg.pipeline.stages if not STAGES[s].built]
-    if missing:
-        built = [s for s, spec in STAGES.items() if spec.built]
-        raise PipelineNotReady(
-            f"pipeline '{cfg.pipeline.name}' needs stages that are not built yet: {', '.join(missing)}. "
-            f"Built stages: {', '.join(built)}. `align plan pipeline={cfg.pipeline.name}` shows the whole DAG."
-        )
 
 
 def stage_fingerprint(cfg: DictConfig, stage: str, upstream: dict[str, str]) -> str:
@@ -78,9 +64,7 @@ def plan(cfg: DictConfig) -> list[PlannedStage]:
         upstream = {name: fps[name] for role in (inputs or {}) for name in as_names(inputs[role])}
         fps[stage] = fp = stage_fingerprint(cfg, stage, upstream)
         uri = store.uri(store.output_path(stage, fp))
-        if not STAGES[stage].built:
-            status, reason = "not built", "no worker for this stage yet"
-        elif stage in cfg.force:
+        if stage in cfg.force:
             status, reason = "forced", "listed in force"
         elif store.read_manifest(stage, fp) is not None:
             status, reason = "committed", "output committed: cache hit, no job"

@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.futures import PrefectFuture
 
 from alignflow.config import compose
-from alignflow.runner import StageResult, check_built
+from alignflow.runner import StageResult
 from alignflow.stages import as_names
 from tasks.stage import format_value, task_for
 
@@ -20,7 +20,6 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
     """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed."""
     overrides = [*(overrides or []), *([f"force=[{','.join(force)}]"] if force else [])]
     cfg = compose(pipeline, overrides)
-    check_built(cfg)
     stages = list(cfg.pipeline.stages)
     progress = create_progress_artifact(progress=0.0, description=f"align {pipeline}: stages done")
 

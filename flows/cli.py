@@ -28,10 +28,10 @@ from rich.table import Table  # noqa: E402
 from alignflow import __version__  # noqa: E402
 from alignflow.config import ConfigError, compose  # noqa: E402
 from alignflow.config.slices import masked  # noqa: E402
-from alignflow.runner import PipelineNotReady, check_built, plan  # noqa: E402
+from alignflow.runner import plan  # noqa: E402
 
 console = Console(soft_wrap=True)
-_STATUS_STYLE = {"committed": "green", "run": "yellow", "forced": "magenta", "not built": "red"}
+_STATUS_STYLE = {"committed": "green", "run": "yellow", "forced": "magenta"}
 
 
 def _split(overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.align import align
 
     pipeline, overrides = _split(args.overrides)
-    check_built(compose(pipeline, overrides))  # fail fast, before Prefect starts
+    compose(pipeline, overrides)  # a config error fails fast, before Prefect starts
     results = align(pipeline=pipeline or "sft_dpo", overrides=overrides)
     console.print("\n[bold]outputs[/]")
     for stage, result in results.items():
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, PipelineNotReady) as err:
+    except ConfigError as err:
         console.print(f"[red]error:[/] {err}", markup=True, highlight=False)
         return 2
 

@@ -2,11 +2,14 @@
 
 Policy lives here: retries only for infrastructure failures (preemption, node loss,
 timeouts, a killed job); a config error or an exception in the stage's code is never
-retried. Each stage publishes one table artifact with its output URI and headline metrics.
+retried. Each stage publishes one table artifact with its output URI and headline metrics;
+training stages also publish their per-step metrics (loss, lr, rewards, KL, ...) as a table.
 """
 
+import json
 from functools import lru_cache
 
+import fsspec
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
@@ -15,8 +18,10 @@ from alignflow.config import compose
 from alignflow.launch import InfrastructureError
 from alignflow.runner import StageResult, run_stage
 from alignflow.stages import STAGES
+from alignflow.store import options_for
 
 HEADLINE_METRICS = 5
+STEP_ROWS = 40  # per-step metrics shown per stage: evenly spaced, first and last included
 
 
 @lru_cache(maxsize=8)
@@ -40,6 +45,8 @@ def stage_task(stage: str, pipeline: str, overrides: tuple[str, ...], upstream: 
     logger = get_run_logger()
     result = run_stage(cfg, stage, upstream, log=logger.info)
     _publish(result)
+    if STAGES[stage].resumable:
+        _publish_steps(result, options_for(result.uri, cfg))
     return result
 
 
@@ -53,6 +60,20 @@ def _publish(result: StageResult) -> None:
         rows.append({"field": "job", "value": f"{result.job['launcher']} {result.job['job_id']}"})
     rows += [{"field": k, "value": format_value(v)} for k, v in list(result.metrics.items())[:HEADLINE_METRICS]]
     create_table_artifact(table=rows, key=f"stage-{result.stage}".replace("_", "-"), description=f"{result.stage} output and headline metrics")
+
+
+def _publish_steps(result: StageResult, storage_options: dict) -> None:
+    """The stage's metrics.jsonl as a table artifact, one row per logged step."""
+    try:
+        with fsspec.open(f"{result.uri.rstrip('/')}/metrics.jsonl", "r", **storage_options) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return
+    if not lines:
+        return
+    picked = sorted({round(i * (len(lines) - 1) / max(STEP_ROWS - 1, 1)) for i in range(STEP_ROWS)})
+    rows = [{k: format_value(v) for k, v in lines[i].items()} for i in picked]
+    create_table_artifact(table=rows, key=f"steps-{result.stage}".replace("_", "-"), description=f"{result.stage}: metrics per step")
 
 
 def format_value(value) -> str:

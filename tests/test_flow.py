@@ -8,7 +8,6 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
-from alignflow.runner import PipelineNotReady
 from flows.align import align
 from flows.cli import main
 
@@ -70,18 +69,24 @@ def test_changed_input_config_reruns_and_force_reruns(base_overrides, tmp_path):
     assert jobs_submitted(tmp_path) == 5 + 4 + 1
 
 
-def test_pipeline_with_unbuilt_stages_is_refused_before_any_job(base_overrides, tmp_path):
-    with pytest.raises(PipelineNotReady, match="not built yet: grpo"):
-        align(pipeline="sft_grpo", overrides=base_overrides)
-    assert jobs_submitted(tmp_path) == 0
-
-
 def test_plan_marks_committed_stages(base_overrides, capsys):
     align(pipeline="demo", overrides=base_overrides)
     assert main(["plan", "pipeline=sft_grpo", *base_overrides]) == 0
     out = capsys.readouterr().out
     for stage in ("prep", "convert", "sft", "grpo", "eval", "export"):
         assert stage in out
-    assert "not built" in out
     assert main(["plan", "pipeline=demo", *base_overrides]) == 0
     assert "committed" in capsys.readouterr().out
+
+
+def test_sft_grpo_pipeline_publishes_per_step_rewards(base_overrides):
+    grpo_fast = ["grpo.trainer.max_steps=3", "grpo.optim.warmup_steps=1", "grpo.num_prompts_per_step=4", "grpo.micro_batch_size=16",
+                 "grpo.generation_batch_size=32", "grpo.trainer.log_every_n_steps=1"]
+    results = align(pipeline="sft_grpo", overrides=[*base_overrides, *grpo_fast])
+    assert list(results) == ["prep", "convert", "sft", "grpo", "eval", "export"]
+    assert {"reward_mean", "accuracy", "steps"} <= set(results["grpo"].metrics) and "grpo.accuracy" in results["eval"].metrics
+    steps = asyncio.run(artifact("steps-grpo")).data
+    rows = json.loads(steps) if isinstance(steps, str) else steps
+    assert [row["step"] for row in rows] == ["1", "2", "3"]
+    assert {"reward_mean", "reward_std", "accuracy", "kl", "clip_fraction", "response_length", "truncation_rate", "tokens_per_s"} <= set(rows[0])
+    assert asyncio.run(artifact("steps-sft")) is not None

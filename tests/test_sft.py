@@ -59,9 +59,9 @@ def job_args(cfg: dict, inputs: dict, out: Path) -> list[str]:
     return [str(RANKS), str(cfg_file), inputs["data"], inputs["model"], str(out)]
 
 
-def torchrun(nproc: int, cfg: dict, inputs: dict, out: Path) -> None:
+def torchrun(nproc: int, cfg: dict, inputs: dict, out: Path, *extra: str) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), *job_args(cfg, inputs, out)],
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), *job_args(cfg, inputs, out), *extra],
                          capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=job_env())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 

@@ -1,6 +1,7 @@
 """Helpers for the SFT tests, and the job they run in a subprocess or on ranks under torchrun.
 
     torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT [--stage dpo --ref-logprobs REF]
+    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage grpo --ref-model REF
     python tests/train_ranks.py CFG.json DATA MODEL OUT --pause-after-checkpoint 2
 
 Each rank calls `alignflow.stages.<stage>.run(cfg, {"data": DATA, "model": MODEL, ...}, OUT)`; rank 0
@@ -20,16 +21,17 @@ from omegaconf import OmegaConf
 SEQ_LENGTH = 64
 
 
-def prep_demo(demo_dir: Path, out: Path) -> Path:
-    """The demo SFT task packed into rows of SEQ_LENGTH tokens."""
+def prep_demo(demo_dir: Path, out: Path, prompts: bool = False) -> Path:
+    """The demo SFT task packed into rows of SEQ_LENGTH tokens (and its prompts, for GRPO)."""
     from alignflow.stages import prep
 
     data = demo_dir / "data"
-    spec = {"train": str(data / "sft_train.jsonl"), "val": str(data / "sft_val.jsonl"), "val_fraction": 0.0,
-            "format": "auto", "dev_choose_samples": None, "answer_key": "answer"}
+    spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
+                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "prompts")}
     prep.run(OmegaConf.create({
         "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-        "data": {"sft": spec, "preference": None, "prompts": None, "seq_length": SEQ_LENGTH, "max_prompt_length": 32,
+        "data": {"sft": spec["sft"], "preference": None, "prompts": spec["prompts"] if prompts else None,
+                 "seq_length": SEQ_LENGTH, "max_prompt_length": 32,
                  "truncation": "keep_start", "packing": True, "seed": 0},
         "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
     }), {}, str(out))
@@ -67,9 +69,9 @@ def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
 
 def stage_cfg(stage: str, demo_dir: Path, tp: int = 1, pp: int = 1, **section) -> dict:
     """The schema's defaults of a training stage (sft, dpo) as plain data, `section` merged over them."""
-    from alignflow.config.schema import DPOConfig, LoggingConfig, ModelConfig, SFTConfig
+    from alignflow.config.schema import DPOConfig, GRPOConfig, LoggingConfig, ModelConfig, SFTConfig
 
-    base = OmegaConf.structured({"sft": SFTConfig, "dpo": DPOConfig}[stage])
+    base = OmegaConf.structured({"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig}[stage])
     base.optim.min_lr = 1e-4  # the default is an interpolation of the composed config
     overrides = {
         "resources": {"tasks_per_node": tp * pp},
@@ -100,11 +102,12 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--pause-after-checkpoint", type=float, default=0.0)
-    parser.add_argument("--stage", default="sft", choices=["sft", "dpo"])
+    parser.add_argument("--stage", default="sft", choices=["sft", "dpo", "grpo"])
     parser.add_argument("--ref-logprobs", default=None)
+    parser.add_argument("--ref-model", default=None)
     args = parser.parse_args()
 
-    from alignflow.stages import dpo, sft
+    from alignflow.stages import dpo, grpo, sft
     from alignflow.train import checkpointing
 
     if args.pause_after_checkpoint:
@@ -117,8 +120,9 @@ def main() -> int:
             return path
 
         checkpointing.save = slow_save
-    inputs = {"data": args.data, "model": args.model} | ({"ref_logprobs": args.ref_logprobs} if args.ref_logprobs else {})
-    stage = {"sft": sft, "dpo": dpo}[args.stage]
+    inputs = {"data": args.data, "model": args.model}
+    inputs |= {role: path for role, path in (("ref_logprobs", args.ref_logprobs), ("ref_model", args.ref_model)) if path}
+    stage = {"sft": sft, "dpo": dpo, "grpo": grpo}[args.stage]
     metrics = stage.run(OmegaConf.create(json.loads(Path(args.cfg).read_text())), inputs, args.out)
     if int(os.environ.get("RANK", 0)) == 0:
         (Path(args.out) / "result.json").write_text(json.dumps(metrics))

@@ -287,11 +287,16 @@ class RewardConfig:
 
 @dataclass
 class GRPOConfig(TrainStageBase):
+    """NeMo-RL / NeMo Customizer GRPO knobs. A step is num_prompts_per_step x
+    num_generations_per_prompt samples (global_batch_size is not used); its rollouts are cut
+    into num_optimizer_steps_per_batch equal slices, one optimizer step each (after the first
+    the policy is off the sampling policy, and the ratio clips). trainer.max_steps counts steps."""
+
     num_prompts_per_step: int = 8
     num_generations_per_prompt: int = 4
     num_optimizer_steps_per_batch: int = 1
     generation_batch_size: int = 32
-    generation_temperature: float = 1.0
+    generation_temperature: float = 1.0  # 0 = greedy
     generation_top_p: float = 1.0
     generation_top_k: Optional[int] = None
     max_new_tokens: int = 16
@@ -305,7 +310,9 @@ class GRPOConfig(TrainStageBase):
     token_level_loss: bool = True
     use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
-    logprob_chunk_size: int = 1024
+    # Accepted so NeMo-RL configs load; no effect: log-probs come from Megatron's fused
+    # vocab-parallel cross entropy in one pass.
+    logprob_chunk_size: int = not_identity(1024)
     environment: List[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
 
 

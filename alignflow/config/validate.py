@@ -118,12 +118,26 @@ def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelSha
             problems.append(f"{key}.pipeline_model_parallel_size: {pp} x virtual {vpp or 1} does not divide the model's {shape.num_layers} layers (model.source)")
     if section.micro_batch_size < 1:
         problems.append(f"{stage}.micro_batch_size: must be >= 1")
+    elif stage == "grpo":
+        problems += _check_grpo_batches(section, dp)
     elif "global_batch_size" in section and section.global_batch_size % (section.micro_batch_size * dp):
         problems.append(
             f"{stage}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
             f"x data-parallel size ({dp})"
         )
     return problems
+
+
+def _check_grpo_batches(section: DictConfig, dp: int) -> list[str]:
+    """GRPO's batch is num_prompts_per_step x num_generations_per_prompt samples (global_batch_size is unused)."""
+    if section.num_prompts_per_step % dp:
+        return [f"grpo.num_prompts_per_step: {section.num_prompts_per_step} is not divisible by the data-parallel size ({dp})"]
+    samples = section.num_prompts_per_step // dp * section.num_generations_per_prompt
+    if samples % (section.num_optimizer_steps_per_batch * section.micro_batch_size):
+        return [f"grpo.micro_batch_size: the {samples} samples per data-parallel rank and step (num_prompts_per_step / DP x "
+                f"num_generations_per_prompt) do not split into num_optimizer_steps_per_batch ({section.num_optimizer_steps_per_batch}) "
+                f"x micro_batch_size ({section.micro_batch_size})"]
+    return []
 
 
 def _check_optim(stage: str, section: DictConfig) -> list[str]:

@@ -14,8 +14,6 @@ module `alignflow.stages.<name>`, the Prefect task and the store prefix `{root}/
   never served from cache.
 - `resumable`: training stages checkpoint in their staging area and resume from it when
   retried, so their staging is kept between attempts; other stages start clean.
-- `built`: False for stages whose worker does not exist yet; a pipeline using one is
-  refused before anything runs.
 """
 
 from dataclasses import dataclass
@@ -28,20 +26,19 @@ class StageSpec:
     context: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
     resumable: bool = False
-    built: bool = False
 
 
 _DATA_SOURCES = tuple(f"data.{kind}.{split}" for kind in ("sft", "preference", "prompts") for split in ("train", "val"))
 
 STAGES: dict[str, StageSpec] = {
-    "prep": StageSpec(1, reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",), built=True),
-    "convert": StageSpec(1, reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer"), built=True),
-    "ref_logprobs": StageSpec(1, reads=("model",), built=True),
-    "sft": StageSpec(1, reads=("model",), context=("logging",), resumable=True, built=True),
-    "dpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True, built=True),
+    "prep": StageSpec(1, reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",)),
+    "convert": StageSpec(1, reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer")),
+    "ref_logprobs": StageSpec(1, reads=("model",)),
+    "sft": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
+    "dpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
     "grpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
-    "eval": StageSpec(1, reads=("model",), built=True),
-    "export": StageSpec(1, built=True),
+    "eval": StageSpec(1, reads=("model",)),
+    "export": StageSpec(1),
 }
 
 

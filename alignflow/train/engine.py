@@ -1,4 +1,4 @@
-"""The training engine shared by the training stages (SFT now; DPO and GRPO plug in the same way).
+"""The training engine shared by the training stages (SFT, DPO, GRPO).
 
 A stage gives the engine three things, none of them subclasses:
 - `data`: `TrainData(train, val, seq_length)`, datasets that turn row indices into micro
@@ -13,6 +13,9 @@ A stage gives the engine three things, none of them subclasses:
 
 `Trainer.setup()` builds everything in order (parallel groups, model, weights, optimizer,
 data order, resume, metrics); `Trainer.train()` is the loop; `save_checkpoint` / `cleanup`.
+GRPO's step differs (roll out, score, then optimizer steps on the rollouts), so
+`alignflow.stages.grpo.GRPOTrainer` overrides `train_step` and reuses `optimizer_step` and
+`per_token_logps`; everything else (schedule, checkpoints, resume, metrics) is shared.
 
 Per step: the global batch's rows are cut into this DP rank's micro batches
 (num_micro = global / (micro * DP)), forwarded and backwarded through Megatron's
@@ -103,6 +106,7 @@ class TrainResult:
     tokens_per_s: float
     stopped_early: bool
     checkpoint: Path  # the final checkpoint folder
+    summary: dict = field(default_factory=dict)  # stage-specific headline metrics, listed first
 
 
 def check_supported(parallel: Any) -> None:
@@ -137,20 +141,27 @@ class Trainer:
         runtime.init_parallel(cfg.parallel, seed=cfg.trainer.seed)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        self.num_micro = cfg.global_batch_size // (cfg.micro_batch_size * self.dp_size)
-        if self.num_micro * cfg.micro_batch_size * self.dp_size != cfg.global_batch_size:
-            raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * DP "
-                             f"({cfg.micro_batch_size} * {self.dp_size})")
+        self.check_batch_sizes()
         built = build_gpt(self.hf_config, cfg.parallel, params_dtype=dtype,
                           make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by,
                           hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                           calculate_per_token_loss=True)
         self.chunks = built if isinstance(built, list) else [built]
         self.optimizer = build_optimizer(self.chunks, cfg.optim)
-        self.batches = GlobalBatches(len(self.data.train), cfg.global_batch_size, cfg.trainer.seed)
+        self.batches = GlobalBatches(len(self.data.train), self.rows_per_step(), cfg.trainer.seed)
         self.total_steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else cfg.trainer.max_epochs * self.batches.per_epoch
         self.state = self.resume_or_start()
         self.metrics = MetricsLog(self.out, self.checkpoints, self.state.step, self.wandb_cfg, self.name) if self.rank == 0 else None
+
+    def rows_per_step(self) -> int:
+        """Dataset items each step consumes."""
+        return self.cfg.global_batch_size
+
+    def check_batch_sizes(self) -> None:
+        cfg = self.cfg
+        if cfg.global_batch_size % (cfg.micro_batch_size * self.dp_size):
+            raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * DP "
+                             f"({cfg.micro_batch_size} * {self.dp_size})")
 
     def resume_or_start(self) -> TrainerState:
         """The latest complete checkpoint, or the input model (with resume off, old checkpoints are removed)."""
@@ -210,36 +221,39 @@ class Trainer:
             steps=state.step, train_loss=state.last_loss, val_loss=state.last_val_loss, tokens=state.tokens,
             tokens_per_s=(state.tokens - first_tokens) / max(step_seconds, 1e-9),
             stopped_early=state.stopped_early, checkpoint=checkpointing.step_dir(self.checkpoints, state.step),
+            summary=self.summary(),
         )
+
+    def summary(self) -> dict:
+        """Stage-specific headline metrics of the finished run (none for the supervised stages)."""
+        return {}
 
     def train_step(self, indices: np.ndarray) -> StepStats:
         cfg = self.cfg
         lr = lr_at(self.state.step + 1, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
                    total_steps=self.total_steps, schedule=cfg.optim.schedule)
         micro = dp_micro_batches(indices, cfg.micro_batch_size, self.dp_rank, self.dp_size)
+        stats = self.optimizer_step(micro, self.data.train, self.data.seq_length, lr)
+        stats.tokens = all_reduce_dp(sum(self.data.train.num_tokens(m) for m in micro))
+        return stats
+
+    def optimizer_step(self, micro: list[np.ndarray], dataset: Dataset, seq_length: int, lr: float) -> StepStats:
+        """One optimizer step on this rank's micro batches of a global batch (tokens left at 0)."""
         self.optimizer.zero_grad(set_to_none=True)
-        total, count, metrics = self.run_micro_batches(micro, forward_only=False)
+        total, count, metrics = self.run_micro_batches(micro, dataset, forward_only=False, seq_length=seq_length)
         params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         reduce_gradients(self.chunks, params, scale=1.0 / max(count, 1.0))
-        grad_norm = clip_grad_norm(params, cfg.trainer.gradient_clip_val)
+        grad_norm = clip_grad_norm(params, self.cfg.trainer.gradient_clip_val)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        tokens = sum(self.data.train.num_tokens(m) for m in micro)
-        return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=all_reduce_dp(tokens),
+        return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=0,
                          metrics={k: v / max(count, 1.0) for k, v in metrics.items()})
 
     def run_micro_batches(self, micro: list[np.ndarray], dataset: Optional[Dataset] = None,
-                          forward_only: bool = False) -> tuple[float, float, dict[str, float]]:
+                          forward_only: bool = False, seq_length: Optional[int] = None) -> tuple[float, float, dict[str, float]]:
         """Forward (and backward) `micro`; returns the global (loss sum, count, metric sums) on every rank."""
-        dataset = dataset or self.data.train
-        batches = [to_device(dataset.collate(m)) for m in micro]
-        outputs = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=[iter(batches) for _ in self.chunks],
-            model=self.chunks if len(self.chunks) > 1 else self.chunks[0], num_microbatches=len(batches),
-            seq_length=self.data.seq_length, micro_batch_size=self.cfg.micro_batch_size * self.data.rows_per_item,
-            forward_only=forward_only,
-        )
+        outputs = self.schedule(self.chunks, self._forward_step, micro, dataset or self.data.train, forward_only, seq_length)
         names = self.objective.metric_names
         sums = torch.zeros(2 + len(names), dtype=torch.float64, device=device())
         for out in outputs:
@@ -247,6 +261,32 @@ class Trainer:
         dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage has it
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         return sums[0].item(), sums[1].item(), {name: sums[2 + i].item() for i, name in enumerate(names)}
+
+    def schedule(self, chunks: list, forward_step, micro: list[np.ndarray], dataset: Dataset, forward_only: bool,
+                 seq_length: Optional[int] = None) -> list:
+        """Megatron's pipeline schedule over `micro`; the loss functions' outputs (last stage only)."""
+        batches = [to_device(dataset.collate(m)) for m in micro]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
+            seq_length=seq_length or self.data.seq_length, micro_batch_size=self.cfg.micro_batch_size * self.data.rows_per_item,
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def per_token_logps(self, chunks: list, micro: list[np.ndarray], dataset: Dataset, seq_length: int) -> list[Tensor]:
+        """log p(label) per position [micro, s] of each micro batch under `chunks` (e.g. a reference
+        model); on the last pipeline stage only (an empty list elsewhere)."""
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            return self.objective.forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1), {"logp": -nll.detach().float()})
+
+        for chunk in chunks:
+            chunk.eval()
+        outputs = self.schedule(chunks, forward_step, micro, dataset, forward_only=True, seq_length=seq_length)
+        for chunk in self.chunks:
+            chunk.train()
+        return [out["logp"] for out in outputs]
 
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
@@ -356,10 +396,11 @@ def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
     return norm
 
 
-def all_reduce_dp(value: int) -> int:
-    t = torch.tensor(value, dtype=torch.int64, device=device())
-    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-    return int(t.item())
+def all_reduce_dp(value, op=dist.ReduceOp.SUM):
+    """An int or float reduced over the data-parallel group (same type back)."""
+    t = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64, device=device())
+    dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
+    return type(value)(t.item())
 
 
 def device() -> torch.device:
@@ -383,12 +424,14 @@ def _all_reduce_flat(tensors: list[Tensor], group) -> None:
         t.copy_(synced)
 
 
-def run_training_stage(name: str, cfg: Any, inputs: dict, data: TrainData, objective: Objective, out: str) -> dict:
+def run_training_stage(name: str, cfg: Any, inputs: dict, data: TrainData, objective: Objective, out: str,
+                       trainer_class: type = Trainer, **trainer_args) -> dict:
     """What a training stage's `run` does: train `cfg[name]` from `inputs["model"]`, then
     publish the final weights as `{out}/model` beside the input model's hf/ and tokenizer/."""
     model_dir = checkpointing.local_path(inputs["model"])
     hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
-    trainer = Trainer(cfg[name], cfg.model, hf_config, str(model_dir), data, objective, out, OmegaConf.select(cfg, "logging.wandb"), name=name)
+    trainer = trainer_class(cfg[name], cfg.model, hf_config, str(model_dir), data, objective, out,
+                            OmegaConf.select(cfg, "logging.wandb"), name=name, **trainer_args)
     try:
         trainer.setup()
         result = trainer.train()
@@ -396,7 +439,7 @@ def run_training_stage(name: str, cfg: Any, inputs: dict, data: TrainData, objec
             publish(result.checkpoint, model_dir, checkpointing.local_path(out))
     finally:
         trainer.cleanup()
-    return {
+    return result.summary | {
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
         "steps": result.steps,

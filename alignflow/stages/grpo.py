@@ -1,0 +1,246 @@
+"""The grpo stage: Group Relative Policy Optimization on prep's prompts, on the training engine.
+
+Each step (NeMo-RL's loop, one process group for generation and training):
+1. take `num_prompts_per_step` prompts (a seeded, resumable order over prep's `prompts/train`);
+   each DP rank takes its share of whole prompts;
+2. roll out `num_generations_per_prompt` completions per prompt with the current policy
+   (`alignflow.generation`: KV cache, generation_temperature/top_p/top_k, max_new_tokens,
+   batches of generation_batch_size, seeded by (seed, step, DP rank), so a resumed run
+   samples exactly what an uninterrupted one would);
+3. score them with the `environment` rewards (summed; `alignflow.rewards`) and turn each
+   group's rewards into advantages (`alignflow.losses.policy.group_advantages`; with
+   `overlong_filtering` truncated samples keep their place in the baseline but get no gradient);
+4. log-probs of the sampled tokens under the reference model (`inputs["ref_model"]`, skipped
+   when ref_policy_kl_penalty is 0) and, with several optimizer steps per batch, under the
+   policy before the first update (the "old" policy of the ratio; with one step it is the
+   current policy, detached);
+5. `num_optimizer_steps_per_batch` optimizer steps, each on an equal slice of the rollouts,
+   with the clipped policy loss (`alignflow.losses.policy.policy_loss`).
+The learning-rate schedule, clipping, checkpoints (at step boundaries) and exact resume are
+the engine's. Metrics per step: loss, mean reward, reward std, accuracy (exact match with the
+prompt's answer), KL to the reference, clip fraction, importance ratio, response length,
+truncation rate, generation tokens/s and end-to-end tokens/s (prompt + completion tokens of
+the rollouts per second of step time).
+
+Simplified: the training log-probs use the model's plain distribution (no temperature
+scaling); generation and training share the weights in one process (no separate
+inference engine, so no weight refit and no generation/training mismatch unless
+requested with use_importance_sampling_correction); the reference model is a second copy
+of the model in the same layout.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from transformers import AutoTokenizer
+
+from alignflow.checkpoint import MODEL_DIR, TOKENIZER_DIR
+from alignflow.generation import Completion, Sampling, generate
+from alignflow.losses.policy import GRPOLossConfig, group_advantages, policy_loss
+from alignflow.megatron import checkpoint as megatron_checkpoint
+from alignflow.megatron.model import build_gpt
+from alignflow.rewards import exact_match, resolve
+from alignflow.stages.sft import sft_forward
+from alignflow.train.checkpointing import local_path
+from alignflow.train.data import list_column, packed_rows, read_split
+from alignflow.train.engine import LossTerms, Objective, StepStats, TrainData, Trainer, all_reduce_dp, device, run_training_stage
+from alignflow.train.schedule import lr_at
+
+log = logging.getLogger("alignflow.grpo")
+LOSS_METRICS = ("kl", "clip_fraction", "ratio")
+
+
+class Prompts:
+    """Prep's prompts: token ids, rendered text and ground-truth answer per row."""
+
+    def __init__(self, table):
+        self.ids, self.off = list_column(table, "prompt_ids")
+        self.text, self.answer = table.column("prompt").to_pylist(), table.column("answer").to_pylist()
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def tokens(self, i: int) -> list[int]:
+        return self.ids[self.off[i] : self.off[i + 1]].tolist()
+
+
+class Rollouts:
+    """One step's samples on this rank (prompt + completion rows) as micro batches for the loss.
+
+    Position t of a row predicts token t + 1, so the log-prob tensors (generation, old,
+    reference) hold at t the log-prob of token t + 1, and `loss_mask` marks the completion."""
+
+    def __init__(self, prompts: list[list[int]], completions: list[Completion], advantages: torch.Tensor,
+                 trained: torch.Tensor, pad_id: int):
+        self.rows, self.seq_length, self.pad_id = [], max(len(p) + len(c.tokens) for p, c in zip(prompts, completions)), pad_id
+        self.generation_logp = torch.zeros(len(prompts), self.seq_length)
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            ids = np.asarray(prompt + completion.tokens, dtype=np.int64)
+            mask = np.r_[np.zeros(len(prompt)), np.full(len(completion.tokens), float(trained[i]))]
+            self.rows.append((ids, mask, np.asarray([0, len(ids)])))
+            self.generation_logp[i, len(prompt) - 1 : len(ids) - 1] = torch.tensor(completion.logps)
+        self.advantages = advantages.float()
+        self.old_logp: torch.Tensor | None = None  # set before the first update when needed
+        self.ref_logp: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def collate(self, indices: Sequence[int]) -> dict:
+        indices = [int(i) for i in indices]
+        batch = vars(packed_rows([self.rows[i] for i in indices], self.seq_length, self.pad_id))
+        batch |= {"advantages": self.advantages[indices], "generation_logp": self.generation_logp[indices]}
+        for name in ("old_logp", "ref_logp"):
+            if getattr(self, name) is not None:
+                batch[name] = getattr(self, name)[indices]
+        return batch
+
+    def num_tokens(self, indices: Sequence[int]) -> int:
+        return sum(len(self.rows[int(i)][0]) for i in indices)
+
+    def store(self, name: str, micro: list[np.ndarray], logps: list[torch.Tensor]) -> None:
+        """Per-micro-batch log-probs (last pipeline stage) as the `name` tensor of every sample."""
+        if logps:
+            full = torch.zeros(len(self.rows), self.seq_length)
+            for indices, values in zip(micro, logps):
+                full[torch.as_tensor(indices)] = values.cpu()
+            setattr(self, name, full)
+
+
+def grpo_objective(cfg: GRPOLossConfig) -> Objective:
+    def loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
+        logp = -per_token.float()
+        old = batch.get("old_logp", logp.detach())
+        ref = batch.get("ref_logp", logp.detach())
+        mask = batch["loss_mask"]
+        out = policy_loss(cfg, logp, old, ref, batch["advantages"], mask, batch["generation_logp"])
+        tokens = mask.sum()
+        units = tokens if cfg.token_level_loss else (mask.sum(-1) > 0).sum()
+        metrics = {name: getattr(out, name) * tokens for name in LOSS_METRICS}  # token averages, summed
+        return LossTerms(total=out.loss * units, count=units.to(torch.int64), metrics=metrics)
+
+    return Objective(forward=sft_forward, loss=loss, metric_names=LOSS_METRICS)
+
+
+@dataclass
+class RolloutStats:
+    rewards: torch.Tensor  # [samples] this rank's
+    correct: torch.Tensor
+    response_tokens: torch.Tensor
+    truncated: torch.Tensor
+
+    def global_metrics(self) -> dict[str, float]:
+        """Metrics over every DP rank's samples."""
+        r = self.rewards.double()
+        sums = torch.stack([torch.tensor(float(len(r))), r.sum(), (r * r).sum(), self.correct.double().sum(),
+                            self.response_tokens.double().sum(), self.truncated.double().sum()]).to(device())
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        n, total, squares, correct, tokens, truncated = sums.tolist()
+        mean = total / n
+        return {"reward_mean": mean, "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5,
+                "accuracy": correct / n, "response_length": tokens / n, "truncation_rate": truncated / n}
+
+
+class GRPOTrainer(Trainer):
+    """The engine's loop with a GRPO step: roll out, score, then optimize on the rollouts."""
+
+    def __init__(self, *args, ref_model: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ref_model = ref_model
+        self.last_rollout: dict[str, float] = {}
+
+    def rows_per_step(self) -> int:
+        return self.cfg.num_prompts_per_step
+
+    def check_batch_sizes(self) -> None:
+        cfg = self.cfg
+        if cfg.num_prompts_per_step % self.dp_size:
+            raise ValueError(f"grpo.num_prompts_per_step {cfg.num_prompts_per_step} is not divisible by the data-parallel size {self.dp_size}")
+        samples = cfg.num_prompts_per_step // self.dp_size * cfg.num_generations_per_prompt
+        if samples % (cfg.num_optimizer_steps_per_batch * cfg.micro_batch_size):
+            raise ValueError(f"grpo: {samples} samples per DP rank and step do not split into num_optimizer_steps_per_batch "
+                             f"({cfg.num_optimizer_steps_per_batch}) x micro_batch_size ({cfg.micro_batch_size})")
+
+    def setup(self) -> None:
+        super().setup()
+        cfg = self.cfg
+        tokenizer_dir = local_path(self.init_model) / TOKENIZER_DIR
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=self.tokenizer.eos_token_id, vocab_size=len(self.tokenizer),
+                                 temperature=cfg.generation_temperature, top_p=cfg.generation_top_p, top_k=cfg.generation_top_k)
+        self.rewards = [(resolve(r.name), dict(r.kwargs or {})) for r in cfg.environment]
+        self.ref_chunks = None
+        if cfg.ref_policy_kl_penalty > 0:
+            built = build_gpt(self.hf_config, cfg.parallel, make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by)
+            self.ref_chunks = built if isinstance(built, list) else [built]
+            megatron_checkpoint.load(self.ref_chunks, f"{self.ref_model.rstrip('/')}/{MODEL_DIR}")
+
+    def train_step(self, indices: np.ndarray) -> StepStats:
+        cfg, step = self.cfg, self.state.step
+        started = time.perf_counter()
+        share = len(indices) // self.dp_size
+        mine = indices[self.dp_rank * share : (self.dp_rank + 1) * share]
+        prompts = [self.data.train.tokens(int(i)) for i in mine for _ in range(cfg.num_generations_per_prompt)]
+        seed = int(np.random.SeedSequence([cfg.trainer.seed, step, self.dp_rank]).generate_state(1)[0])
+        completions = generate(self.chunks, prompts, self.sampling, cfg.generation_batch_size, seed=seed)
+        generation_s = time.perf_counter() - started
+        rollouts, stats = self.score(mine, prompts, completions)
+        samples = np.arange(len(rollouts))
+        micro = [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
+        if self.ref_chunks is not None:
+            rollouts.store("ref_logp", micro, self.per_token_logps(self.ref_chunks, micro, rollouts, rollouts.seq_length))
+        if cfg.num_optimizer_steps_per_batch > 1:
+            rollouts.store("old_logp", micro, self.per_token_logps(self.chunks, micro, rollouts, rollouts.seq_length))
+        lr = lr_at(step + 1, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
+                   total_steps=self.total_steps, schedule=cfg.optim.schedule)
+        per_update = len(micro) // cfg.num_optimizer_steps_per_batch
+        updates = [self.optimizer_step(micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length, lr)
+                   for k in range(cfg.num_optimizer_steps_per_batch)]
+        generated = all_reduce_dp(float(stats.response_tokens.sum()))
+        self.last_rollout = stats.global_metrics()
+        metrics = self.last_rollout | {name: float(np.mean([u.metrics[name] for u in updates])) for name in LOSS_METRICS}
+        metrics["generation_tokens_per_s"] = generated / max(all_reduce_dp(generation_s, dist.ReduceOp.MAX), 1e-9)
+        return StepStats(loss=float(np.mean([u.loss for u in updates])), grad_norm=updates[-1].grad_norm, lr=lr,
+                         tokens=all_reduce_dp(rollouts.num_tokens(samples)), metrics=metrics)
+
+    def score(self, mine: np.ndarray, prompts: list[list[int]], completions: list[Completion]) -> tuple[Rollouts, RolloutStats]:
+        """Rewards, advantages and the rollout batch of this rank's samples."""
+        g = self.cfg.num_generations_per_prompt
+        texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+        prompt_text = [self.data.train.text[int(i)] for i in mine for _ in range(g)]
+        answers = [self.data.train.answer[int(i)] for i in mine for _ in range(g)]
+        rewards = torch.tensor([sum(fn(p, t, a, **kwargs) for fn, kwargs in self.rewards)
+                                for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64)
+        advantages = group_advantages(rewards.view(-1, g), self.cfg.use_rloo, self.cfg.normalize_rewards).flatten()
+        truncated = torch.tensor([c.truncated for c in completions])
+        trained = ~truncated if self.cfg.overlong_filtering else torch.ones_like(truncated)
+        stats = RolloutStats(rewards=rewards, correct=torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)]),
+                             response_tokens=torch.tensor([len(c.tokens) for c in completions]), truncated=truncated)
+        return Rollouts(prompts, completions, advantages, trained, self.pad_id), stats
+
+    def summary(self) -> dict:
+        return {k: self.last_rollout[k] for k in ("reward_mean", "accuracy") if k in self.last_rollout}
+
+    def cleanup(self) -> None:
+        self.ref_chunks = None
+        super().cleanup()
+
+
+def load_data(data_uri: str) -> TrainData:
+    table = read_split(f"{data_uri.rstrip('/')}/prompts", "train")
+    if table is None or not table.num_rows:
+        raise FileNotFoundError(f"{data_uri}/prompts has no train-*.parquet rows: run prep with data.prompts set")
+    return TrainData(train=Prompts(table), val=None, seq_length=0)
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    objective = grpo_objective(GRPOLossConfig.from_stage(cfg.grpo))
+    return run_training_stage("grpo", cfg, inputs, load_data(inputs["data"]), objective, out,
+                              trainer_class=GRPOTrainer, ref_model=inputs.get("ref_model", inputs["model"]))

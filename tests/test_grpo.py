@@ -1,0 +1,141 @@
+"""The grpo stage on the demo task: per-step metrics, off-policy steps, overlong filtering,
+resume after SIGKILL to the same weights, and TP2 / PP2 against TP1."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from alignflow import PROJECT_ROOT
+from alignflow.generation import Completion
+from alignflow.stages import grpo, sft
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sft import job_args, job_env, torchrun, weights  # noqa: E402
+from train_ranks import convert_demo, metrics_lines, prep_demo, sft_cfg, stage_cfg  # noqa: E402
+
+STEP_METRICS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "reward_mean", "reward_std", "accuracy",
+                "response_length", "truncation_rate", "kl", "clip_fraction", "ratio", "generation_tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def inputs(demo_dir, tmp_path_factory):
+    """Prep with prompts, and a briefly fine-tuned demo model (it answers with numbers, some right)."""
+    root = tmp_path_factory.mktemp("grpo-inputs")
+    data = str(prep_demo(demo_dir, root / "data", prompts=True))
+    base = str(convert_demo(demo_dir, root / "base"))
+    cfg = sft_cfg(demo_dir, micro_batch_size=8, global_batch_size=16, trainer={"max_steps": 60, "val_check_interval": 60},
+                  optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4}, checkpoint={"every_n_steps": 60})
+    sft.run(OmegaConf.create(cfg), {"data": data, "model": base}, str(root / "sft"))
+    return {"data": data, "model": str(root / "sft"), "ref_model": str(root / "sft")}
+
+
+def grpo_cfg(demo_dir, tp: int = 1, pp: int = 1, **section) -> dict:
+    defaults = {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "micro_batch_size": 8, "generation_batch_size": 16,
+                "max_new_tokens": 4, "environment": [{"name": "exact_match"}, {"name": "closeness"}],
+                "trainer": {"max_steps": 3}, "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0}}
+    merged = OmegaConf.to_container(OmegaConf.merge(defaults, section))
+    return stage_cfg("grpo", demo_dir, tp, pp, **merged)
+
+
+def run_grpo(cfg: dict, inputs: dict, out: Path) -> dict:
+    return grpo.run(OmegaConf.create(cfg), inputs, str(out))
+
+
+def test_grpo_trains_and_logs_every_metric(demo_dir, inputs, tmp_path):
+    out = tmp_path / "out"
+    result = run_grpo(grpo_cfg(demo_dir), inputs, out)
+    lines = metrics_lines(out)
+    assert [line["step"] for line in lines] == [1, 2, 3] and all(set(line) == STEP_METRICS for line in lines)
+    assert list(result)[:2] == ["reward_mean", "accuracy"] and result["steps"] == 3
+    first = lines[0]
+    assert first["kl"] == 0.0 and first["ratio"] == pytest.approx(1.0) and first["clip_fraction"] == 0.0  # on-policy, policy = reference
+    assert lines[-1]["kl"] > 0  # the policy moved away from the reference
+    assert 0 < first["response_length"] <= 4 and 0 <= first["truncation_rate"] <= 1 and first["generation_tokens_per_s"] > 0
+    assert 0 <= first["accuracy"] <= 1 and first["reward_mean"] >= first["accuracy"]  # exact match + closeness
+    assert {p.name for p in out.iterdir()} >= {"model", "hf", "tokenizer", "metrics.jsonl", "checkpoints"}
+    final, initial = weights(out / "model"), weights(Path(inputs["model"]) / "model")
+    assert not torch.equal(final["output_layer.weight"], initial["output_layer.weight"])
+
+
+def test_several_optimizer_steps_per_batch_are_off_policy_and_clipped(demo_dir, inputs, tmp_path):
+    cfg = grpo_cfg(demo_dir, num_optimizer_steps_per_batch=2, ratio_clip_min=0.01, ratio_clip_max=0.01, trainer={"max_steps": 2})
+    run_grpo(cfg, inputs, tmp_path / "out")
+    lines = metrics_lines(tmp_path / "out")
+    assert all(line["ratio"] != pytest.approx(1.0, abs=1e-7) for line in lines)  # the second update sees a moved policy
+    assert any(line["clip_fraction"] > 0 for line in lines)
+
+
+def test_overlong_filtering_keeps_truncated_samples_out_of_the_gradient(demo_dir, inputs, tmp_path):
+    """With one new token nearly every sample is truncated (no EOS): filtered, those steps do
+    not train at all, while the same rollouts unfiltered do."""
+    cfg = grpo_cfg(demo_dir, max_new_tokens=1, trainer={"max_steps": 2})
+    run_grpo(cfg, inputs, tmp_path / "kept")
+    assert any(line["grad_norm"] > 0 for line in metrics_lines(tmp_path / "kept"))
+    run_grpo({**cfg, "grpo": {**cfg["grpo"], "overlong_filtering": True}}, inputs, tmp_path / "filtered")
+    lines = metrics_lines(tmp_path / "filtered")
+    assert [line["truncation_rate"] for line in lines] == [line["truncation_rate"] for line in metrics_lines(tmp_path / "kept")]
+    all_truncated = [line for line in lines if line["truncation_rate"] == 1.0]
+    assert all_truncated and all(line["loss"] == 0.0 and line["grad_norm"] == 0.0 for line in all_truncated)
+
+
+def test_rollouts_train_only_completion_tokens_of_kept_samples():
+    completions = [Completion([7, 2], [-0.5, -0.25], truncated=False), Completion([9, 9, 9], [-1.0, -2.0, -3.0], truncated=True)]
+    rollouts = grpo.Rollouts([[1, 5, 6], [1, 5]], completions, torch.tensor([1.0, -1.0]), torch.tensor([True, False]), pad_id=0)
+    batch = rollouts.collate([0, 1])
+    assert batch["tokens"].tolist() == [[1, 5, 6, 7, 2], [1, 5, 9, 9, 9]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]  # position t predicts token t + 1
+    assert batch["generation_logp"].tolist() == [[0, 0, -0.5, -0.25, 0], [0, -1.0, -2.0, -3.0, 0]]
+    assert batch["advantages"].tolist() == [1.0, -1.0]
+
+
+@pytest.mark.slow
+def test_killed_grpo_job_resumes_to_the_uninterrupted_weights(demo_dir, inputs, tmp_path):
+    """Rollouts are seeded by (seed, step, DP rank): a job killed after its first checkpoint
+    and retried samples, scores and trains exactly as an uninterrupted one."""
+    cfg = grpo_cfg(demo_dir, trainer={"max_steps": 6, "log_every_n_steps": 1}, checkpoint={"every_n_steps": 2})
+    reference = tmp_path / "uninterrupted"
+    run_grpo(cfg, inputs, reference)
+
+    out = tmp_path / "killed"
+    args = [*job_args(cfg, inputs, out), "--stage", "grpo", "--ref-model", inputs["ref_model"], "--pause-after-checkpoint", "60"]
+    job = subprocess.Popen([sys.executable, *args], cwd=PROJECT_ROOT, env=job_env(), start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = out / "checkpoints" / "step-00000002" / "complete"
+    deadline = time.time() + 120
+    while not first.exists() and job.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    assert first.exists() and job.returncode == -signal.SIGKILL, job.stdout.read().decode()[-3000:]
+
+    resumed = run_grpo(cfg, inputs, out)
+    assert resumed["steps"] == 6
+    expected, got = weights(reference / "model"), weights(out / "model")
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    timing = ("tokens_per_s", "generation_tokens_per_s")
+    strip = lambda lines: [{k: v for k, v in line.items() if k not in timing} for line in lines]  # noqa: E731
+    assert strip(metrics_lines(out)) == strip(metrics_lines(reference))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_two_ranks_match_one_rank(demo_dir, inputs, tmp_path, tp, pp):
+    """Same rollouts (TP ranks draw the same tokens; PP stages pass hidden states and broadcast
+    the tokens), rewards and losses as TP1 over 3 steps."""
+    cfg = grpo_cfg(demo_dir, trainer={"log_every_n_steps": 1})
+    run_grpo(cfg, inputs, tmp_path / "tp1")
+    parallel = tmp_path / f"tp{tp}pp{pp}"
+    ranks_cfg = grpo_cfg(demo_dir, tp=tp, pp=pp, trainer={"log_every_n_steps": 1})
+    torchrun(tp * pp, ranks_cfg, inputs, parallel, "--stage", "grpo", "--ref-model", inputs["ref_model"])
+    for a, b in zip(metrics_lines(tmp_path / "tp1"), metrics_lines(parallel), strict=True):
+        for key in ("reward_mean", "accuracy", "response_length", "loss", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], abs=1e-4), (key, a, b)
+    assert json.loads((parallel / "result.json").read_text())["steps"] == 3
