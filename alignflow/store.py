@@ -105,8 +105,8 @@ class Store:
             if fs.exists(f"{output}/{MANIFEST}"):
                 fs.rm(f"{output}/{MANIFEST}")
             fs.rm(output, recursive=True)
-        for path in fs.find(staging):
-            fs.copy(path, f"{output}/{path[len(staging) + 1 :]}")
+        files = fs.find(staging)
+        fs.copy(files, [f"{output}/{path[len(staging) + 1 :]}" for path in files])  # server-side, concurrently
         fs.pipe(f"{output}/{MANIFEST}", body.encode())
         fs.rm(staging, recursive=True)
 

@@ -1,17 +1,56 @@
 """The store, inputs and stage outputs on a real S3 protocol endpoint (moto server on loopback)."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import fsspec
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+from alignflow import PROJECT_ROOT
 from alignflow.config import compose
 from alignflow.runner import plan, run_stage
+from alignflow.stages import as_names
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import convert_demo, metrics_lines, prep_demo, sft_cfg  # noqa: E402
 
 
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from alignflow.checkpoint.dist_io import DistCheckpointReader
+
+    reader = DistCheckpointReader(str(model_dir))
+    return {key: reader.read(key) for key in reader.keys()}
+
+
+def test_an_input_model_is_downloaded_once_per_commit(s3_endpoint, tmp_path, monkeypatch):
+    """A model stage output on S3 becomes a local folder (model/, hf/, tokenizer/; not its
+    checkpoints) in the cache; the same commit is served from there, a new commit is fetched anew."""
+    from alignflow.train.workspace import local_model
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"client_kwargs": {"endpoint_url": s3_endpoint}})
+    fs, root, cache = fsspec.filesystem("s3"), "test/inputs/sft/abc", tmp_path / "cache"
+    for name in ("model/.metadata", "hf/config.json", "tokenizer/tokenizer.json", "checkpoints/step-00000001/complete"):
+        fs.pipe(f"{root}/{name}", b"v1")
+    fs.pipe(f"{root}/_SUCCESS.json", b'{"committed_at": 1}')
+    first = local_model(f"s3://{root}", cache)
+    assert first.parent == cache / "inputs" / "s3" / root
+    assert sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file()) == ["hf/config.json", "model/.metadata", "tokenizer/tokenizer.json"]
+    fs.pipe(f"{root}/model/.metadata", b"v2")
+    assert local_model(f"s3://{root}", cache) == first and (first / "model" / ".metadata").read_bytes() == b"v1"
+    fs.pipe(f"{root}/_SUCCESS.json", b'{"committed_at": 2}')  # e.g. a forced re-run committed again
+    second = local_model(f"s3://{root}", cache)
+    assert second != first and (second / "model" / ".metadata").read_bytes() == b"v2"
+    assert not list(second.parent.glob(".tmp-*"))
+
+
+@pytest.mark.slow
 def test_prep_reads_and_commits_on_s3(s3_endpoint, demo_dir, base_overrides):
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
     fs = fsspec.filesystem("s3", **options)
@@ -24,7 +63,7 @@ def test_prep_reads_and_commits_on_s3(s3_endpoint, demo_dir, base_overrides):
         "data.sft.val=null",
         "data.sft.val_fraction=0.1",
     ]
-    cfg = compose("convert", [*overrides, "+pipeline.stages.prep={}"])  # training stages need a filesystem store
+    cfg = compose("convert", [*overrides, "+pipeline.stages.prep={}"])
     first = run_stage(cfg, "prep", {}, log=print)
     assert first.uri == f"s3://test/store/prep/{first.fingerprint}" and not first.cached
     manifest = json.loads(fs.cat_file(f"test/store/prep/{first.fingerprint}/_SUCCESS.json"))
@@ -37,6 +76,7 @@ def test_prep_reads_and_commits_on_s3(s3_endpoint, demo_dir, base_overrides):
     assert run_stage(cfg, "prep", {}, log=print).cached
 
 
+@pytest.mark.slow
 def test_convert_and_export_through_s3(s3_endpoint, demo_dir, base_overrides):
     """HF source on S3 -> torch_dist in an S3 store -> HF export published to an S3 destination."""
     from safetensors.torch import load_file, load
@@ -63,3 +103,141 @@ def test_convert_and_export_through_s3(s3_endpoint, demo_dir, base_overrides):
         back = load(fs.cat_file(f"{root}/model.safetensors"))
         assert set(back) == set(source) and all(back[k].equal(source[k]) for k in source)
         assert fs.exists(f"{root}/config.json") and fs.exists(f"{root}/tokenizer.json")
+
+
+FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1",
+        "sft.checkpoint.every_n_steps=1", "sft.checkpoint.save_top_k=0", "eval.num_generation_samples=4", "eval.limit_batches=1"]
+
+
+@pytest.mark.slow
+def test_demo_pipeline_with_everything_on_s3(s3_endpoint, demo_dir, base_overrides, tmp_path):
+    """pipeline=demo with the data, model source, store and export destination on S3: sft
+    trains in a local scratch and its checkpoints and outputs land in the store; eval and
+    export read its model from there."""
+    from alignflow.checkpoint.dist_io import DistCheckpointReader
+
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    fs = fsspec.filesystem("s3", **options)
+    fs.put(f"{demo_dir}/", "test/demo/", recursive=True)
+    overrides = [
+        *base_overrides, *FAST,
+        "paths.demo=s3://test/demo",
+        "data.preference=null",  # the demo pipeline does not train on it; eval would score it (slow)
+        "store.root=s3://test/store3",
+        f"+store.storage_options.client_kwargs.endpoint_url={s3_endpoint}",
+        f"store.cache_dir={tmp_path / 'cache'}",
+        "export.destination=s3://test/published/demo",
+    ]
+    cfg = compose("demo", overrides)
+    results = {}
+    for stage, wiring in cfg.pipeline.stages.items():  # the flow's order and wiring, without Prefect
+        upstream = {name: results[name] for names in (wiring or {}).values() for name in as_names(names)}
+        results[stage] = run_stage(cfg, stage, upstream, log=print)
+
+    sft = results["sft"]
+    root = f"test/store3/sft/{sft.fingerprint}"
+    assert sft.uri == f"s3://{root}" and sft.metrics["steps"] == 2
+    manifest = json.loads(fs.cat_file(f"{root}/_SUCCESS.json"))
+    assert {f["path"] for f in manifest["files"]} >= {
+        "model/.metadata", "hf/config.json", "tokenizer/tokenizer.json", "metrics.jsonl", "checkpoints/step-00000002/complete"}
+    assert [json.loads(line)["step"] for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()] == [1, 2]
+    assert fs.ls(f"{root}/checkpoints") == [f"{root}/checkpoints/step-00000002"]  # save_top_k=0 pruned step 1 in the store too
+    assert not fs.exists(f"test/store3/sft/_staging/{sft.fingerprint}")
+    fsspec.config.conf.setdefault("s3", {}).update(options)
+    final, last = (DistCheckpointReader(f"s3://{root}/{path}") for path in ("model", "checkpoints/step-00000002/model"))
+    assert all(torch.equal(final.read(k), last.read(k)) for k in final.keys())
+
+    evaluated = json.loads(fs.cat_file(f"test/store3/eval/{results['eval'].fingerprint}/eval.json"))
+    assert {"sft.val_loss", "convert.val_loss"} <= set(evaluated["metrics"])
+    assert (tmp_path / "cache" / "inputs" / "s3" / root).is_dir()  # eval's copy of the sft model
+    export_manifest = json.loads(fs.cat_file(f"test/store3/export/{results['export'].fingerprint}/_SUCCESS.json"))
+    assert export_manifest["inputs"]["sft"]["uri"] == sft.uri
+    assert fs.exists("test/published/demo/model.safetensors") and fs.exists("test/published/demo/config.json")
+
+
+JOB = """
+import json, sys, time
+
+from alignflow.train.engine import Trainer
+from alignflow.worker import run_stage_job
+
+
+def pause_after_checkpoints(seconds):
+    save = Trainer.save_checkpoint
+
+    def paused(self):
+        save(self)
+        print("checkpoint saved and uploaded", flush=True)
+        time.sleep(seconds)
+
+    Trainer.save_checkpoint = paused
+
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    pause_after_checkpoints(job.pop("pause"))
+    print(json.dumps(run_stage_job(**job)))
+"""
+
+
+@pytest.mark.slow
+def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, demo_dir, tmp_path):
+    """A job whose output is on S3 is killed (SIGKILL) after its first checkpoint was uploaded;
+    the retry, with another (empty) cache as on another node, downloads that checkpoint and
+    ends with weights bit-identical to an uninterrupted run on a local output, and the same
+    metrics (dropout on, so the RNG states must travel too). A half-uploaded later checkpoint
+    and a metrics line logged after the checkpoint are left in the store, as a kill leaves them."""
+    from omegaconf import OmegaConf
+
+    from alignflow.stages import sft
+
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    fs = fsspec.filesystem("s3", **options)
+    local = {"data": str(prep_demo(demo_dir, tmp_path / "data")), "model": str(convert_demo(demo_dir, tmp_path / "model"))}
+    for role, path in local.items():
+        fs.put(f"{path}/", f"test/resume/{role}/", recursive=True)
+    inputs = {role: f"s3://test/resume/{role}" for role in local}
+    cfg = sft_cfg(demo_dir, hidden_dropout=0.1, attention_dropout=0.1,
+                  trainer={"max_steps": 8, "val_check_interval": 2, "log_every_n_steps": 1},
+                  checkpoint={"every_n_steps": 3, "save_top_k": 1})
+    reference = tmp_path / "uninterrupted"
+    sft.run(OmegaConf.create(cfg), local, str(reference))
+
+    out, staging = "s3://test/resume/out", "test/resume/out"
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+
+    def job(node: str, pause: float) -> subprocess.Popen:
+        spec = {"stage": "sft", "cfg": cfg | {"store": {"cache_dir": str(tmp_path / node)}}, "inputs": inputs, "out": out,
+                "storage_options": options, "pause": pause}
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        return subprocess.Popen([sys.executable, str(script), json.dumps(spec)], cwd=PROJECT_ROOT, env=env | {"PYTHONPATH": str(PROJECT_ROOT)},
+                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = job("node-a", pause=60)
+    marker, deadline = f"{staging}/checkpoints/step-00000003/complete", time.time() + 180
+    while not fs.exists(marker) and first.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+        fs.invalidate_cache()
+    os.killpg(first.pid, signal.SIGKILL)  # the job and the checkpoint writer it may have spawned
+    first.wait(timeout=30)
+    assert fs.exists(marker) and first.returncode == -signal.SIGKILL, first.stdout.read()[-3000:]
+    assert not fs.exists(f"{staging}/model")
+    fs.pipe(f"{staging}/checkpoints/step-00000006/model/.metadata", b"half uploaded")  # no `complete`: not a checkpoint
+    fs.pipe(f"{staging}/metrics.jsonl", fs.cat_file(f"{staging}/metrics.jsonl") + json.dumps({"step": 4, "loss": 0.0}).encode() + b"\n")
+
+    retry = job("node-b", pause=0)
+    log, _ = retry.communicate(timeout=300)
+    assert retry.returncode == 0, log[-3000:]
+    assert f"downloaded checkpoint s3://{staging}/checkpoints/step-00000003" in log
+    assert "(step 3 of 8)" in log and json.loads([line for line in log.splitlines() if line.startswith("{")][-1])["steps"] == 8
+
+    fs.get(f"{staging}/model/", f"{tmp_path / 'resumed'}/", recursive=True)
+    expected, got = weights(reference / "model"), weights(tmp_path / "resumed")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    (tmp_path / "resumed-metrics").mkdir()
+    fs.get_file(f"{staging}/metrics.jsonl", str(tmp_path / "resumed-metrics" / "metrics.jsonl"))
+    strip = lambda lines: [{k: v for k, v in line.items() if k != "tokens_per_s"} for line in lines]  # noqa: E731
+    assert strip(metrics_lines(tmp_path / "resumed-metrics")) == strip(metrics_lines(reference))
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{staging}/checkpoints")) == sorted(p.name for p in (reference / "checkpoints").iterdir())

@@ -89,6 +89,9 @@ class StoreConfig:
     storage_options: Dict[str, Any] = not_identity(factory=dict)
     lease_ttl_s: float = not_identity(60.0)
     poll_interval_s: float = not_identity(2.0)
+    # Where jobs keep local copies of object-store outputs (input models, training scratch);
+    # null: `{system temp dir}/alignflow-cache` on the job's node.
+    cache_dir: Optional[str] = not_identity(None)
 
 
 @dataclass
@@ -141,8 +144,8 @@ class LauncherConfig:
     container_image: Optional[str] = None
     container_mounts: Optional[str] = None
     setup: List[str] = field(default_factory=list)
-    sbatch_extra: Dict[str, Any] = field(default_factory=dict)
-    max_requeues: int = 3
+    sbatch_extra: Dict[str, Any] = field(default_factory=dict)  # more sbatch options, e.g. {exclusive: true}
+    max_requeues: int = 3  # Slurm requeues of a training stage's job on preemption or timeout (others: 0)
 
 
 @dataclass

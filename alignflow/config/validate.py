@@ -76,8 +76,6 @@ def _check_stage(cfg: DictConfig, stage: str, shape: ModelShape | None) -> list[
         problems += _check_parallel(stage, section, world, shape)
     if "optim" in section:
         problems += _check_optim(stage, section)
-    if STAGES[stage].resumable and "://" in cfg.store.root and not cfg.store.root.startswith("file://"):
-        problems.append(f"store.root: {stage} checkpoints into its output, which must be a local or shared filesystem path for now")
     if stage == "dpo":
         if section.beta <= 0:
             problems.append(f"dpo.beta: must be > 0, got {section.beta}")

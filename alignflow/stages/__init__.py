@@ -8,7 +8,7 @@ module `alignflow.stages.<name>`, the Prefect task and the store prefix `{root}/
 - `reads`: the config paths the stage reads besides its own section; they form its
   config slice, hence its identity.
 - `context`: config paths the job also receives but that never change its output (logging,
-  wandb), so they stay out of its identity;
+  wandb, the local cache for object-store inputs), so they stay out of its identity;
 - `sources`: config paths holding URIs of external inputs (data files, checkpoints,
   tokenizers); their content identity is part of the fingerprint, so a changed file is
   never served from cache.
@@ -28,16 +28,17 @@ class StageSpec:
     resumable: bool = False
 
 
+_CACHE = ("store.cache_dir",)  # where a job downloads input models from object stores (and trains)
 _DATA_SOURCES = tuple(f"data.{kind}.{split}" for kind in ("sft", "preference", "prompts") for split in ("train", "val"))
 
 STAGES: dict[str, StageSpec] = {
     "prep": StageSpec(1, reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",)),
     "convert": StageSpec(1, reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer")),
-    "ref_logprobs": StageSpec(1, reads=("model",)),
-    "sft": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
-    "dpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
-    "grpo": StageSpec(1, reads=("model",), context=("logging",), resumable=True),
-    "eval": StageSpec(1, reads=("model",)),
+    "ref_logprobs": StageSpec(1, reads=("model",), context=_CACHE),
+    "sft": StageSpec(1, reads=("model",), context=("logging", *_CACHE), resumable=True),
+    "dpo": StageSpec(1, reads=("model",), context=("logging", *_CACHE), resumable=True),
+    "grpo": StageSpec(1, reads=("model",), context=("logging", *_CACHE), resumable=True),
+    "eval": StageSpec(1, reads=("model",), context=_CACHE),
     "export": StageSpec(1),
 }
 

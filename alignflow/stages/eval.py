@@ -16,6 +16,7 @@ Greedy decoding is `alignflow.generation`'s (KV-cached, prompts of equal length 
 
 import json
 import logging
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -28,8 +29,8 @@ from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match
 from alignflow.stages.sft import PackedSFT, sft_forward, sft_loss
-from alignflow.train.checkpointing import local_path
 from alignflow.train.data import list_column, packed_rows, read_split
+from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.eval")
 HEADLINE = ("accuracy", "preference_accuracy", "val_loss", "perplexity")
@@ -47,7 +48,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     metrics, samples = {}, {}
     try:
         for name, uri in models.items():
-            model, decode = load_model(uri, cfg.model.make_vocab_size_divisible_by)
+            model, decode = load_model(uri, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
             results, samples[name] = evaluate(model, decode, data, meta["seq_length"], pad_id, tokenizer, cfg.eval)
             metrics |= {f"{name}.{k}": v for k, v in results.items()}
             log.info("%s: %s", name, results)
@@ -65,9 +66,9 @@ def _stage_name(uri: str) -> str:
     return uri.rstrip("/").split("/")[-2]
 
 
-def load_model(uri: str, divisible_by: int):
+def load_model(uri: str, divisible_by: int, cache: Path | None = None):
     """The model of a stage output (`alignflow.checkpoint` layout) and its tokenizer's decode."""
-    root = local_path(uri)
+    root = local_model(uri, cache or cache_dir())
     hf_config = json.loads((root / HF_DIR / "config.json").read_text())
     model = build_gpt(hf_config, SINGLE_RANK, make_vocab_size_divisible_by=divisible_by)
     checkpoint.load([model], str(root / MODEL_DIR))

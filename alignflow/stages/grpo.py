@@ -32,6 +32,7 @@ of the model in the same layout.
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -47,10 +48,10 @@ from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match, resolve
 from alignflow.stages.sft import sft_forward
-from alignflow.train.checkpointing import local_path
 from alignflow.train.data import list_column, packed_rows, read_split
 from alignflow.train.engine import LossTerms, Objective, StepStats, TrainData, Trainer, all_reduce_dp, device, run_training_stage
 from alignflow.train.schedule import lr_at
+from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.grpo")
 LOSS_METRICS = ("kl", "clip_fraction", "ratio")
@@ -170,7 +171,7 @@ class GRPOTrainer(Trainer):
     def setup(self) -> None:
         super().setup()
         cfg = self.cfg
-        tokenizer_dir = local_path(self.init_model) / TOKENIZER_DIR
+        tokenizer_dir = Path(self.init_model) / TOKENIZER_DIR
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=self.tokenizer.eos_token_id, vocab_size=len(self.tokenizer),
@@ -242,5 +243,6 @@ def load_data(data_uri: str) -> TrainData:
 
 def run(cfg, inputs: dict, out: str) -> dict:
     objective = grpo_objective(GRPOLossConfig.from_stage(cfg.grpo))
+    ref_model = local_model(inputs.get("ref_model", inputs["model"]), cache_dir(cfg))
     return run_training_stage("grpo", cfg, inputs, load_data(inputs["data"]), objective, out,
-                              trainer_class=GRPOTrainer, ref_model=inputs.get("ref_model", inputs["model"]))
+                              trainer_class=GRPOTrainer, ref_model=str(ref_model))

@@ -27,15 +27,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from alignflow.checkpoint import HF_DIR, MODEL_DIR
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
-from alignflow.train.checkpointing import local_path
 from alignflow.train.preference import SIDES, PreferencePairs, load_pairs
+from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.ref_logprobs")
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
     section, data = cfg.ref_logprobs, inputs["data"].rstrip("/")
-    model_dir = local_path(inputs["model"])
+    model_dir = local_model(inputs["model"], cache_dir(cfg))
     meta = json.loads(fsspec.open(f"{data}/metadata.json").open().read())
     pad_id = meta["tokenizer"]["pad_token_id"] if meta["tokenizer"]["pad_token_id"] is not None else meta["tokenizer"]["eos_token_id"]
     runtime.init_parallel(section.parallel, seed=0)

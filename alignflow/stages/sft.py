@@ -24,8 +24,9 @@ Simplified:
 - The mask is dense ([micro, 1, s, s]): fine at CPU/test scale, quadratic in memory.
   Packed THD attention through cu_seqlens (`PackedSeqParams` with Transformer Engine's
   fused attention, no mask) is the GPU path and is not implemented.
-- The input model and `out` must be local (or shared POSIX) paths: Megatron's checkpoint
-  I/O and the atomic checkpoint renames need a filesystem (the data may be any fsspec URI).
+- Megatron's checkpoint I/O and the atomic checkpoint renames need a filesystem: with an
+  object-store store the input model is downloaded and the job trains in a local scratch
+  synced with `out` (`alignflow.train.workspace`); the data is read from any fsspec URI.
 """
 
 import json

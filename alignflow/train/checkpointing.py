@@ -14,7 +14,8 @@ Layout under `{out}/checkpoints/`:
 Every rank writes into the temp folder; after a barrier rank 0 writes trainer.json,
 renames the folder to `step-N` and writes `complete`. The per-rank files assume the same
 TP/PP/DP layout on resume (a retry of the same fingerprint has it); the model part would
-reshard to any layout. Local (or shared POSIX) filesystems only.
+reshard to any layout. On a filesystem (local or shared POSIX); when the store is an object
+store, `alignflow.train.workspace` writes them in a local scratch and uploads each complete one.
 
 `prune` keeps the latest checkpoint (for resume) and the `save_top_k` best by the monitored
 metric (`val_loss` or `loss`), whose value is the latest one computed at or before the
@@ -27,7 +28,7 @@ import random
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -60,12 +61,6 @@ class TrainerState:
     @classmethod
     def from_json(cls, data: dict) -> "TrainerState":
         return cls(**{**data, "position": DataPosition(**data["position"])})
-
-
-def local_path(uri: str) -> Path:
-    if "://" in uri and not uri.startswith("file://"):
-        raise NotImplementedError(f"training stages checkpoint to local or shared filesystems only, not {uri}")
-    return Path(uri.removeprefix("file://"))
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -131,25 +126,30 @@ def load(path: Path, chunks, optimizer: torch.optim.Optimizer) -> TrainerState:
 
 
 def prune(root: Path, keep_top_k: int, monitor: str, mode: str) -> list[int]:
-    """Keep the latest checkpoint and the `keep_top_k` best by `monitor` (rank 0; -1 keeps all).
+    """Keep the latest checkpoint and the `keep_top_k` best by `monitor` (rank 0; -1 keeps all);
+    returns the steps deleted."""
+    trainer_state = lambda step: json.loads((step_dir(root, step) / "trainer.json").read_text())  # noqa: E731
+    deleted = pruned_steps(complete_steps(root), trainer_state, keep_top_k, monitor, mode)
+    for step in deleted:
+        shutil.rmtree(step_dir(root, step))
+    return deleted
 
-    Checkpoints without the monitored value rank below those with it, newer before older.
-    Returns the steps deleted."""
-    steps = complete_steps(root)
+
+def pruned_steps(steps: list[int], trainer_state: Callable[[int], dict], keep_top_k: int, monitor: str, mode: str) -> list[int]:
+    """The rule of `prune` over `steps` (ascending), wherever they are stored: `trainer_state(step)`
+    reads a checkpoint's trainer.json. Checkpoints without the monitored value rank below those
+    with it, newer before older."""
     if keep_top_k < 0 or len(steps) <= 1:
         return []
 
     def rank_key(step: int):
-        value = json.loads((step_dir(root, step) / "trainer.json").read_text()).get(_STATE_KEYS.get(monitor, monitor))
+        value = trainer_state(step).get(_STATE_KEYS.get(monitor, monitor))
         if value is None:
             return (1, -step)
         return (0, value if mode == "min" else -value, -step)
 
     keep = set(sorted(steps, key=rank_key)[:keep_top_k]) | {steps[-1]}
-    deleted = [s for s in steps if s not in keep]
-    for step in deleted:
-        shutil.rmtree(step_dir(root, step))
-    return deleted
+    return [s for s in steps if s not in keep]
 
 
 # monitor names -> TrainerState fields holding them at checkpoint time

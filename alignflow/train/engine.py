@@ -13,6 +13,8 @@ A stage gives the engine three things, none of them subclasses:
 
 `Trainer.setup()` builds everything in order (parallel groups, model, weights, optimizer,
 data order, resume, metrics); `Trainer.train()` is the loop; `save_checkpoint` / `cleanup`.
+It writes into `alignflow.train.workspace.Workspace.dir`: the output itself on a filesystem,
+a scratch folder whose checkpoints and outputs are uploaded when the output is on an object store.
 GRPO's step differs (roll out, score, then optimizer steps on the rollouts), so
 `alignflow.stages.grpo.GRPOTrainer` overrides `train_step` and reuses `optimizer_step` and
 `per_token_logps`; everything else (schedule, checkpoints, resume, metrics) is shared.
@@ -62,6 +64,7 @@ from alignflow.train.checkpointing import TrainerState
 from alignflow.train.data import Dataset, GlobalBatches, dp_micro_batches
 from alignflow.train.metrics import MetricsLog
 from alignflow.train.schedule import lr_at
+from alignflow.train.workspace import CHECKPOINTS, cache_dir, local_model, workspace_for
 
 log = logging.getLogger("alignflow.train")
 
@@ -126,11 +129,14 @@ def resolve_precision(precision: str) -> torch.dtype:
 
 class Trainer:
     def __init__(self, cfg: Any, model_cfg: Any, hf_config: dict, init_model: str, data: TrainData, objective: Objective,
-                 out: str, wandb_cfg: Any = None, name: str = "train"):
+                 out: str, wandb_cfg: Any = None, name: str = "train", cache: Optional[Path] = None):
+        """`init_model`: a local folder; `out`: the stage's output URI, on an object store worked
+        on in a scratch folder of `cache` (see `alignflow.train.workspace`)."""
         self.cfg, self.model_cfg, self.hf_config, self.init_model = cfg, model_cfg, hf_config, init_model
         self.data, self.objective, self.name, self.wandb_cfg = data, objective, name, wandb_cfg
-        self.out = checkpointing.local_path(out)
-        self.checkpoints = self.out / "checkpoints"
+        self.workspace = workspace_for(out, cache or cache_dir())
+        self.out = self.workspace.dir
+        self.checkpoints = self.out / CHECKPOINTS
 
     # ------------------------------------------------------------------ setup
 
@@ -165,9 +171,10 @@ class Trainer:
 
     def resume_or_start(self) -> TrainerState:
         """The latest complete checkpoint, or the input model (with resume off, old checkpoints are removed)."""
-        if not self.cfg.checkpoint.resume and self.rank == 0:
-            shutil.rmtree(self.checkpoints, ignore_errors=True)
+        if self.rank == 0:
+            self.workspace.restore(self.cfg.checkpoint.resume)
         dist.barrier()
+        self.workspace.check_shared()
         steps = checkpointing.complete_steps(self.checkpoints)
         if steps:
             path = checkpointing.step_dir(self.checkpoints, steps[-1])
@@ -337,6 +344,7 @@ class Trainer:
             ckpt = self.cfg.checkpoint
             deleted = checkpointing.prune(self.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
             log.info("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
+            self.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
         dist.barrier()
 
     def cleanup(self) -> None:
@@ -428,17 +436,20 @@ def run_training_stage(name: str, cfg: Any, inputs: dict, data: TrainData, objec
                        trainer_class: type = Trainer, **trainer_args) -> dict:
     """What a training stage's `run` does: train `cfg[name]` from `inputs["model"]`, then
     publish the final weights as `{out}/model` beside the input model's hf/ and tokenizer/."""
-    model_dir = checkpointing.local_path(inputs["model"])
+    cache = cache_dir(cfg)
+    model_dir = local_model(inputs["model"], cache)
     hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
     trainer = trainer_class(cfg[name], cfg.model, hf_config, str(model_dir), data, objective, out,
-                            OmegaConf.select(cfg, "logging.wandb"), name=name, **trainer_args)
+                            OmegaConf.select(cfg, "logging.wandb"), name=name, cache=cache, **trainer_args)
     try:
         trainer.setup()
         result = trainer.train()
         if trainer.rank == 0:
-            publish(result.checkpoint, model_dir, checkpointing.local_path(out))
+            publish(result.checkpoint, model_dir, trainer.out)
     finally:
         trainer.cleanup()
+    if trainer.rank == 0:  # after cleanup, which finishes the wandb run's files
+        trainer.workspace.push_outputs()
     return result.summary | {
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
