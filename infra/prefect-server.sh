@@ -12,10 +12,12 @@
 #   infra/prefect-server.sh status           server, worker, database
 #   infra/prefect-server.sh down             stop the worker, the server, and PostgreSQL if it started it
 # Logs and pidfiles in .infra/ (prefect-server.log, prefect-worker.log).
+# Optional: PREFECT_SERVER_PORT (4200), PREFECT_POOL (align-process), ALIGNFLOW_INFRA_DIR (.infra: state,
+# SQLite database, logs, pidfiles), so a second server (tests/integration) runs beside a developer's.
 # Then point alignflow at it:  export PREFECT_API_URL=http://127.0.0.1:4200/api
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=$PWD state=$PWD/.infra; mkdir -p "$state"
+root=$PWD state=${ALIGNFLOW_INFRA_DIR:-$PWD/.infra}; mkdir -p "$state"
 pidfile=$state/prefect-server.pid wpidfile=$state/prefect-worker.pid dbfile=$state/prefect-server.db
 port=${PREFECT_SERVER_PORT:-4200} pool=${PREFECT_POOL:-align-process}
 db=${PREFECT_DB:-$(cat "$dbfile" 2>/dev/null || echo sqlite)}  # asked for, else the running one

@@ -1,0 +1,195 @@
+"""deployments/prefect.yaml on a real Prefect server and process worker, driven by the CLI a user types.
+
+  prefect deploy --all --prefect-file deployments/prefect.yaml          (the prefect_stack fixture)
+  prefect deployment run align/sft-dpo --param 'overrides=[...]' --watch
+"""
+
+import json
+import os
+import subprocess
+import time
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.sorting import FlowRunSort
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SFT_DPO = ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"]
+
+
+def summary(stack, flow_run_id: str) -> str:
+    """The flow's markdown artifact `align-sft-dpo` of that flow run."""
+    with stack.client() as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["align-sft-dpo"]),
+                                                                     flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    assert found, f"no align-sft-dpo artifact for flow run {flow_run_id}"
+    return found[0].data
+
+
+def test_sft_dpo_deployment_runs_then_hits_the_cache(prefect_stack, first_run, run_overrides, workdir):
+    assert first_run.returncode == 0 and "finished successfully in 'Completed'" in first_run.output, first_run.output[-4000:]
+    with prefect_stack.client() as client:
+        flow_run = client.read_flow_run(first_run.flow_run_id)
+        deployment = client.read_deployment(flow_run.deployment_id)
+    assert flow_run.state.type == StateType.COMPLETED and deployment.name == "sft-dpo"
+    assert flow_run.parameters["pipeline"] == "sft_dpo" and "dpo.beta=0.2" in flow_run.parameters["overrides"]
+
+    first = summary(prefect_stack, first_run.flow_run_id)
+    store = workdir / "store"
+    for stage in SFT_DPO:
+        row = next(line for line in first.splitlines() if line.startswith(f"| {stage} |"))
+        assert "| ran |" in row, row
+        fingerprint = row.split("`")[1]
+        manifest = json.loads((store / stage / fingerprint / "_SUCCESS.json").read_text())
+        assert manifest["fingerprint"] == fingerprint
+    assert (store / "export").is_dir() and list(store.glob("export/*/model*.safetensors"))
+    jobs = len(list((workdir / "jobs").glob("*/*")))
+    assert jobs == len(SFT_DPO)
+
+    again = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.beta=0.2"]})
+    assert again.returncode == 0, again.output[-4000:]
+    second = summary(prefect_stack, again.flow_run_id)
+    for stage in SFT_DPO:
+        assert f"| {stage} | cache hit |" in second, second
+    assert len(list((workdir / "jobs").glob("*/*"))) == jobs  # cache hits submit no job
+
+
+def test_nightly_is_scheduled_at_two_utc(prefect_stack):
+    def upcoming(deployment_id, at_least: int = 3, wait_s: float = 90):
+        deadline = time.monotonic() + wait_s
+        while True:
+            with prefect_stack.client() as client:
+                runs = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                    flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
+                    sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+            if len(runs) >= at_least or time.monotonic() > deadline:
+                return [run.expected_start_time.astimezone(timezone.utc) for run in runs]
+            time.sleep(2)
+
+    with prefect_stack.client() as client:
+        nightly = client.read_deployment_by_name("align/nightly")
+    assert nightly.parameters["pipeline"] == "sft_dpo" and nightly.work_pool_name == "align-process"
+    [schedule] = nightly.schedules
+    assert schedule.active and schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC"
+    times = upcoming(nightly.id)
+    now = datetime.now(timezone.utc)
+    assert len(times) >= 3, times
+    assert all((t.hour, t.minute, t.second) == (2, 0, 0) and t > now for t in times), times
+    assert times[0] - now <= timedelta(days=1) and all(b - a == timedelta(days=1) for a, b in zip(times, times[1:])), times
+    listed = prefect_stack.prefect("flow-run", "ls", "--state", "Scheduled", "--limit", "20")
+    assert listed.returncode == 0 and sum(line.count("SCHEDULED") for line in listed.stdout.splitlines()) >= 3, listed.stdout
+
+    # the schedule is configurable at deploy time; a re-deploy replaces the upcoming runs
+    moved = prefect_stack.prefect("deploy", "--name", "nightly", "--prefect-file", "deployments/prefect.yaml",
+                                  env={"ALIGNFLOW_NIGHTLY_CRON": "30 3 * * 1"})
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    try:
+        with prefect_stack.client() as client:
+            assert client.read_deployment_by_name("align/nightly").schedules[0].schedule.cron == "30 3 * * 1"
+        deadline = time.monotonic() + 90
+        while True:
+            times = upcoming(nightly.id, wait_s=30)
+            if times and all((t.weekday(), t.hour, t.minute) == (0, 3, 30) for t in times) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert times and all((t.weekday(), t.hour, t.minute) == (0, 3, 30) for t in times), times
+    finally:
+        back = prefect_stack.prefect("deploy", "--name", "nightly", "--prefect-file", "deployments/prefect.yaml")
+        assert back.returncode == 0, back.stdout + back.stderr
+
+
+def test_flow_run_page_renders_the_stage_graph(prefect_stack, first_run, tmp_path_factory):
+    from PIL import Image
+
+    assert first_run.returncode == 0, first_run.output[-2000:]
+    out = tmp_path_factory.mktemp("screenshots")
+    png, dom = out / "flow-run.png", out / "flow-run.html"
+    url = f"{prefect_stack.ui}/runs/flow-run/{first_run.flow_run_id}"
+    shot = subprocess.run([str(REPO / "infra" / "chromium.sh"), "shot", url, str(png), str(dom)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "ALIGNFLOW_INFRA_DIR": str(prefect_stack.state)})
+    assert shot.returncode == 0 and png.exists(), shot.stdout + shot.stderr
+    print(f"\nscreenshot of {url}: {png}")
+
+    image = Image.open(png).convert("RGB")
+    assert image.size == (1400, 1000)
+    colors = Counter(image.getdata())
+    assert len(colors) > 500 and colors.most_common(1)[0][1] < 0.8 * image.width * image.height  # not blank
+    # the graph is drawn on a canvas: Completed task nodes are Prefect's green
+    green = sum(n for (r, g, b), n in colors.items() if abs(r - 33) < 24 and abs(g - 157) < 24 and abs(b - 75) < 24)
+    assert green > 5000, f"no completed stage nodes drawn in {png} ({green} green pixels)"
+    html = dom.read_text(errors="replace")
+    with prefect_stack.client() as client:
+        flow_run_name = client.read_flow_run(first_run.flow_run_id).name
+    assert flow_run_name in html and "sft-dpo" in html and "align-process" in html
+    for stage in ("prep", "ref_logprobs", "dpo"):  # task runs named after stages, in the logs list
+        assert stage in html, stage
+
+
+def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, run_overrides, workdir):
+    """wandb on, training stages forced to re-run with WANDB_API_KEY / AWS_SECRET_ACCESS_KEY in the
+    worker's environment: no parameter, log, artifact, store output or job file holds them."""
+    assert first_run.returncode == 0, first_run.output[-2000:]
+    run = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.beta=0.2", "logging.wandb.enabled=true"],
+                                                         "force": ["sft", "dpo"]})
+    assert run.returncode == 0, run.output[-4000:]
+    rows = {line.split("|")[1].strip(): line for line in summary(prefect_stack, run.flow_run_id).splitlines() if line.startswith("| ")}
+    assert "| ran |" in rows["sft"] and "| ran |" in rows["dpo"] and "| cache hit |" in rows["eval"], rows
+
+    # the secret reached the flow run (the saved config shows it is set, masked) and wandb ran in the jobs
+    for stage in ("sft", "dpo"):
+        manifest = json.loads((workdir / "store" / stage / rows[stage].split("`")[1] / "_SUCCESS.json").read_text())
+        assert manifest["config"]["logging"]["wandb"] == {**manifest["config"]["logging"]["wandb"], "enabled": True, "api_key": "***"}
+    assert list(workdir.glob("store/sft/*/wandb")) and list(workdir.glob("store/dpo/*/wandb")), "wandb did not run"
+
+    texts: dict[str, str] = {"cli output": run.output + first_run.output}
+    with prefect_stack.client() as client:
+        runs = client.read_flow_runs()
+        for flow_run in runs:
+            texts[f"flow run {flow_run.name} parameters/job variables"] = json.dumps(
+                [flow_run.parameters, flow_run.job_variables, flow_run.model_dump(mode="json")], default=str)
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200)
+            offset = len(logs)
+            while True:  # page through every log line
+                more = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200, offset=offset)
+                if not more:
+                    break
+                logs += more
+                offset += len(more)
+            texts[f"logs of {flow_run.name}"] = "\n".join(log.message for log in logs)
+            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+            texts[f"artifacts of {flow_run.name}"] = json.dumps([a.model_dump(mode="json") for a in artifacts], default=str)
+            task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+            texts[f"task runs of {flow_run.name}"] = json.dumps([t.model_dump(mode="json") for t in task_runs], default=str)
+        deployments = client.read_deployments()
+        texts["deployments"] = json.dumps([d.model_dump(mode="json") for d in deployments], default=str)
+    assert any("logs of" in k and "sft" in v for k, v in texts.items())  # the logs were read
+
+    leaks = [f"{where} holds {name}" for where, text in texts.items() for name, value in prefect_stack.secrets.items() if value in text]
+    files = [p for folder in (workdir / "store", workdir / "jobs") for p in folder.rglob("*") if p.is_file()]
+    # the worker's and the server's own logs, and the server's database (parameters, logs, artifacts, events)
+    files += [p for pattern in ("*.log", "prefect.db*") for p in prefect_stack.state.glob(pattern)]
+    assert len(files) > 20
+    # the scan would see a secret passed as a parameter: the database holds parameters as plain text
+    assert any(b"logging.wandb.enabled=true" in p.read_bytes() for p in files if p.name.startswith("prefect.db"))
+    for path in files:
+        data = path.read_bytes()
+        leaks += [f"{path} holds {name}" for name, value in prefect_stack.secrets.items() if value.encode() in data]
+    assert not leaks, "\n".join(leaks)
