@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from alignflow import __version__
 from alignflow.config.slices import for_job, identity, masked, stage_paths
 from alignflow.fingerprint import fingerprint, source_identity
-from alignflow.launch import job_record, make_executor, wait
+from alignflow.launch import job_record, submit, wait
 from alignflow.stages import STAGES, as_names
 from alignflow.store import Store, options_for, store_of
 from alignflow.worker import run_stage_job
@@ -97,13 +97,13 @@ def _execute(cfg: DictConfig, store: Store, stage: str, fp: str, upstream: dict[
     inputs = _input_uris(cfg, stage, upstream)
     staging = store.uri(store.staging_path(stage, fp))
     store.fs.makedirs(store.staging_path(stage, fp), exist_ok=True)
-    executor = make_executor(cfg.launcher, cfg[stage], job_name=f"{stage}-{fp}")
     paths = (*stage_paths(stage, spec.reads), *spec.context)
     storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
-    job = executor.submit(run_stage_job, stage, for_job(cfg, paths), inputs, staging, storage_options)
-    record = job_record(job, cfg.launcher.name.value)
-    log(f"{stage} {fp}: submitted job {record.job_id} ({record.launcher}); log {record.stdout}")
-    metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0))
+    job = submit(cfg.launcher, cfg[stage], f"{stage}-{fp}", run_stage_job, stage, for_job(cfg, paths), inputs, staging,
+                 storage_options, resumable=spec.resumable)
+    record = job_record(job)
+    log(f"{stage} {fp}: submitted {record.launcher} job {record.job_id}; stdout {record.stdout}; stderr {record.stderr}")
+    metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0), record=record)
     manifest = {
         "stage": stage,
         "fingerprint": fp,

@@ -2,7 +2,8 @@
 
 The flow reads like the pipeline: one task per stage in the order of
 `conf/pipeline/<name>.yaml`, each waiting on the upstream stages it is wired to. Nothing
-is submitted until the whole config has validated and every stage is built.
+is submitted until the whole config has validated and every stage is built. Cancelling the
+flow run (SIGTERM from the Prefect worker, or Ctrl-C) cancels the stages' jobs too.
 """
 
 from prefect import flow, get_run_logger
@@ -10,6 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.futures import PrefectFuture
 
 from alignflow.config import compose
+from alignflow.launch import cancel_jobs_on_interrupt
 from alignflow.runner import StageResult
 from alignflow.stages import as_names
 from tasks.stage import format_value, task_for
@@ -24,13 +26,14 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
     progress = create_progress_artifact(progress=0.0, description=f"align {pipeline}: stages done")
 
     futures: dict[str, PrefectFuture] = {}
-    for stage in stages:
-        upstream = {name: futures[name] for names in (cfg.pipeline.stages[stage] or {}).values() for name in as_names(names)}
-        futures[stage] = task_for(stage, cfg[stage].retries).submit(stage, pipeline, tuple(overrides), upstream)
+    with cancel_jobs_on_interrupt():  # the signal lands here, in the main thread, not in the tasks' threads
+        for stage in stages:
+            upstream = {name: futures[name] for names in (cfg.pipeline.stages[stage] or {}).values() for name in as_names(names)}
+            futures[stage] = task_for(stage, cfg[stage].retries).submit(stage, pipeline, tuple(overrides), upstream)
 
-    for done, stage in enumerate(stages, start=1):
-        futures[stage].wait()
-        update_progress_artifact(progress, progress=100.0 * done / len(stages))
+        for done, stage in enumerate(stages, start=1):
+            futures[stage].wait()
+            update_progress_artifact(progress, progress=100.0 * done / len(stages))
 
     _publish_summary(pipeline, futures)
     return {stage: future.result() for stage, future in futures.items()}

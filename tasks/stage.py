@@ -2,8 +2,9 @@
 
 Policy lives here: retries only for infrastructure failures (preemption, node loss,
 timeouts, a killed job); a config error or an exception in the stage's code is never
-retried. Each stage publishes one table artifact with its output URI and headline metrics;
-training stages also publish their per-step metrics (loss, lr, rewards, KL, ...) as a table.
+retried. Each stage publishes one table artifact with its output URI, its job (id, final
+state, stdout/stderr paths: also when the job failed) and headline metrics; training stages
+also publish their per-step metrics (loss, lr, rewards, KL, ...) as a table.
 """
 
 import json
@@ -15,7 +16,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from alignflow.config import compose
-from alignflow.launch import InfrastructureError
+from alignflow.launch import InfrastructureError, JobError
 from alignflow.runner import StageResult, run_stage
 from alignflow.stages import STAGES
 from alignflow.store import options_for
@@ -43,7 +44,11 @@ def _infrastructure_failure(task, task_run, state) -> bool:
 def stage_task(stage: str, pipeline: str, overrides: tuple[str, ...], upstream: dict[str, StageResult]) -> StageResult:
     cfg = _config(pipeline, tuple(overrides))
     logger = get_run_logger()
-    result = run_stage(cfg, stage, upstream, log=logger.info)
+    try:
+        result = run_stage(cfg, stage, upstream, log=logger.info)
+    except JobError as err:
+        _publish_table(stage, [{"field": "state", "value": "failed"}, *_job_rows(err.job)])
+        raise
     _publish(result)
     if STAGES[stage].resumable:
         _publish_steps(result, options_for(result.uri, cfg))
@@ -55,11 +60,22 @@ def _publish(result: StageResult) -> None:
         {"field": "output", "value": result.uri},
         {"field": "fingerprint", "value": result.fingerprint},
         {"field": "state", "value": "cache hit" if result.cached else "ran"},
+        *_job_rows(result.job),
     ]
-    if result.job:
-        rows.append({"field": "job", "value": f"{result.job['launcher']} {result.job['job_id']}"})
     rows += [{"field": k, "value": format_value(v)} for k, v in list(result.metrics.items())[:HEADLINE_METRICS]]
-    create_table_artifact(table=rows, key=f"stage-{result.stage}".replace("_", "-"), description=f"{result.stage} output and headline metrics")
+    _publish_table(result.stage, rows)
+
+
+def _job_rows(job: dict | None) -> list[dict]:
+    """The job that produced the output (on a cache hit: the one that did, back then)."""
+    if not job:
+        return []
+    return [{"field": "job", "value": f"{job['launcher']} {job['job_id']} {job.get('state', '')}".rstrip()},
+            {"field": "stdout", "value": job["stdout"]}, {"field": "stderr", "value": job["stderr"]}]
+
+
+def _publish_table(stage: str, rows: list[dict]) -> None:
+    create_table_artifact(table=rows, key=f"stage-{stage}".replace("_", "-"), description=f"{stage} output, job and headline metrics")
 
 
 def _publish_steps(result: StageResult, storage_options: dict) -> None:

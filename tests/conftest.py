@@ -60,3 +60,22 @@ def s3_endpoint():
     yield url
     server.terminate()
     server.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-node Slurm cluster with accounting: `infra/slurm.sh up` (idempotent; ~3 s when
+    its Debian packages are installed, which it does itself on a fresh root CI machine).
+
+    It is left up after the session, as a running dev cluster is left alone: other sessions may
+    be using it, and the next `up` is then instant. `infra/slurm.sh down` stops it."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("infra/slurm.sh needs root on Debian (CI runs it there)")
+    script = Path(__file__).parents[1] / "infra" / "slurm.sh"
+    up = subprocess.run([str(script), "up"], capture_output=True, text=True, timeout=900)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    yield

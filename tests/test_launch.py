@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 import cloudpickle
 import pytest
@@ -66,10 +67,54 @@ def test_killed_job_is_an_infrastructure_failure(tmp_path):
 def test_slurm_parameters_are_a_table(tmp_path):
     from alignflow.launch import _slurm_parameters
 
-    cfg = OmegaConf.merge(launcher(tmp_path), {"name": "slurm", "partition": "gpu", "account": "a1", "gpus_per_node": 8,
+    cfg = OmegaConf.merge(launcher(tmp_path), {"name": "slurm", "partition": "gpu", "account": "a1", "gpus_per_node": 8, "mem_gb": 64,
                                               "container_image": "nvcr.io/x", "sbatch_extra": {"exclusive": True}})
     params = _slurm_parameters(cfg, section(tasks=8).resources, 30)
-    assert params["slurm_partition"] == "gpu" and params["tasks_per_node"] == 8 and params["gpus_per_node"] == 8
-    assert params["timeout_min"] == 30 and params["slurm_additional_parameters"] == {"exclusive": True}
-    assert params["slurm_srun_args"] == ["--container-image=nvcr.io/x"]
-    assert "slurm_qos" not in params
+    assert params == {"partition": "gpu", "account": "a1", "cpus_per_task": 1, "nodes": 1, "ntasks_per_node": 8, "gpus_per_node": 8,
+                      "mem": "64GB", "time": 30, "additional_parameters": {"exclusive": True}, "srun_args": ["--container-image=nvcr.io/x"]}
+
+
+def test_only_resumable_stages_are_requeued_and_at_most_max_requeues_times():
+    from alignflow.launch import Attempt
+
+    attempt = Attempt(print, requeues=2)
+    again = attempt.checkpoint("x").function
+    assert again.requeues == 1 and again.checkpoint("x").function.requeues == 0
+    assert Attempt(print, requeues=0).checkpoint("x") is None  # submitit then fails the job: "Job not requeued because ..."
+
+
+def sleep_long() -> None:
+    print("sleeping", flush=True)
+    time.sleep(300)
+
+
+def test_an_interrupted_block_cancels_the_jobs_its_threads_wait_on(tmp_path):
+    """What a cancelled flow run does: the signal lands in the main thread, the tasks wait in others."""
+    import contextvars
+    import threading
+
+    from alignflow.launch import JobCancelled, cancel_jobs_on_interrupt, submit
+
+    outcome, lines = {}, []
+
+    def task():
+        job = submit(launcher(tmp_path), section(), "sleepy", sleep_long)
+        outcome["job"] = job
+        try:
+            wait(job, lines.append, poll_s=0.2)
+        except JobCancelled as err:
+            outcome["error"] = err
+
+    with pytest.raises(KeyboardInterrupt):
+        with cancel_jobs_on_interrupt():
+            thread = threading.Thread(target=contextvars.copy_context().run, args=(task,))
+            thread.start()
+            while not any("sleeping" in line for line in lines):
+                time.sleep(0.1)
+            raise KeyboardInterrupt
+    thread.join(timeout=30)
+    assert not thread.is_alive() and outcome["error"].job["state"] == "CANCELLED"
+    deadline = time.time() + 20
+    while outcome["job"].state == "RUNNING" and time.time() < deadline:
+        time.sleep(0.2)
+    assert outcome["job"].state != "RUNNING"  # the local job's processes are gone

@@ -1,0 +1,240 @@
+"""The slurm launcher on a real single-node cluster (infra/slurm.sh, `slurm_cluster` fixture):
+ranks are Slurm tasks with torch.distributed, a USR2-preempted training job is requeued and
+resumes from its checkpoint to the uninterrupted weights, and a cancelled flow run leaves no
+Slurm job behind. The node has 2 CPUs: a 2-task job (cpus_per_task=1) fills it."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+from omegaconf import OmegaConf
+
+from alignflow import PROJECT_ROOT
+from alignflow.config.schema import LauncherConfig
+from alignflow.launch import InfrastructureError, job_record, submit, wait
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_launch import all_reduce_rank, sleep_long  # noqa: E402
+from train_ranks import convert_demo, prep_demo, sft_cfg  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this file's functions by value
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+
+def slurm(tmp_path):
+    return OmegaConf.merge(OmegaConf.structured(LauncherConfig),
+                           {"name": "slurm", "partition": "debug", "folder": str(tmp_path / "jobs"), "time_min": 30})
+
+
+def section(tasks: int, timeout_min: int = 10):
+    return OmegaConf.create({"resources": {"nodes": 1, "tasks_per_node": tasks}, "timeout_min": timeout_min})
+
+
+def sacct_state(job_id: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True).stdout
+    return out.splitlines()[-1].split()[0] if out.strip() else ""  # "CANCELLED by 0" -> "CANCELLED"
+
+
+def squeue(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def test_two_slurm_tasks_get_a_gloo_process_group_and_their_states_are_logged(tmp_path):
+    job = submit(slurm(tmp_path), section(2), "probe", all_reduce_rank)
+    lines, record = [], job_record(job)
+    result = wait(job, lines.append, poll_s=0.5, record=record)
+    assert result == {"rank": 0, "world": 2, "sum": 3.0, "backend": "gloo"}
+    assert [r["rank"] for r in job.results()] == [0, 1]
+    assert any("hello from rank 0" in line for line in lines)
+    states = [line.split(": ")[1] for line in lines if line.startswith(f"job {job.job_id}: ")]
+    assert states[-2:] == ["RUNNING", "COMPLETED"] and record.state == "COMPLETED", lines
+    assert record.launcher == "slurm" and record.stdout.endswith(f"{job.job_id}_0_log.out")
+
+
+# ----------------------------------------------------------------------------- requeue
+
+
+@pytest.fixture(scope="module")
+def inputs(demo_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("slurm-inputs")
+    return {"data": str(prep_demo(demo_dir, root / "data")), "model": str(convert_demo(demo_dir, root / "model"))}
+
+
+def pausing_after_checkpoints(*args):
+    """`run_stage_job` whose first attempt sleeps after each checkpoint, so that the test can
+    preempt it between two checkpoints; a requeued attempt (SLURM_RESTART_COUNT) does not."""
+    from alignflow.train import checkpointing
+    from alignflow.worker import run_stage_job
+
+    if not int(os.environ.get("SLURM_RESTART_COUNT", "0")):
+        save = checkpointing.save
+
+        def slow_save(*a, **kw):
+            path = save(*a, **kw)
+            time.sleep(60)
+            return path
+
+        checkpointing.save = slow_save
+    return run_stage_job(*args)
+
+
+@pytest.mark.slow
+def test_a_preempted_training_job_is_requeued_and_resumes_to_the_uninterrupted_weights(demo_dir, inputs, tmp_path):
+    """DP2 on 2 Slurm tasks, dropout on. `scancel --signal=USR2` after the first checkpoint:
+    rank 0's checkpoint() resubmits the job, Slurm requeues it, the engine resumes from step 3,
+    and the final weights equal those of an uninterrupted 2-rank run (local launcher, run
+    meanwhile) bit for bit."""
+    from test_sft import weights
+
+    from alignflow.worker import run_stage_job
+
+    cfg = sft_cfg(demo_dir, hidden_dropout=0.1, resources={"tasks_per_node": 2},
+                  trainer={"max_steps": 6, "val_check_interval": 3, "log_every_n_steps": 1}, checkpoint={"every_n_steps": 3})
+    stage = OmegaConf.create({**cfg["sft"], "timeout_min": 30})  # > 10 min: submitit counts a USR2 as a preemption
+    started = time.time()
+    local = OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs")})
+    reference = submit(local, stage, "sft", run_stage_job, "sft", cfg, inputs, str(tmp_path / "uninterrupted"), {}, resumable=True)
+
+    out, lines, outcome = tmp_path / "preempted", [], {}
+    job = submit(slurm(tmp_path), stage, "sft", pausing_after_checkpoints, "sft", cfg, inputs, str(out), {}, resumable=True)
+    record = job_record(job)
+    waiter = threading.Thread(target=lambda: outcome.update(metrics=wait(job, lines.append, poll_s=0.5, record=record)))
+    waiter.start()
+    first = out / "checkpoints" / "step-00000003" / "complete"
+    while not first.exists() and waiter.is_alive() and time.time() < started + 240:
+        time.sleep(0.2)
+    assert first.exists(), lines[-30:]
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True)
+    waiter.join(timeout=300)
+    wait(reference, lambda _: None)
+    print(f"preempted, requeued and completed on 2 Slurm tasks, uninterrupted run on 2 local ranks: {time.time() - started:.1f} s")
+
+    states = [line.split(": ")[1] for line in lines if line.startswith(f"job {job.job_id}: ")]
+    assert outcome.get("metrics", {}).get("steps") == 6, lines[-40:]
+    text = "\n".join(lines)
+    assert "this job is preempted" in text and f"Requeued job {job.job_id}" in text
+    assert f"resumed from {out / 'checkpoints' / 'step-00000003'} (step 3 of 6)" in text, text[-4000:]
+    assert "REQUEUED" in states or "PENDING" in states[states.index("RUNNING"):], states
+    assert states[-1] == "COMPLETED" == record.state, states
+    expected, got = weights(tmp_path / "uninterrupted" / "model"), weights(out / "model")
+    assert expected.keys() == got.keys() and all(expected[k].equal(got[k]) for k in expected)
+
+
+def test_a_preempted_job_that_cannot_resume_is_not_requeued_but_retried(tmp_path):
+    """Not resumable (or out of requeues): submitit's handler gives up on USR2, and the job
+    fails as an infrastructure error, so the Prefect retry starts the stage clean."""
+    job = submit(slurm(tmp_path), section(1), "sleepy", sleep_long)
+
+    def log(line):
+        if "sleeping" in line:
+            subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True)
+
+    with pytest.raises(InfrastructureError, match="Job not requeued because: checkpoint function returned None"):
+        wait(job, log, poll_s=0.5)
+
+
+# ----------------------------------------------------------------------------- cancellation
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_cancelled_flow_run_leaves_no_slurm_job(prefect_server, base_overrides, tmp_path, signum):
+    """`align run` on Slurm gets SIGTERM (how a Prefect worker cancels a flow run: the engine
+    raises TerminationSignal in the main thread) or SIGINT (Ctrl-C) while its first stage's job
+    runs (a `setup` line keeps it busy): the job is scancelled and the process exits."""
+    from prefect.settings import PREFECT_API_URL
+
+    overrides = [*base_overrides, "launcher=slurm", "launcher.partition=debug", "launcher.setup=['sleep 300']"]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(PROJECT_ROOT)}
+    flow = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "pipeline=demo", *overrides], cwd=PROJECT_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while not (submitted := list((tmp_path / "jobs").glob("prep-*/*/*_submission.sh"))) and flow.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert submitted, flow.communicate(timeout=60)[0][-3000:] if flow.poll() is not None else "no job submitted"
+    job_id = submitted[0].name.split("_")[0]
+    while squeue(job_id) != "RUNNING" and time.time() < deadline:
+        time.sleep(0.5)
+    flow.send_signal(signum)
+    started = time.time()
+    output = flow.communicate(timeout=60)[0]
+    print(f"{signum.name}: flow process ended in {time.time() - started:.1f} s, rc {flow.returncode}")
+    job_ids = [path.name.split("_")[0] for path in (tmp_path / "jobs").glob("*/*/*_submission.sh")]  # prep's and convert's
+    while any(squeue(j) for j in job_ids) and time.time() < started + 30:
+        time.sleep(0.5)
+    assert [squeue(j) for j in job_ids] == [""] * len(job_ids), output[-3000:]
+    assert [sacct_state(j) for j in job_ids] == ["CANCELLED"] * len(job_ids), output[-3000:]
+    assert f"job {job_id}: CANCELLED" in output and flow.returncode != 0
+
+
+@pytest.mark.slow
+def test_a_job_cancelled_outside_is_noticed_within_seconds_and_may_be_retried(tmp_path):
+    """An admin's `scancel`: the state is seen within STATE_POLL_S, and after submitit's grace
+    for a late result file (15 s) the stage fails as an infrastructure error (retried)."""
+    job = submit(slurm(tmp_path), section(1), "sleepy", sleep_long)
+    seen = {}
+
+    def log(line):
+        seen.setdefault(line, time.time())
+        if "sleeping" in line:
+            subprocess.run(["scancel", job.job_id], check=True)
+
+    with pytest.raises(InfrastructureError, match=f"job {job.job_id} ended without a result \\(CANCELLED\\)"):
+        wait(job, log, poll_s=0.5)
+    cancelled = min(t for line, t in seen.items() if "sleeping" in line)
+    print(f"CANCELLED logged {seen[f'job {job.job_id}: CANCELLED'] - cancelled:.1f} s after scancel; raised after {time.time() - cancelled:.1f} s")
+    assert seen[f"job {job.job_id}: CANCELLED"] - cancelled < 5
+
+
+@pytest.mark.slow
+def test_cancelling_the_flow_run_in_prefect_cancels_its_slurm_jobs(prefect_server, base_overrides, tmp_path):
+    """The real path: a Prefect runner (what a process worker uses) runs the flow in a child
+    process; the run is set Cancelling; the runner signals the cancel intent and SIGTERMs the
+    child, whose engine raises TerminationSignal in the flow's thread. Every Slurm job ends
+    CANCELLED, the stage tasks fail as cancelled (not retried) and the run ends Cancelled."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.runner import Runner
+    from prefect.states import Cancelling
+
+    from flows.align import align
+
+    overrides = [*base_overrides, "launcher=slurm", "launcher.partition=debug", "launcher.setup=['sleep 300']"]
+    jobs = tmp_path / "jobs"
+
+    async def cancel_while_the_jobs_run():
+        runner = Runner(name="slurm-cancel", query_seconds=1)
+        deployment = await runner.aadd_flow(align, name="slurm-cancel", parameters={"pipeline": "demo", "overrides": overrides})
+        serving = asyncio.create_task(runner.start())
+        try:
+            async with get_client() as client:
+                run = await client.create_flow_run_from_deployment(deployment)
+                deadline = time.time() + 180
+                while not (ids := [p.name.split("_")[0] for p in jobs.glob("*/*/*_submission.sh")]) and time.time() < deadline:
+                    await asyncio.sleep(0.5)
+                while not any(squeue(j) == "RUNNING" for j in ids) and time.time() < deadline:
+                    await asyncio.sleep(0.5)
+                await client.set_flow_run_state(run.id, Cancelling(), force=True)
+                while not (run := await client.read_flow_run(run.id)).state.is_final() and time.time() < deadline + 60:
+                    await asyncio.sleep(0.5)
+                logs = [log.message for log in await client.read_logs()]
+                return run.state.name, [p.name.split("_")[0] for p in jobs.glob("*/*/*_submission.sh")], logs
+        finally:
+            await runner.astop()
+            serving.cancel()
+
+    state, job_ids, logs = asyncio.run(cancel_while_the_jobs_run())
+    assert state == "Cancelled" and job_ids, logs[-20:]
+    deadline = time.time() + 30
+    while any(squeue(j) for j in job_ids) and time.time() < deadline:
+        time.sleep(0.5)
+    assert [(squeue(j), sacct_state(j)) for j in job_ids] == [("", "CANCELLED")] * len(job_ids)
+    for j in job_ids:
+        assert f"job {j}: CANCELLED" in logs and any(f"JobCancelled: job {j} cancelled with its flow run" in m for m in logs), logs[-20:]
