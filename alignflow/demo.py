@@ -51,7 +51,7 @@ VAL_PROBLEMS = 200  # one held-out set: every kind's val split, never in any kin
 SPLITS = {  # file stem -> (row kind, train rows, seed offset)
     "sft": ("messages", 2000, 1),
     "preference": ("preference", 1000, 2),
-    "prompts": ("prompts", 1000, 3),
+    "prompts": ("prompts", 4000, 3),
 }
 
 MODEL_CONFIG = {

@@ -84,7 +84,7 @@ def test_sft_grpo_pipeline_publishes_per_step_rewards(base_overrides):
                  "grpo.generation_batch_size=32", "grpo.trainer.log_every_n_steps=1"]
     results = align(pipeline="sft_grpo", overrides=[*base_overrides, *grpo_fast])
     assert list(results) == ["prep", "convert", "sft", "grpo", "eval", "export"]
-    assert {"reward_mean", "accuracy", "steps"} <= set(results["grpo"].metrics) and "grpo.accuracy" in results["eval"].metrics
+    assert {"reward_first_tenth", "reward_last_tenth", "accuracy", "steps"} <= set(results["grpo"].metrics) and "grpo.accuracy" in results["eval"].metrics
     steps = asyncio.run(artifact("steps-grpo")).data
     rows = json.loads(steps) if isinstance(steps, str) else steps
     assert [row["step"] for row in rows] == ["1", "2", "3"]

@@ -54,7 +54,8 @@ def test_grpo_trains_and_logs_every_metric(demo_dir, inputs, tmp_path):
     result = run_grpo(grpo_cfg(demo_dir), inputs, out)
     lines = metrics_lines(out)
     assert [line["step"] for line in lines] == [1, 2, 3] and all(set(line) == STEP_METRICS for line in lines)
-    assert list(result)[:2] == ["reward_mean", "accuracy"] and result["steps"] == 3
+    assert list(result)[:4] == ["reward_first_tenth", "reward_last_tenth", "reward_mean", "accuracy"] and result["steps"] == 3
+    assert result["reward_first_tenth"] == lines[0]["reward_mean"] and result["reward_last_tenth"] == lines[-1]["reward_mean"]
     first = lines[0]
     assert first["kl"] == 0.0 and first["ratio"] == pytest.approx(1.0) and first["clip_fraction"] == 0.0  # on-policy, policy = reference
     assert lines[-1]["kl"] > 0  # the policy moved away from the reference

@@ -29,6 +29,7 @@ requested with use_importance_sampling_correction); the reference model is a sec
 of the model in the same layout.
 """
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -227,7 +228,14 @@ class GRPOTrainer(Trainer):
         return Rollouts(prompts, completions, advantages, trained, self.pad_id), stats
 
     def summary(self) -> dict:
-        return {k: self.last_rollout[k] for k in ("reward_mean", "accuracy") if k in self.last_rollout}
+        """The mean reward of the first and of the last tenth of the logged steps (one step's
+        reward is noisy: the trend is what shows learning), and the last step's rollouts."""
+        if self.metrics is None or not self.metrics.path.exists():  # rank 0 reports the result
+            return {}
+        rewards = [json.loads(line)["reward_mean"] for line in self.metrics.path.read_text().splitlines() if line.strip()]
+        tenth = max(len(rewards) // 10, 1)
+        return {"reward_first_tenth": float(np.mean(rewards[:tenth])), "reward_last_tenth": float(np.mean(rewards[-tenth:])),
+                **{k: self.last_rollout[k] for k in ("reward_mean", "accuracy") if k in self.last_rollout}}
 
     def cleanup(self) -> None:
         self.ref_chunks = None
