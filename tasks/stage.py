@@ -8,11 +8,13 @@ also publish their per-step metrics (loss, lr, rewards, KL, ...) as a table.
 """
 
 import json
+import re
 from functools import lru_cache
+from typing import Callable
 
 import fsspec
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_link_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from alignflow.config import compose
@@ -45,7 +47,7 @@ def stage_task(stage: str, pipeline: str, overrides: tuple[str, ...], upstream: 
     cfg = _config(pipeline, tuple(overrides))
     logger = get_run_logger()
     try:
-        result = run_stage(cfg, stage, upstream, log=logger.info)
+        result = run_stage(cfg, stage, upstream, log=JobLogWatcher(stage, logger.info))
     except JobError as err:
         _publish_table(stage, [{"field": "state", "value": "failed"}, *_job_rows(err.job)])
         raise
@@ -53,6 +55,36 @@ def stage_task(stage: str, pipeline: str, overrides: tuple[str, ...], upstream: 
     if STAGES[stage].resumable:
         _publish_steps(result, options_for(result.uri, cfg))
     return result
+
+
+class JobLogWatcher:
+    """Forwards the job's log lines to Prefect and turns two of them into artifacts while the
+    job runs: a training step line ("step 40/300: ...") moves the stage's progress bar, and a
+    wandb run URL (online runs log it) becomes a link artifact."""
+
+    STEP = re.compile(r"\bstep (\d+)/(\d+): ")
+    WANDB = re.compile(r"\bwandb run (https?://\S+)")
+
+    def __init__(self, stage: str, log: Callable[[str], None]):
+        self.stage, self.log, self.progress_id = stage, log, None
+
+    def __call__(self, line: str) -> None:
+        self.log(line)
+        if step := self.STEP.search(line):
+            self.progress(100.0 * int(step.group(1)) / max(int(step.group(2)), 1))
+        elif wandb := self.WANDB.search(line):
+            create_link_artifact(link=wandb.group(1), link_text=f"{self.stage} on wandb", key=_key("wandb", self.stage),
+                                 description=f"{self.stage}: the wandb run")
+
+    def progress(self, percent: float) -> None:
+        if self.progress_id is None:
+            self.progress_id = create_progress_artifact(percent, key=_key("progress", self.stage), description=f"{self.stage}: training steps done")
+        else:
+            update_progress_artifact(self.progress_id, percent)
+
+
+def _key(kind: str, stage: str) -> str:
+    return f"{kind}-{stage}".replace("_", "-")
 
 
 def _publish(result: StageResult) -> None:

@@ -79,3 +79,16 @@ def slurm_cluster():
     up = subprocess.run([str(script), "up"], capture_output=True, text=True, timeout=900)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     yield
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A single-rank Megatron runtime (env, gloo, groups, seeds) for the module; its parallel config."""
+    from megatron_ranks import parallel_cfg
+
+    from alignflow.megatron import runtime
+
+    parallel = parallel_cfg()
+    runtime.init_parallel(parallel)
+    yield parallel
+    runtime.teardown()

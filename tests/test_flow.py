@@ -90,3 +90,4 @@ def test_sft_grpo_pipeline_publishes_per_step_rewards(base_overrides):
     assert [row["step"] for row in rows] == ["1", "2", "3"]
     assert {"reward_mean", "reward_std", "accuracy", "kl", "clip_fraction", "response_length", "truncation_rate", "tokens_per_s"} <= set(rows[0])
     assert asyncio.run(artifact("steps-sft")) is not None
+    assert asyncio.run(artifact("progress-grpo")).data == 100.0  # moved with the job's step lines

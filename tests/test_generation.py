@@ -3,22 +3,13 @@
 
 import pytest
 import torch
-from megatron_ranks import CASES, greedy_mismatches, parallel_cfg, saved_state, tiny_hf_model
+from megatron_ranks import CASES, greedy_mismatches, saved_state, tiny_hf_model
 
 from alignflow.convert.sharding import hf_to_megatron
 from alignflow.generation import Sampling, generate, sample
-from alignflow.megatron import runtime
 from alignflow.megatron.model import build_gpt, load_megatron_state
 
 PROMPTS = [[5, 9, 42, 7], [8, 8, 30, 2, 11, 6], [5, 9, 42, 7], [3, 3, 3, 3], [1, 2]]
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    parallel = parallel_cfg()
-    runtime.init_parallel(parallel)
-    yield parallel
-    runtime.teardown()
 
 
 @pytest.fixture(scope="module")

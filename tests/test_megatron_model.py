@@ -18,15 +18,6 @@ from alignflow.megatron.model import build_gpt, checkpoint_names, load_megatron_
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A single-rank Megatron runtime (env, gloo, groups, seeds) for this module."""
-    parallel = parallel_cfg()
-    runtime.init_parallel(parallel)
-    yield parallel
-    runtime.teardown()
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_rank_logits_match_hf(one_rank, case, tmp_path):
     assert max_logit_error(case, one_rank, saved_state(tiny_hf_model(case)[0], tmp_path)) < TOLERANCE

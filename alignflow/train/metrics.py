@@ -63,7 +63,7 @@ def _start_wandb(cfg: Any, out: Path, checkpoints: Path, run_name: str):
     api_key: Optional[str] = cfg.api_key
     if api_key:
         os.environ["WANDB_API_KEY"] = api_key
-    return wandb.init(
+    run = wandb.init(
         project=cfg.project,
         entity=cfg.entity,
         id=id_file.read_text().strip(),
@@ -72,3 +72,6 @@ def _start_wandb(cfg: Any, out: Path, checkpoints: Path, run_name: str):
         mode=cfg.mode if api_key else "offline",
         dir=str(out),
     )
+    if run.settings.mode == "online":  # the orchestrator links the run from the stage's artifacts
+        log.info("wandb run %s", run.url)
+    return run
