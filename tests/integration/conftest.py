@@ -6,6 +6,8 @@ PREFECT_HOME, so it clashes neither with a developer's server on 4200 nor with t
 harness of tests/test_flow.py), deploys deployments/prefect.yaml with `prefect deploy`, and
 tears it all down at the end of the module. The worker's environment holds fake secrets
 (`SECRETS`), as a real worker holds WANDB_API_KEY and AWS keys; tests check they never leak.
+Deployment runs send every stage to the real Slurm cluster (`slurm_cluster`, infra/slurm.sh)
+and keep every output on the S3 endpoint (`s3_endpoint`, a moto server): `store`.
 """
 
 import json
@@ -29,6 +31,9 @@ SECRETS = {
     "WANDB_API_KEY": "wandbfake" + secrets.token_hex(16),  # 40 characters, like a real key
     "AWS_SECRET_ACCESS_KEY": "awsfake" + secrets.token_hex(12),
 }
+
+# Not secret, but what the jobs' S3 client needs besides the key (moto accepts any key).
+WORKER_AWS = {"AWS_ACCESS_KEY_ID": "alignflow-integration", "AWS_DEFAULT_REGION": "us-east-1"}
 
 # Small enough for 2 CPU cores: two optimizer steps per training stage, one val batch.
 FAST_SFT = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1"]
@@ -121,7 +126,7 @@ def prefect_stack(tmp_path_factory):
     script = str(REPO / "infra" / "prefect-server.sh")
     try:
         # the worker (and so every flow run and job it starts) gets the secrets; nothing else does
-        up = subprocess.run([script, "worker"], cwd=REPO, env={**env, **SECRETS}, capture_output=True, text=True, timeout=300)
+        up = subprocess.run([script, "worker"], cwd=REPO, env={**env, **WORKER_AWS, **SECRETS}, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{_tail(state / 'prefect-server.log')}\n{_tail(state / 'prefect-worker.log')}"
         deploy = stack.prefect("deploy", "--all", "--prefect-file", "deployments/prefect.yaml", timeout=180)
         assert deploy.returncode == 0, f"{deploy.stdout}\n{deploy.stderr}"
@@ -141,10 +146,42 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("deployment-runs")
 
 
+@dataclass
+class S3Store:
+    """The runs' store.root on the S3 endpoint, read back with s3fs."""
+
+    root: str  # s3://bucket/prefix
+    endpoint: str
+
+    @property
+    def fs(self):
+        import s3fs
+
+        # no listings cache: the runs keep writing while the tests read
+        return s3fs.S3FileSystem(client_kwargs={"endpoint_url": self.endpoint}, skip_instance_cache=True, use_listings_cache=False)
+
+    def manifest(self, stage: str, fingerprint: str) -> dict:
+        return json.loads(self.fs.cat(f"{self.root}/{stage}/{fingerprint}/_SUCCESS.json"))
+
+    def glob(self, pattern: str) -> list[str]:
+        return self.fs.glob(f"{self.root}/{pattern}")
+
+    def objects(self) -> dict[str, bytes]:
+        return {key: self.fs.cat(key) for key in self.fs.find(self.root)}
+
+
 @pytest.fixture(scope="module")
-def run_overrides(demo_dir, workdir):
-    return [f"paths.demo={demo_dir}", f"store.root={workdir / 'store'}", f"launcher.folder={workdir / 'jobs'}",
-            *FAST_DATA, *FAST_SFT, *FAST_DPO, *FAST_EVAL]
+def store(s3_endpoint) -> S3Store:
+    return S3Store(f"s3://test/integration-{secrets.token_hex(4)}/outputs", s3_endpoint)
+
+
+@pytest.fixture(scope="module")
+def run_overrides(demo_dir, workdir, store, slurm_cluster):
+    """Every stage a Slurm job, every output on S3 (local copies of inputs and the training
+    scratch in `workdir/cache`, job pickles and logs in `workdir/jobs`)."""
+    return [f"paths.demo={demo_dir}", "launcher=slurm", "launcher.partition=debug", f"launcher.folder={workdir / 'jobs'}",
+            f"store.root={store.root}", f"+store.storage_options.client_kwargs.endpoint_url={store.endpoint}",
+            f"store.cache_dir={workdir / 'cache'}", *FAST_DATA, *FAST_SFT, *FAST_DPO, *FAST_EVAL]
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def summary(stack, flow_run_id: str) -> str:
     return found[0].data
 
 
-def test_sft_dpo_deployment_runs_then_hits_the_cache(prefect_stack, first_run, run_overrides, workdir):
+def test_sft_dpo_deployment_runs_on_slurm_with_outputs_on_s3_then_hits_the_cache(prefect_stack, first_run, run_overrides, workdir, store):
     assert first_run.returncode == 0 and "finished successfully in 'Completed'" in first_run.output, first_run.output[-4000:]
     with prefect_stack.client() as client:
         flow_run = client.read_flow_run(first_run.flow_run_id)
@@ -52,14 +52,13 @@ def test_sft_dpo_deployment_runs_then_hits_the_cache(prefect_stack, first_run, r
     assert flow_run.parameters["pipeline"] == "sft_dpo" and "dpo.beta=0.2" in flow_run.parameters["overrides"]
 
     first = summary(prefect_stack, first_run.flow_run_id)
-    store = workdir / "store"
     for stage in SFT_DPO:
         row = next(line for line in first.splitlines() if line.startswith(f"| {stage} |"))
-        assert "| ran |" in row, row
+        assert "| ran |" in row and f"`{store.root}/{stage}/" in row, row
         fingerprint = row.split("`")[1]
-        manifest = json.loads((store / stage / fingerprint / "_SUCCESS.json").read_text())
-        assert manifest["fingerprint"] == fingerprint
-    assert (store / "export").is_dir() and list(store.glob("export/*/model*.safetensors"))
+        manifest = store.manifest(stage, fingerprint)
+        assert manifest["fingerprint"] == fingerprint and manifest["job"]["launcher"] == "slurm", manifest["job"]
+    assert store.glob("export/*/model*.safetensors") and store.glob("dpo/*/checkpoints/step-*/complete")
     jobs = len(list((workdir / "jobs").glob("*/*")))
     assert jobs == len(SFT_DPO)
 
@@ -139,11 +138,14 @@ def test_flow_run_page_renders_the_stage_graph(prefect_stack, first_run, tmp_pat
     with prefect_stack.client() as client:
         flow_run_name = client.read_flow_run(first_run.flow_run_id).name
     assert flow_run_name in html and "sft-dpo" in html and "align-process" in html
-    for stage in ("prep", "ref_logprobs", "dpo"):  # task runs named after stages, in the logs list
+    for stage in ("prep", "sft"):  # the first page of the logs list names the first stages (the graph is a canvas)
         assert stage in html, stage
+    with prefect_stack.client() as client:  # the graph's nodes: one task run per stage, all Completed
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first_run.flow_run_id])))
+    assert sorted((t.name, t.state.type) for t in task_runs) == sorted((s, StateType.COMPLETED) for s in SFT_DPO)
 
 
-def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, run_overrides, workdir):
+def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, run_overrides, workdir, store):
     """wandb on, training stages forced to re-run with WANDB_API_KEY / AWS_SECRET_ACCESS_KEY in the
     worker's environment: no parameter, log, artifact, store output or job file holds them."""
     assert first_run.returncode == 0, first_run.output[-2000:]
@@ -155,9 +157,9 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
 
     # the secret reached the flow run (the saved config shows it is set, masked) and wandb ran in the jobs
     for stage in ("sft", "dpo"):
-        manifest = json.loads((workdir / "store" / stage / rows[stage].split("`")[1] / "_SUCCESS.json").read_text())
+        manifest = store.manifest(stage, rows[stage].split("`")[1])
         assert manifest["config"]["logging"]["wandb"] == {**manifest["config"]["logging"]["wandb"], "enabled": True, "api_key": "***"}
-    assert list(workdir.glob("store/sft/*/wandb")) and list(workdir.glob("store/dpo/*/wandb")), "wandb did not run"
+    assert store.glob("sft/*/wandb") and store.glob("dpo/*/wandb"), "wandb did not run"
 
     texts: dict[str, str] = {"cli output": run.output + first_run.output}
     with prefect_stack.client() as client:
@@ -183,7 +185,10 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
     assert any("logs of" in k and "sft" in v for k, v in texts.items())  # the logs were read
 
     leaks = [f"{where} holds {name}" for where, text in texts.items() for name, value in prefect_stack.secrets.items() if value in text]
-    files = [p for folder in (workdir / "store", workdir / "jobs") for p in folder.rglob("*") if p.is_file()]
+    objects = store.objects()  # every output, checkpoint and manifest the runs wrote to S3
+    leaks += [f"{key} holds {name}" for key, data in objects.items() for name, value in prefect_stack.secrets.items() if value.encode() in data]
+    assert len(objects) > 20
+    files = [p for folder in (workdir / "cache", workdir / "jobs") for p in folder.rglob("*") if p.is_file()]
     # the worker's and the server's own logs, and the server's database (parameters, logs, artifacts, events)
     files += [p for pattern in ("*.log", "prefect.db*") for p in prefect_stack.state.glob(pattern)]
     assert len(files) > 20
