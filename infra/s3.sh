@@ -5,7 +5,7 @@
 #   infra/s3.sh down     stop it (its contents are lost)
 # Log and pidfile in .infra/ (s3.log, s3.pid). Then, as `up` prints:
 #   export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_ENDPOINT_URL=http://127.0.0.1:9000
-#   align run store.root=s3://alignflow/outputs 'store.storage_options={client_kwargs: {endpoint_url: http://127.0.0.1:9000}}'
+#   align run store.root=s3://alignflow/outputs +store.storage_options.client_kwargs.endpoint_url=http://127.0.0.1:9000
 set -euo pipefail
 cd "$(dirname "$0")/.."
 state=.infra; mkdir -p "$state"
@@ -31,7 +31,7 @@ case "${1:-up}" in
     curl -sf -X PUT -o /dev/null "$url/$bucket" || { echo "could not create bucket $bucket" >&2; exit 1; }
     echo "S3 (moto) up at $url, bucket s3://$bucket"
     echo "export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_ENDPOINT_URL=$url"
-    echo "align run store.root=s3://$bucket/outputs 'store.storage_options={client_kwargs: {endpoint_url: $url}}'"
+    echo "align run store.root=s3://$bucket/outputs +store.storage_options.client_kwargs.endpoint_url=$url"
     ;;
   status)
     if running && answers; then echo "S3 up at $url: $(curl -s "$url/" | grep -o '<Name>[^<]*</Name>' | sed 's/<[^>]*>//g' | tr '\n' ' ')"
