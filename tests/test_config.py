@@ -106,6 +106,6 @@ def test_grpo_batches_must_split_over_data_parallel_ranks_and_optimizer_steps(ba
     with pytest.raises(ConfigError) as err:
         compose("sft_grpo", [*base_overrides, "grpo.resources.tasks_per_node=2", "grpo.num_prompts_per_step=3"])
     assert "grpo.num_prompts_per_step: 3 is not divisible by the data-parallel size (2)" in str(err.value)
-    with pytest.raises(ConfigError, match=r"grpo.micro_batch_size: the 64 samples .* num_optimizer_steps_per_batch \(3\)"):
+    with pytest.raises(ConfigError, match=r"grpo.micro_batch_size: the 512 samples .* num_optimizer_steps_per_batch \(3\)"):
         compose("sft_grpo", [*base_overrides, "grpo.num_optimizer_steps_per_batch=3"])
-    assert compose("sft_grpo", [*base_overrides, "grpo.num_optimizer_steps_per_batch=4"]).grpo.micro_batch_size == 16
+    assert compose("sft_grpo", [*base_overrides, "grpo.num_optimizer_steps_per_batch=4"]).grpo.micro_batch_size == 128
