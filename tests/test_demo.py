@@ -89,7 +89,7 @@ def test_task_data(assets):
     assert sizes == {
         "sft_train.jsonl": 2000, "sft_val.jsonl": 200,
         "preference_train.jsonl": 1000, "preference_val.jsonl": 200,
-        "prompts_train.jsonl": 1000, "prompts_val.jsonl": 200,
+        "prompts_train.jsonl": 4000, "prompts_val.jsonl": 200,
     }
     for row in read_jsonl(data / "sft_train.jsonl")[:50]:
         user, reply = row["messages"]
