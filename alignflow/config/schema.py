@@ -189,7 +189,7 @@ class TrainerConfig:
     max_steps: int = -1  # > 0 wins over max_epochs
     max_epochs: int = 1
     val_check_interval: int = 50
-    limit_val_batches: int = 8
+    limit_val_batches: int = 8  # validate on the first limit_val_batches x micro_batch_size val rows (any DP)
     log_every_n_steps: int = not_identity(10)
     gradient_clip_val: float = 1.0
     seed: int = 1234

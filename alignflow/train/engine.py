@@ -308,12 +308,14 @@ class Trainer:
     # ------------------------------------------------------------------ validation, early stopping
 
     def validate(self) -> Optional[float]:
-        """Mean loss over the first limit_val_batches micro batches per DP rank of the val split."""
+        """Mean loss over the first limit_val_batches x micro_batch_size rows of the val split,
+        shared among the DP ranks, so every layout validates on the same rows."""
         micro_size = self.cfg.micro_batch_size
-        n = min(self.cfg.trainer.limit_val_batches, len(self.data.val) // (micro_size * self.dp_size))
-        if n <= 0:
+        rows = min(self.cfg.trainer.limit_val_batches * micro_size, len(self.data.val))
+        rows -= rows % (micro_size * self.dp_size)
+        if rows <= 0:
             return None
-        micro = dp_micro_batches(np.arange(n * micro_size * self.dp_size), micro_size, self.dp_rank, self.dp_size)
+        micro = dp_micro_batches(np.arange(rows), micro_size, self.dp_rank, self.dp_size)
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad():
