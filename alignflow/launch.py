@@ -222,7 +222,7 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
         while not (cancelled := scope is not None and scope.cancelled.is_set()) and not state.done():
             tail.forward(log)
             time.sleep(poll_s)
-        tail.forward(log)
+        tail.drain(log)
         if cancelled:  # the scope has scancelled the job: its end is no failure to retry
             state.cancel()
             raise JobCancelled(f"job {job.job_id} cancelled with its flow run", asdict(record))
@@ -299,7 +299,23 @@ class _Tail:
         self.offsets = {p: 0 for p in self.paths}
         self.partial = {p: "" for p in self.paths}
 
-    def forward(self, log: Callable[[str], None]) -> None:
+    def drain(self, log: Callable[[str], None], quiet_s: float = 0.5, max_s: float = 5.0) -> None:
+        """After the job ended: its result can land before its last output is flushed to the
+        log files, so forward until they stay quiet, then the unterminated last lines too."""
+        deadline = time.monotonic() + max_s
+        self.forward(log)
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s)
+            if not self.forward(log):
+                break
+        for path, rest in self.partial.items():
+            if rest.strip():
+                log(rest)
+            self.partial[path] = ""
+
+    def forward(self, log: Callable[[str], None]) -> bool:
+        """Whether there was anything new."""
+        new = False
         for path in self.paths:
             if not path.exists():
                 continue
@@ -307,8 +323,10 @@ class _Tail:
                 f.seek(self.offsets[path])
                 chunk = f.read()
                 self.offsets[path] = f.tell()
+            new |= bool(chunk)
             lines = (self.partial[path] + chunk).split("\n")
             self.partial[path] = lines.pop()
             for line in lines:
                 if line.strip():
                     log(line)
+        return new
