@@ -299,15 +299,15 @@ class _Tail:
         self.offsets = {p: 0 for p in self.paths}
         self.partial = {p: "" for p in self.paths}
 
-    def drain(self, log: Callable[[str], None], quiet_s: float = 0.5, max_s: float = 5.0) -> None:
-        """After the job ended: its result can land before its last output is flushed to the
-        log files, so forward until they stay quiet, then the unterminated last lines too."""
-        deadline = time.monotonic() + max_s
-        self.forward(log)
-        while time.monotonic() < deadline:
-            time.sleep(quiet_s)
-            if not self.forward(log):
-                break
+    def drain(self, log: Callable[[str], None], quiet_s: float = 2.0, max_s: float = 10.0) -> None:
+        """After the job ended: its result can land before its last output reaches the log
+        files (Slurm's step daemon writes them when the step ends), so forward until they stay
+        quiet for `quiet_s`, then the unterminated last lines too."""
+        deadline, quiet_since = time.monotonic() + max_s, time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet_s:
+            if self.forward(log):
+                quiet_since = time.monotonic()
+            time.sleep(0.25)
         for path, rest in self.partial.items():
             if rest.strip():
                 log(rest)
