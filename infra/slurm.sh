@@ -5,7 +5,9 @@
 #                           start munged, mariadb, slurmdbd, slurmctld, slurmd; wait for an idle node
 #   infra/slurm.sh status   daemons, sinfo, recent sacct
 #   infra/slurm.sh down     stop slurmd, slurmctld, slurmdbd, mariadb, munged (jobs' state is kept)
-# State and logs: .infra/slurm/ (MariaDB keeps its data in /var/lib/mysql). One partition `debug`.
+# State and logs: /var/lib/alignflow-slurm (or $ALIGNFLOW_SLURM_STATE), machine-wide like the
+# cluster itself (/etc/slurm, MariaDB's /var/lib/mysql): slurmctld's job ids then stay unique in
+# the accounting database whichever checkout runs `up`. One partition `debug`.
 # Then:  align run launcher=slurm launcher.partition=debug
 #
 # Requeue/cancel with submitit 1.5 (measured here, Slurm 22.05; see the infra report for details):
@@ -22,7 +24,7 @@
 #     >= min(0.8*limit, limit-10min): always for timeout_min <= 10; else as a preemption.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-state=$PWD/.infra/slurm; mkdir -p "$state"
+state=${ALIGNFLOW_SLURM_STATE:-/var/lib/alignflow-slurm}; mkdir -p "$state"
 node=$(hostname -s)
 cluster=${SLURM_CLUSTER:-alignflow}
 dbpass=${SLURM_DB_PASS:-slurmdb}
