@@ -37,6 +37,7 @@ from alignflow.config.schema import LauncherConfig, LauncherName
 
 ERROR_TAIL_LINES = 40
 STATE_POLL_S = 2.0  # sacct at most this often per job: submitit's own watcher waits up to 600 s
+SLURM_LOG_QUIET_S = 2.0  # a Slurm job's logs are complete once they stayed quiet this long after its end
 NOT_REQUEUED = "Job not requeued because"  # submitit's message when it gives up on a preempted/timed-out job
 
 
@@ -222,7 +223,7 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
         while not (cancelled := scope is not None and scope.cancelled.is_set()) and not state.done():
             tail.forward(log)
             time.sleep(poll_s)
-        tail.drain(log)
+        tail.drain(log, quiet_s=SLURM_LOG_QUIET_S if state.slurm else 0.0)  # a local job's files are complete at its exit
         if cancelled:  # the scope has scancelled the job: its end is no failure to retry
             state.cancel()
             raise JobCancelled(f"job {job.job_id} cancelled with its flow run", asdict(record))
@@ -299,14 +300,17 @@ class _Tail:
         self.offsets = {p: 0 for p in self.paths}
         self.partial = {p: "" for p in self.paths}
 
-    def drain(self, log: Callable[[str], None], quiet_s: float = 2.0, max_s: float = 10.0) -> None:
-        """After the job ended: its result can land before its last output reaches the log
-        files (Slurm's step daemon writes them when the step ends), so forward until they stay
-        quiet for `quiet_s`, then the unterminated last lines too."""
-        deadline, quiet_since = time.monotonic() + max_s, time.monotonic()
-        while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet_s:
+    def drain(self, log: Callable[[str], None], quiet_s: float, max_s: float = 10.0) -> None:
+        """After the job ended: forward what is left, then the unterminated last lines too. On
+        Slurm the result can land before the last output reaches the log files (the step
+        daemon writes them when the step ends): forward until they stay quiet for `quiet_s`."""
+        deadline = quiet_since = time.monotonic()
+        deadline += max_s
+        while True:
             if self.forward(log):
                 quiet_since = time.monotonic()
+            if time.monotonic() - quiet_since >= quiet_s or time.monotonic() >= deadline:
+                break
             time.sleep(0.25)
         for path, rest in self.partial.items():
             if rest.strip():

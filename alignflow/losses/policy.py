@@ -33,10 +33,6 @@ class GRPOLossConfig:
     use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
 
-    @classmethod
-    def from_stage(cls, section) -> "GRPOLossConfig":
-        return cls(**{name: section[name] for name in cls.__dataclass_fields__})
-
 
 @dataclass(frozen=True)
 class PolicyLoss:

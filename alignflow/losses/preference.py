@@ -30,11 +30,6 @@ class PreferenceLossConfig:
     preference_average_log_probs: bool = False
     sft_average_log_probs: bool = False
 
-    @classmethod
-    def from_stage(cls, section) -> "PreferenceLossConfig":
-        """From the `dpo` config section (plain data or DictConfig)."""
-        return cls(**{name: section[name] for name in cls.__dataclass_fields__})
-
 
 @dataclass(frozen=True)
 class PreferenceLoss:

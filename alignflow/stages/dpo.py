@@ -18,6 +18,7 @@ import json
 import fsspec
 import torch
 
+from alignflow.losses import from_section
 from alignflow.losses.preference import PreferenceLoss, PreferenceLossConfig, preference_loss
 from alignflow.stages.sft import sft_forward
 from alignflow.train.engine import LossTerms, Objective, TrainData, run_training_stage
@@ -67,5 +68,5 @@ def load_data(data_uri: str, reference_uri: str) -> TrainData:
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    objective = dpo_objective(PreferenceLossConfig.from_stage(cfg.dpo))
+    objective = dpo_objective(from_section(PreferenceLossConfig, cfg.dpo))
     return run_training_stage("dpo", cfg, inputs, load_data(inputs["data"], inputs["ref_logprobs"]), objective, out)

@@ -44,6 +44,7 @@ from transformers import AutoTokenizer
 
 from alignflow.checkpoint import MODEL_DIR, TOKENIZER_DIR
 from alignflow.generation import Completion, Sampling, generate
+from alignflow.losses import from_section
 from alignflow.losses.policy import GRPOLossConfig, group_advantages, policy_loss
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron.model import build_gpt
@@ -250,7 +251,7 @@ def load_data(data_uri: str) -> TrainData:
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    objective = grpo_objective(GRPOLossConfig.from_stage(cfg.grpo))
+    objective = grpo_objective(from_section(GRPOLossConfig, cfg.grpo))
     ref_model = local_model(inputs.get("ref_model", inputs["model"]), cache_dir(cfg))
     return run_training_stage("grpo", cfg, inputs, load_data(inputs["data"]), objective, out,
                               trainer_class=GRPOTrainer, ref_model=str(ref_model))
