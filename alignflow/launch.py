@@ -233,7 +233,7 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
     except submitit.core.utils.FailedJobError as err:
         state.set("FAILED")
         error = InfrastructureError if NOT_REQUEUED in str(err) else StageFailed
-        raise error(f"job {job.job_id} failed:\n{_last_lines(str(err))}", asdict(record)) from None
+        raise error(f"job {job.job_id} failed: {_cause(str(err))}\n{_last_lines(str(err))}", asdict(record)) from None
     except submitit.core.utils.UncompletedJobError as err:
         state.ended_without_result()
         raise InfrastructureError(f"job {job.job_id} ended without a result ({record.state}):\n{_last_lines(str(err))}",
@@ -286,6 +286,15 @@ class _State:
             self.update(force=True)  # CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...
         else:
             self.set(self.job.state)
+
+
+def _cause(text: str) -> str:
+    """The exception line of submitit's failure text (its trace sits between two dashed rules),
+    to head the message: Prefect shows a failed task's first line."""
+    lines = text.strip().splitlines()
+    rules = [i for i, line in enumerate(lines) if line and set(line) == {"-"}]
+    trace = lines[rules[0] + 1:rules[1]] if len(rules) >= 2 else lines
+    return next((line for line in reversed(trace) if line.strip() and not line.startswith(" ")), "").strip()
 
 
 def _last_lines(text: str, n: int = ERROR_TAIL_LINES) -> str:

@@ -52,10 +52,13 @@ def test_two_local_ranks_get_a_gloo_process_group(tmp_path):
     assert any("hello from rank 0" in line for line in lines)  # job output reaches the caller's log
 
 
-def test_exception_in_job_fails_with_its_tail(tmp_path):
+def test_exception_in_job_fails_with_its_cause_first_then_its_tail(tmp_path):
     job = make_executor(launcher(tmp_path), section(), "bad").submit(raise_bad_row)
-    with pytest.raises(StageFailed, match="line 17: field 'messages'"):
+    with pytest.raises(StageFailed) as failed:
         wait(job, lambda _: None, poll_s=0.2)
+    headline, *tail = str(failed.value).splitlines()
+    assert headline == f"job {job.job_id} failed: ValueError: data.sft.train: /x.jsonl line 17: field 'messages': expected a list"
+    assert any("in raise_bad_row" in line for line in tail)
 
 
 def test_killed_job_is_an_infrastructure_failure(tmp_path):
