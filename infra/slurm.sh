@@ -6,8 +6,10 @@
 #   infra/slurm.sh status   daemons, sinfo, recent sacct
 #   infra/slurm.sh down     stop slurmd, slurmctld, slurmdbd, mariadb, munged (jobs' state is kept)
 # State and logs: /var/lib/alignflow-slurm (or $ALIGNFLOW_SLURM_STATE), machine-wide like the
-# cluster itself (/etc/slurm, MariaDB's /var/lib/mysql): slurmctld's job ids then stay unique in
-# the accounting database whichever checkout runs `up`. One partition `debug`.
+# cluster itself (/etc/slurm, MariaDB's /var/lib/mysql). Job ids stay unique in the accounting
+# database (sacct, hence submitit, reads a job's state by id): a controller starting without
+# state (first `up`, or its state removed) counts on from the database's highest id
+# (FirstJobId). One partition `debug`.
 # Then:  align run launcher=slurm launcher.partition=debug
 #
 # Requeue/cancel with submitit 1.5 (measured here, Slurm 22.05; see the infra report for details):
@@ -49,6 +51,13 @@ write() {
   install -m "$2" "$tmp" "$1"; rm -f "$tmp"
 }
 mariadb_up() { mysqladmin --connect-timeout=2 ping; }
+first_job_id() {  # kept while the controller has state; else above every job the database knows
+  if [ -s "$state/ctld/job_state" ]; then
+    sed -n 's/^FirstJobId=//p' /etc/slurm/slurm.conf 2>/dev/null | grep . || echo 1
+  else
+    mysql -N -e "SELECT COALESCE(MAX(id_job), 0) + 1 FROM slurm_acct_db.\`${cluster}_job_table\`" 2>/dev/null || echo 1
+  fi
+}
 node_idle() { sinfo -h -n "$node" -o %t | grep -qE '^(idle|mix|alloc)'; }
 
 up() {
@@ -79,8 +88,8 @@ up() {
     GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
 
   # config: restart slurm daemons whose config changed
-  local cpus mem changed=0
-  cpus=$(nproc); mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
+  local cpus mem first_id changed=0
+  cpus=$(nproc); mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p'); first_id=$(first_job_id)
   mkdir -p /etc/slurm "$state/ctld" "$state/d"
   write /etc/slurm/slurmdbd.conf 600 <<EOF && changed=1 || true
 AuthType=auth/munge
@@ -102,6 +111,7 @@ SlurmUser=root
 AuthType=auth/munge
 AuthInfo=cred_expire=10
 StateSaveLocation=$state/ctld
+FirstJobId=$first_id
 SlurmdSpoolDir=$state/d
 SlurmctldPidFile=$state/slurmctld.pid
 SlurmdPidFile=$state/slurmd.pid
