@@ -20,7 +20,9 @@ under it (the tasks inherit its context), and the waiting threads then stop.
 """
 
 import os
+import random
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -38,6 +40,10 @@ from alignflow.config.schema import LauncherConfig, LauncherName
 ERROR_TAIL_LINES = 40
 STATE_POLL_S = 2.0  # sacct at most this often per job: submitit's own watcher waits up to 600 s
 SLURM_LOG_QUIET_S = 2.0  # a Slurm job's logs are complete once they stayed quiet this long after its end
+# Rank 0's rendezvous port (torch.distributed's TCPStore) is drawn below Linux's ephemeral range
+# (32768-60999): a port there may be held by any client connection on the node, which makes the
+# store's bind fail (EADDRINUSE); submitit's default draws from 20000-60000.
+RENDEZVOUS_PORTS = (20000, 32767)
 NOT_REQUEUED = "Job not requeued because"  # submitit's message when it gives up on a preempted/timed-out job
 
 
@@ -118,10 +124,11 @@ class Attempt(submitit.helpers.Checkpointable):
     requeue less, so the count survives requeues. A stage that cannot resume gets 0: it is not
     requeued but fails as an infrastructure error, and a retry starts it clean."""
 
-    def __init__(self, fn: Callable, requeues: int):
-        self.fn, self.requeues = fn, requeues
+    def __init__(self, fn: Callable, requeues: int, master_port: int):
+        self.fn, self.requeues, self.master_port = fn, requeues, master_port
 
     def __call__(self, *args: Any) -> Any:
+        os.environ["MASTER_PORT"] = str(self.master_port)  # read by alignflow.worker's rank set-up
         env = submitit.JobEnvironment()
         # A previous attempt of this job id may have left this rank's error result behind (a rank
         # != 0 whose peer left at the requeue): the orchestrator must not read it as this attempt's.
@@ -133,7 +140,7 @@ class Attempt(submitit.helpers.Checkpointable):
     def checkpoint(self, *args: Any) -> submitit.helpers.DelayedSubmission | None:
         if self.requeues <= 0:
             return None  # submitit: "Job not requeued because: checkpoint function returned None"
-        return submitit.helpers.DelayedSubmission(Attempt(self.fn, self.requeues - 1), *args)
+        return submitit.helpers.DelayedSubmission(Attempt(self.fn, self.requeues - 1, self.master_port), *args)
 
 
 def _end_with_the_requeue() -> None:
@@ -190,7 +197,7 @@ def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Cal
            resumable: bool = False) -> submitit.Job:
     """Submit `fn(*args)` as `section`'s job; requeued on preemption/timeout only if `resumable`."""
     executor = make_executor(launcher, section, job_name)
-    attempt = Attempt(fn, launcher.max_requeues if resumable else 0)
+    attempt = Attempt(fn, launcher.max_requeues if resumable else 0, rendezvous_port())
     scope = _scope.get()
     if scope is None:
         return executor.submit(attempt, *args)
@@ -200,6 +207,20 @@ def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Cal
         job = executor.submit(attempt, *args)
         scope.jobs.add(job)
     return job
+
+
+def rendezvous_port() -> int:
+    """A port in RENDEZVOUS_PORTS that is free here now (on Slurm, rank 0's node is likely
+    another: there only the range protects it)."""
+    for _ in range(100):
+        port = random.randint(*RENDEZVOUS_PORTS)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {RENDEZVOUS_PORTS} for the job's rendezvous")
 
 
 def job_record(job: submitit.Job) -> JobRecord:

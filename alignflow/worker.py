@@ -1,9 +1,9 @@
 """The one job entry point: set up the rank, run a stage, return its metrics.
 
 Runs inside a submitit job (local process or Slurm task). Never imports prefect. Each
-rank gets the torch.distributed environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
-LOCAL_RANK) from submitit's job environment; with more than one rank the default process
-group is initialised here: gloo on CPU, nccl on GPU.
+rank gets the torch.distributed environment (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK) from
+submitit's job environment and MASTER_PORT from its submission (`alignflow.launch.Attempt`);
+with more than one rank the default process group is initialised here: gloo on CPU, nccl on GPU.
 """
 
 import importlib
@@ -65,7 +65,7 @@ def _setup_rank() -> int:
     import submitit
 
     try:
-        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     except RuntimeError:  # not inside a submitit job (e.g. called directly in a test)
         return int(os.environ.get("RANK", 0))
     if env.world_size > 1:

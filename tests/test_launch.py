@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from alignflow.config.schema import LauncherConfig
-from alignflow.launch import InfrastructureError, StageFailed, make_executor, wait
+from alignflow.launch import RENDEZVOUS_PORTS, InfrastructureError, StageFailed, make_executor, submit, wait
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job imports this file's functions by value
 
@@ -31,7 +31,8 @@ def all_reduce_rank() -> dict:
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
     print(f"hello from rank {rank}", flush=True)
-    return {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "sum": value.item(), "backend": dist.get_backend()}
+    return {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "sum": value.item(), "backend": dist.get_backend(),
+            "port": int(os.environ["MASTER_PORT"])}
 
 
 def raise_bad_row() -> None:
@@ -44,11 +45,13 @@ def die_hard() -> None:
 
 
 def test_two_local_ranks_get_a_gloo_process_group(tmp_path):
-    job = make_executor(launcher(tmp_path), section(tasks=2), "probe").submit(all_reduce_rank)
+    job = submit(launcher(tmp_path), section(tasks=2), "probe", all_reduce_rank)
     lines = []
     result = wait(job, lines.append, poll_s=0.2)
+    port = result.pop("port")
     assert result == {"rank": 0, "world": 2, "sum": 3.0, "backend": "gloo"}
     assert [r["rank"] for r in job.results()] == [0, 1]
+    assert RENDEZVOUS_PORTS[0] <= port <= RENDEZVOUS_PORTS[1]  # below the ephemeral range: no client connection holds it
     assert any("hello from rank 0" in line for line in lines)  # job output reaches the caller's log
 
 
@@ -80,10 +83,11 @@ def test_slurm_parameters_are_a_table(tmp_path):
 def test_only_resumable_stages_are_requeued_and_at_most_max_requeues_times():
     from alignflow.launch import Attempt
 
-    attempt = Attempt(print, requeues=2)
+    attempt = Attempt(print, requeues=2, master_port=23456)
     again = attempt.checkpoint("x").function
     assert again.requeues == 1 and again.checkpoint("x").function.requeues == 0
-    assert Attempt(print, requeues=0).checkpoint("x") is None  # submitit then fails the job: "Job not requeued because ..."
+    assert again.master_port == 23456  # the requeued ranks meet where the first attempt's did
+    assert Attempt(print, requeues=0, master_port=23456).checkpoint("x") is None  # submitit then fails the job: "Job not requeued because ..."
 
 
 def sleep_long() -> None:

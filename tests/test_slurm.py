@@ -49,6 +49,7 @@ def test_two_slurm_tasks_get_a_gloo_process_group_and_their_states_are_logged(tm
     job = submit(slurm(tmp_path), section(2), "probe", all_reduce_rank)
     lines, record = [], job_record(job)
     result = wait(job, lines.append, poll_s=0.5, record=record)
+    assert result.pop("port") == job.submission().function.master_port
     assert result == {"rank": 0, "world": 2, "sum": 3.0, "backend": "gloo"}
     assert [r["rank"] for r in job.results()] == [0, 1]
     assert any("hello from rank 0" in line for line in lines), lines  # the last output too, once the job ended
