@@ -2,8 +2,8 @@
 
 The flow reads like the pipeline: one task per stage in the order of
 `conf/pipeline/<name>.yaml`, each waiting on the upstream stages it is wired to. Nothing
-is submitted until the whole config has validated and every stage is built. Cancelling the
-flow run (SIGTERM from the Prefect worker, or Ctrl-C) cancels the stages' jobs too.
+is submitted until the whole config has validated. Cancelling the flow run (SIGTERM from
+the Prefect worker, or Ctrl-C) cancels the stages' jobs too.
 """
 
 from prefect import flow, get_run_logger

@@ -107,7 +107,7 @@ def _job_rows(job: dict | None) -> list[dict]:
 
 
 def _publish_table(stage: str, rows: list[dict]) -> None:
-    create_table_artifact(table=rows, key=f"stage-{stage}".replace("_", "-"), description=f"{stage} output, job and headline metrics")
+    create_table_artifact(table=rows, key=_key("stage", stage), description=f"{stage} output, job and headline metrics")
 
 
 def _publish_steps(result: StageResult, storage_options: dict) -> None:
@@ -121,7 +121,7 @@ def _publish_steps(result: StageResult, storage_options: dict) -> None:
         return
     picked = sorted({round(i * (len(lines) - 1) / max(STEP_ROWS - 1, 1)) for i in range(STEP_ROWS)})
     rows = [{k: format_value(v) for k, v in lines[i].items()} for i in picked]
-    create_table_artifact(table=rows, key=f"steps-{result.stage}".replace("_", "-"), description=f"{result.stage}: metrics per step")
+    create_table_artifact(table=rows, key=_key("steps", result.stage), description=f"{result.stage}: metrics per step")
 
 
 def format_value(value) -> str:

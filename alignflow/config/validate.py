@@ -117,7 +117,7 @@ def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelSha
     if section.micro_batch_size < 1:
         problems.append(f"{stage}.micro_batch_size: must be >= 1")
     elif stage == "grpo":
-        problems += _check_grpo_batches(section, dp)
+        problems += grpo_batch_problems(section, dp)
     elif "global_batch_size" in section and section.global_batch_size % (section.micro_batch_size * dp):
         problems.append(
             f"{stage}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
@@ -126,8 +126,9 @@ def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelSha
     return problems
 
 
-def _check_grpo_batches(section: DictConfig, dp: int) -> list[str]:
-    """GRPO's batch is num_prompts_per_step x num_generations_per_prompt samples (global_batch_size is unused)."""
+def grpo_batch_problems(section: DictConfig, dp: int) -> list[str]:
+    """GRPO's batch is num_prompts_per_step x num_generations_per_prompt samples (global_batch_size
+    is unused); checked at compose time and again by the trainer, which knows its DP size."""
     if section.num_prompts_per_step % dp:
         return [f"grpo.num_prompts_per_step: {section.num_prompts_per_step} is not divisible by the data-parallel size ({dp})"]
     samples = section.num_prompts_per_step // dp * section.num_generations_per_prompt

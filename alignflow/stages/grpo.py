@@ -43,6 +43,7 @@ from megatron.core import parallel_state
 from transformers import AutoTokenizer
 
 from alignflow.checkpoint import MODEL_DIR, TOKENIZER_DIR
+from alignflow.config.validate import grpo_batch_problems
 from alignflow.generation import Completion, Sampling, generate
 from alignflow.losses import from_section
 from alignflow.losses.policy import GRPOLossConfig, group_advantages, policy_loss
@@ -52,7 +53,6 @@ from alignflow.rewards import exact_match, resolve
 from alignflow.stages.sft import sft_forward
 from alignflow.train.data import list_column, packed_rows, read_split
 from alignflow.train.engine import LossTerms, Objective, StepStats, TrainData, Trainer, all_reduce_dp, device, run_training_stage
-from alignflow.train.schedule import lr_at
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.grpo")
@@ -162,13 +162,8 @@ class GRPOTrainer(Trainer):
         return self.cfg.num_prompts_per_step
 
     def check_batch_sizes(self) -> None:
-        cfg = self.cfg
-        if cfg.num_prompts_per_step % self.dp_size:
-            raise ValueError(f"grpo.num_prompts_per_step {cfg.num_prompts_per_step} is not divisible by the data-parallel size {self.dp_size}")
-        samples = cfg.num_prompts_per_step // self.dp_size * cfg.num_generations_per_prompt
-        if samples % (cfg.num_optimizer_steps_per_batch * cfg.micro_batch_size):
-            raise ValueError(f"grpo: {samples} samples per DP rank and step do not split into num_optimizer_steps_per_batch "
-                             f"({cfg.num_optimizer_steps_per_batch}) x micro_batch_size ({cfg.micro_batch_size})")
+        if problems := grpo_batch_problems(self.cfg, self.dp_size):
+            raise ValueError("; ".join(problems))
 
     def setup(self) -> None:
         super().setup()
@@ -201,8 +196,7 @@ class GRPOTrainer(Trainer):
             rollouts.store("ref_logp", micro, self.per_token_logps(self.ref_chunks, micro, rollouts, rollouts.seq_length))
         if cfg.num_optimizer_steps_per_batch > 1:
             rollouts.store("old_logp", micro, self.per_token_logps(self.chunks, micro, rollouts, rollouts.seq_length))
-        lr = lr_at(step + 1, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
-                   total_steps=self.total_steps, schedule=cfg.optim.schedule)
+        lr = self.next_lr()
         per_update = len(micro) // cfg.num_optimizer_steps_per_batch
         updates = [self.optimizer_step(micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length, lr)
                    for k in range(cfg.num_optimizer_steps_per_batch)]

@@ -40,9 +40,10 @@ import json
 import logging
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -236,13 +237,16 @@ class Trainer:
         return {}
 
     def train_step(self, indices: np.ndarray) -> StepStats:
-        cfg = self.cfg
-        lr = lr_at(self.state.step + 1, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
-                   total_steps=self.total_steps, schedule=cfg.optim.schedule)
-        micro = dp_micro_batches(indices, cfg.micro_batch_size, self.dp_rank, self.dp_size)
-        stats = self.optimizer_step(micro, self.data.train, self.data.seq_length, lr)
+        micro = dp_micro_batches(indices, self.cfg.micro_batch_size, self.dp_rank, self.dp_size)
+        stats = self.optimizer_step(micro, self.data.train, self.data.seq_length, self.next_lr())
         stats.tokens = all_reduce_dp(sum(self.data.train.num_tokens(m) for m in micro))
         return stats
+
+    def next_lr(self) -> float:
+        """The learning rate of the step about to run."""
+        optim = self.cfg.optim
+        return lr_at(self.state.step + 1, lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
+                     total_steps=self.total_steps, schedule=optim.schedule)
 
     def optimizer_step(self, micro: list[np.ndarray], dataset: Dataset, seq_length: int, lr: float) -> StepStats:
         """One optimizer step on this rank's micro batches of a global batch (tokens left at 0)."""
@@ -288,11 +292,8 @@ class Trainer:
             batch = next(data_iterator)
             return self.objective.forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1), {"logp": -nll.detach().float()})
 
-        for chunk in chunks:
-            chunk.eval()
-        outputs = self.schedule(chunks, forward_step, micro, dataset, forward_only=True, seq_length=seq_length)
-        for chunk in self.chunks:
-            chunk.train()
+        with eval_mode(chunks):
+            outputs = self.schedule(chunks, forward_step, micro, dataset, forward_only=True, seq_length=seq_length)
         return [out["logp"] for out in outputs]
 
     def _forward_step(self, data_iterator, model):
@@ -316,12 +317,8 @@ class Trainer:
         if rows <= 0:
             return None
         micro = dp_micro_batches(np.arange(rows), micro_size, self.dp_rank, self.dp_size)
-        for chunk in self.chunks:
-            chunk.eval()
-        with torch.no_grad():
+        with eval_mode(self.chunks), torch.no_grad():
             total, count, metrics = self.run_micro_batches(micro, self.data.val, forward_only=True)
-        for chunk in self.chunks:
-            chunk.train()
         self.state.last_val_loss = total / max(count, 1.0)
         self.last_val_metrics = {f"val_{k}": v / max(count, 1.0) for k, v in metrics.items()}
         return self.state.last_val_loss
@@ -404,6 +401,18 @@ def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
         for p in params:
             p.grad.mul_(coefficient)
     return norm
+
+
+@contextmanager
+def eval_mode(chunks: list) -> Iterator[None]:
+    """`chunks` in eval mode (no dropout) for the block, back in train mode after it."""
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            chunk.train()
 
 
 def all_reduce_dp(value, op=dist.ReduceOp.SUM):
