@@ -51,6 +51,14 @@ write() {
   install -m "$2" "$tmp" "$1"; rm -f "$tmp"
 }
 mariadb_up() { mysqladmin --connect-timeout=2 ping; }
+missing_packages() {  # the named Debian packages that are not installed, each after a space
+  # No pipeline: under pipefail `dpkg-query ... | grep` takes dpkg-query's failure for an unknown package.
+  local p out=""
+  for p in "$@"; do
+    [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" = "install ok installed" ] || out="$out $p"
+  done
+  echo "$out"
+}
 first_job_id() {  # kept while the controller has state; else above every job the database knows
   if [ -s "$state/ctld/job_state" ]; then
     sed -n 's/^FirstJobId=//p' /etc/slurm/slurm.conf 2>/dev/null | grep . || echo 1
@@ -61,11 +69,15 @@ first_job_id() {  # kept while the controller has state; else above every job th
 node_idle() { sinfo -h -n "$node" -o %t | grep -qE '^(idle|mix|alloc)'; }
 
 up() {
-  local pkgs="munge slurmctld slurmd slurm-client slurmdbd mariadb-server"
-  # shellcheck disable=SC2086
-  if dpkg-query -W -f='${Status}\n' $pkgs 2>&1 | grep -vq 'install ok installed'; then
-    echo "installing $pkgs"
-    apt-get update -q >"$state/apt.log" && apt-get install -y -q $pkgs >>"$state/apt.log"
+  local missing
+  missing=$(missing_packages munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
+  if [ -n "$missing" ]; then
+    echo "installing$missing (log: $state/apt.log)"
+    # shellcheck disable=SC2086
+    { apt-get update -q && apt-get install -y -q $missing; } >"$state/apt.log" 2>&1 \
+      || { tail -n 20 "$state/apt.log" >&2; echo "could not install$missing; see $state/apt.log" >&2; exit 1; }
+    missing=$(missing_packages $missing)
+    [ -z "$missing" ] || { echo "still not installed:$missing; see $state/apt.log" >&2; exit 1; }
   fi
 
   # munge
@@ -141,7 +153,7 @@ EOF
 
   running "$state/slurmdbd.pid" || slurmdbd
   wait_for 30 slurmdbd sacctmgr -n list cluster
-  sacctmgr -n -P list cluster format=cluster | grep -qx "$cluster" || sacctmgr -i add cluster "$cluster" >/dev/null
+  grep -qx "$cluster" <<<"$(sacctmgr -n -P list cluster format=cluster)" || sacctmgr -i add cluster "$cluster" >/dev/null
   running "$state/slurmctld.pid" || slurmctld
   wait_for 30 slurmctld scontrol ping
   running "$state/slurmd.pid" || slurmd
