@@ -12,4 +12,4 @@ demo: install
 	.venv/bin/align run pipeline=sft_dpo
 
 test: install-dev
-	.venv/bin/python -m pytest -x -q --timeout=900
+	.venv/bin/python -m pytest -x -q -rs --timeout=900

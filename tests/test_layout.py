@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from dataclasses import fields
@@ -43,3 +44,18 @@ def test_every_stage_is_mirrored():
         assert (PROJECT_ROOT / "alignflow" / "stages" / f"{stage}.py").exists()
     pipelines = [p.read_text() for p in (PROJECT_ROOT / "conf" / "pipeline").glob("*.yaml")]
     assert all(text.splitlines()[1].startswith("# align run pipeline=") for text in pipelines)
+
+
+def test_a_skip_fails_in_ci_and_shows_its_reason_elsewhere(tmp_path):
+    (tmp_path / "conftest.py").write_text((PROJECT_ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_needs_a_service.py").write_text("import pytest\n\ndef test_it():\n    pytest.skip('no service here')\n")
+
+    def pytest_in(env_ci: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "CI": env_ci}
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+                              capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    ci = pytest_in("true")
+    assert ci.returncode == 1 and "skipped in CI (CI=true), which must run it: Skipped: no service here" in ci.stdout
+    local = pytest_in("")
+    assert local.returncode == 0 and "SKIPPED [1]" in local.stdout and "no service here" in local.stdout
