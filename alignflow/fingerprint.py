@@ -1,19 +1,42 @@
-"""Content-addressed stage identity.
+"""Content-addressed stage identity, and why two identities differ.
 
-fingerprint = sha256 of canonical JSON over: stage name, the stage's code version, its
-config slice (minus non-identity fields), the content identity of its external sources,
-and the fingerprints of its upstream stages. Canonical JSON raises on anything it cannot
-encode deterministically, so a new config type can never be silently dropped from identity.
+A stage's identity is a record of everything that makes its output what it is:
+
+- `kind`: the stage kind;
+- `code`: a digest per source file of the code that produces the output: the stage's worker
+  module and every alignflow module it imports, transitively (found by reading the import
+  statements, so nothing is imported here). A file's digest is over its AST with docstrings
+  removed: an edited comment or docstring changes nothing, a changed formula re-runs the
+  stage. Orchestrator-side modules a job imports only for names (`ORCHESTRATOR_MODULES`) are
+  left out: they decide where and whether a job runs, not what it computes;
+- `packages`: the versions of the packages that change numbers (`NUMERIC_PACKAGES`);
+- `config`: the stage's config slice minus non-identity fields and secrets;
+- `sources`: a digest of the content identity of each external source (data files, checkpoints);
+- `inputs`: `{input role: upstream fingerprint (or a list of them)}`.
+
+The fingerprint is a sha256 of its canonical JSON, which raises on anything it cannot encode
+deterministically, so a new config type can never be silently dropped from identity. The
+record is kept in the output's manifest, so `align plan` can say which part changed
+(`differences`).
 """
 
+import ast
 import hashlib
 import json
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import fsspec
 
+from alignflow import PROJECT_ROOT
+
 FINGERPRINT_CHARS = 16
+NUMERIC_PACKAGES = ("torch", "megatron-core", "transformers", "tokenizers")
+ORCHESTRATOR_MODULES = ("alignflow", "alignflow.stages", "alignflow.store", "alignflow.config")  # and alignflow.config.*
 _HASH_CONTENT_BELOW = 64 << 20  # files smaller than this are identified by content
+_SHOWN_DIFFERENCES = 6
 
 
 def canonical_json(obj: Any) -> str:
@@ -23,9 +46,93 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=refuse)
 
 
-def fingerprint(stage: str, version: int, config: dict, sources: dict, inputs: dict) -> str:
-    payload = {"stage": stage, "version": version, "config": config, "sources": sources, "inputs": inputs}
-    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:FINGERPRINT_CHARS]
+def digest(obj: Any) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def fingerprint(identity: dict) -> str:
+    return digest(identity)[:FINGERPRINT_CHARS]
+
+
+# ----------------------------------------------------------------------------- code
+
+
+def code_identity(module: str, root: Path = PROJECT_ROOT) -> dict[str, str]:
+    """{file relative to `root`: digest of its normalized source} for `module` and the
+    alignflow modules it imports, transitively (orchestrator-side ones left out)."""
+    return {str(path.relative_to(root)): _source_digest(path, *_stat(path)) for path in _closure(module, root)}
+
+
+def package_versions(names: tuple[str, ...] = NUMERIC_PACKAGES) -> dict[str, str]:
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+def _closure(module: str, root: Path) -> list[Path]:
+    seen: dict[str, Path] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for package in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):  # importing a.b.c runs a and a.b
+            if package in seen or (path := _module_file(package, root)) is None:
+                continue
+            seen[package] = path
+            if not _orchestrator_side(package):  # what it imports is not the job's code either
+                todo.extend(_alignflow_imports(package, path))
+    return sorted(path for name, path in seen.items() if not _orchestrator_side(name))
+
+
+def _orchestrator_side(name: str) -> bool:
+    return name in ORCHESTRATOR_MODULES or name.startswith("alignflow.config.")
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    base = root.joinpath(*name.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def _alignflow_imports(name: str, path: Path) -> set[str]:
+    """Modules named by `path`'s import statements (anywhere in it), `from a import b` giving
+    both a and a.b (b may be a submodule); only alignflow's."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            found |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return {m for m in found if m.split(".")[0] == "alignflow"}
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size
+
+
+@lru_cache(maxsize=1024)
+def _source_digest(path: Path, mtime_ns: int, size: int) -> str:
+    """sha256 of the module's AST without docstrings (comments are not in the AST); the
+    (mtime, size) arguments only key the cache."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- external sources
 
 
 def source_identity(uri: str, storage_options: dict | None = None) -> dict:
@@ -53,9 +160,58 @@ def _relative(file: str, root: str) -> str:
 def _file_identity(fs, path: str) -> str:
     info = fs.info(path)
     if info.get("size", 0) < _HASH_CONTENT_BELOW:
-        digest = hashlib.sha256()
+        sha = hashlib.sha256()
         with fs.open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        return "sha256:" + digest.hexdigest()
+                sha.update(block)
+        return "sha256:" + sha.hexdigest()
     return "ukey:" + fs.ukey(path)
+
+
+# ----------------------------------------------------------------------------- explanations
+
+
+def differences(current: dict, previous: dict) -> list[str]:
+    """What changed from `previous` to `current` (two identity records), in a person's words."""
+    found = []
+    old_config, new_config = _flat(previous.get("config", {})), _flat(current.get("config", {}))
+    for key in sorted(old_config.keys() | new_config.keys()):
+        if old_config.get(key, "<unset>") != new_config.get(key, "<unset>"):
+            found.append(f"config {key}: {_short(old_config.get(key, '<unset>'))} -> {_short(new_config.get(key, '<unset>'))}")
+    old_code, new_code = previous.get("code", {}), current.get("code", {})
+    for path in sorted(old_code.keys() | new_code.keys()):
+        if path not in old_code:
+            found.append(f"code {path}: new module")
+        elif path not in new_code:
+            found.append(f"code {path}: no longer used")
+        elif old_code[path] != new_code[path]:
+            found.append(f"code {path}: changed")
+    old_packages, new_packages = previous.get("packages", {}), current.get("packages", {})
+    for name in sorted(old_packages.keys() | new_packages.keys()):
+        if old_packages.get(name) != new_packages.get(name):
+            found.append(f"package {name}: {old_packages.get(name)} -> {new_packages.get(name)}")
+    for key in ("sources", "inputs"):
+        old, new = previous.get(key, {}), current.get(key, {})
+        for name in sorted(old.keys() | new.keys()):
+            if old.get(name) != new.get(name):
+                what = "source" if key == "sources" else "input"
+                found.append(f"{what} {name}: " + ("changed" if name in old and name in new else "added" if name in new else "removed"))
+    if previous.get("kind") != current.get("kind"):
+        found.insert(0, f"kind: {previous.get('kind')} -> {current.get('kind')}")
+    if len(found) > _SHOWN_DIFFERENCES:
+        found = [*found[:_SHOWN_DIFFERENCES], f"... and {len(found) - _SHOWN_DIFFERENCES} more"]
+    return found
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out |= _flat(value, f"{prefix}{key}.")
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."

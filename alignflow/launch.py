@@ -36,6 +36,7 @@ import submitit
 from omegaconf import DictConfig
 
 from alignflow.config.schema import LauncherConfig, LauncherName
+from alignflow.orphans import reap_on_exit
 
 ERROR_TAIL_LINES = 40
 STATE_POLL_S = 2.0  # sacct at most this often per job: submitit's own watcher waits up to 600 s
@@ -195,7 +196,9 @@ def cancel_jobs_on_interrupt() -> Iterator[None]:
 
 def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Callable, *args: Any,
            resumable: bool = False) -> submitit.Job:
-    """Submit `fn(*args)` as `section`'s job; requeued on preemption/timeout only if `resumable`."""
+    """Submit `fn(*args)` as `section`'s job; requeued on preemption/timeout only if `resumable`.
+    Local jobs end with this process, however it ends (`alignflow.orphans`)."""
+    reap_on_exit()
     executor = make_executor(launcher, section, job_name)
     attempt = Attempt(fn, launcher.max_requeues if resumable else 0, rendezvous_port())
     scope = _scope.get()

@@ -8,14 +8,11 @@ Layout per stage output:
 An output without a manifest does not exist. On a local filesystem the staging directory
 is renamed into place with the manifest already inside (atomic); on object stores files
 are copied and the manifest is written last, so readers never see a half output.
-Leases are exclusive-create plus rename-to-take-over on local/POSIX filesystems (atomic);
-on object stores they are write-then-verify, which is best-effort (documented limitation).
+`{root}/{stage}/_leases/{fp}.json` is the lease of the run producing `fp` (`alignflow.lease`).
 """
 
 import json
 import os
-import socket
-import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -25,6 +22,8 @@ from typing import Callable, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from omegaconf import DictConfig, OmegaConf
+
+from alignflow.lease import Lease
 
 MANIFEST = "_SUCCESS.json"
 
@@ -91,11 +90,13 @@ class Store:
 
     def _commit_local(self, staging: str, output: str, body: str) -> None:
         os.makedirs(staging, exist_ok=True)
+        _fsync_tree(staging)  # the data is on disk before the manifest that vouches for it
         _write_atomic(f"{staging}/{MANIFEST}", body)
         replaced = f"{output}.replaced-{uuid.uuid4().hex[:8]}"
         if os.path.exists(output):  # a forced re-run: the old output stays whole until the new one is in
             os.rename(output, replaced)
         os.rename(staging, output)
+        _fsync(os.path.dirname(output))
         if os.path.exists(replaced):
             self.fs.rm(replaced, recursive=True)
 
@@ -110,26 +111,40 @@ class Store:
         fs.pipe(f"{output}/{MANIFEST}", body.encode())
         fs.rm(staging, recursive=True)
 
+    def lease_path(self, stage: str, fp: str) -> str:
+        return f"{self._root_path}/{stage}/_leases/{fp}.json"
+
     @contextmanager
     def lease(
         self, stage: str, fp: str, ttl_s: float, poll_s: float, log: Callable[[str], None], take_committed: bool = True
-    ) -> Iterator[bool]:
-        """Hold the right to produce `fp`. Yields False when it is committed (by another run)
-        before the lease is ours; the caller re-checks after acquiring, as a commit can land
-        between the check and the acquisition. A forced re-run passes take_committed=False."""
-        lease = _Lease(self.fs, f"{self._root_path}/{stage}/_leases/{fp}.json", ttl_s)
+    ) -> Iterator[Lease | None]:
+        """Hold the right to produce `fp` (`alignflow.lease`). Yields None when it is committed
+        (by another run) before the lease is ours; the caller re-checks after acquiring, as a
+        commit can land between the check and the acquisition. A forced re-run passes
+        take_committed=False."""
+        lease = Lease(self.fs, self.lease_path(stage, fp), ttl_s)
         while True:
             if take_committed and self.read_manifest(stage, fp) is not None:
-                yield False
+                yield None
                 return
             if lease.try_acquire():
                 break
             log(f"{stage} {fp}: another run holds the lease ({lease.holder()}); waiting")
             time.sleep(poll_s)
         try:
-            yield True
+            yield lease
         finally:
             lease.release()
+
+    def latest_manifest(self, stage: str) -> dict | None:
+        """The most recently committed manifest of `stage`, whatever its fingerprint."""
+        manifests = []
+        for path in self.fs.glob(f"{self._root_path}/{stage}/*/{MANIFEST}"):
+            try:
+                manifests.append(json.loads(self.fs.cat_file(path)))
+            except (FileNotFoundError, ValueError):
+                continue
+        return max(manifests, key=lambda m: m.get("committed_at", ""), default=None)
 
 
 def _write_atomic(path: str, body: str) -> None:
@@ -141,89 +156,16 @@ def _write_atomic(path: str, body: str) -> None:
     os.replace(tmp, path)
 
 
-class _Lease:
-    """A lease file with a heartbeat thread; stale after `ttl_s` without a beat."""
+def _fsync_tree(root: str) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, ttl_s: float):
-        self.fs, self.path, self.ttl_s = fs, path, ttl_s
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
 
-    def _record(self) -> bytes:
-        return json.dumps({"owner": self.owner, "heartbeat": time.time()}).encode()
-
-    def _read(self) -> dict | None:
-        try:
-            return json.loads(self.fs.cat_file(self.path))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def holder(self) -> str:
-        current = self._read() or {}
-        age = time.time() - current.get("heartbeat", time.time())
-        return f"owner {current.get('owner', '?')}, last heartbeat {age:.0f}s ago"
-
-    def try_acquire(self) -> bool:
-        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
-        current = self._read()
-        if current is not None and time.time() - current["heartbeat"] < self.ttl_s:
-            return False
-        if current is not None and not self._remove_stale(current):
-            return False
-        if not self._create_exclusive():
-            return False
-        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
-        self._beat.start()
-        return True
-
-    def _remove_stale(self, seen: dict) -> bool:
-        """Take a dead holder's lease away; exactly one contender wins on POSIX."""
-        if not isinstance(self.fs, LocalFileSystem):
-            self.fs.rm(self.path)
-            return True
-        moved = f"{self.path}.stale-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(self.path, moved)
-        except FileNotFoundError:
-            return False
-        with open(moved, "rb") as f:
-            taken = f.read()
-        if json.loads(taken or b"{}") != seen:  # another contender had already renewed it: give it back
-            try:
-                os.link(moved, self.path)
-            except FileExistsError:
-                pass
-            os.remove(moved)
-            return False
-        return True
-
-    def _create_exclusive(self) -> bool:
-        if isinstance(self.fs, LocalFileSystem):
-            try:
-                with open(self.path, "xb") as f:
-                    f.write(self._record())
-            except FileExistsError:
-                return False
-            return True
-        if self.fs.exists(self.path):
-            return False
-        self.fs.pipe(self.path, self._record())
-        time.sleep(0.5)  # let a concurrent writer land, then see who won
-        return (self._read() or {}).get("owner") == self.owner
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 4):
-            if (self._read() or {}).get("owner") != self.owner:
-                return
-            self.fs.pipe(self.path, self._record())
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._beat is not None:
-            self._beat.join()
-        if (self._read() or {}).get("owner") == self.owner:
-            self.fs.rm(self.path)
-        if isinstance(self.fs, LocalFileSystem):
-            for stale in self.fs.glob(f"{self.path}.stale-*"):
-                self.fs.rm(stale)
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

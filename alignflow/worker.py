@@ -1,5 +1,8 @@
 """The one job entry point: set up the rank, run a stage, return its metrics.
 
+Every rank watches its run's lease and stops once the run is gone or lost it, and takes the
+processes it started down with it, also when it is killed itself (`alignflow.orphans`).
+
 Runs inside a submitit job (local process or Slurm task). Never imports prefect. Each
 rank gets the torch.distributed environment (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK) from
 submitit's job environment and MASTER_PORT from its submission (`alignflow.launch.Attempt`);
@@ -13,9 +16,15 @@ import sys
 import warnings
 
 import fsspec
+import psutil
 from omegaconf import OmegaConf
 
+from alignflow.fingerprint import code_identity
+from alignflow.lease import watch
+from alignflow.orphans import reap_on_exit
 from alignflow.stages import worker_module
+
+FENCED_EXIT_CODE = 75  # EX_TEMPFAIL: the job was stopped because its run is gone; nothing of it is committed
 
 
 # Library warnings that say nothing about the user's run, kept out of the Prefect logs.
@@ -28,19 +37,51 @@ EXPECTED_WARNINGS = (
 )
 
 
-def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str, storage_options: dict) -> dict:
-    """Run `alignflow.stages.<stage>.run` on this rank; every rank returns its metrics."""
+def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str, storage_options: dict, fence: dict | None = None,
+                  code: dict | None = None) -> dict:
+    """Run `alignflow.stages.<stage>.run` on this rank; every rank returns its metrics.
+
+    `fence` is the lease of the run that submitted the job: the job stops once that run is
+    gone or lost it (`alignflow.lease.watch`). `code` is the code identity the run
+    fingerprinted: the job refuses to run other code (the checkout changed in between). Both
+    are None only for a job submitted by hand (tests), outside any run."""
+    reap_on_exit()  # a killed job leaves none of its helpers (Megatron's checkpoint writer) behind
     rank = _setup_rank()
     _log_to_stdout(rank)
     for message in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     _configure_storage(out, storage_options)
+    if fence is not None:
+        watch(fence, _stop_fenced_job)  # the lease is in the store, whose options are fsspec's defaults now
+    if code is not None:
+        _check_code(stage, code)
     config = OmegaConf.create(cfg)  # secrets are still `${oc.env:...}` here and resolve from this job's env
     module = importlib.import_module(worker_module(stage))
     logging.getLogger("alignflow.worker").info("stage %s -> %s", stage, out)
     metrics = module.run(config, inputs, out)
     sys.stdout.flush()
     return metrics
+
+
+def _check_code(stage: str, planned: dict) -> None:
+    """The code this job imports must be the code its run fingerprinted."""
+    here = code_identity(worker_module(stage))
+    changed = sorted(path for path in planned.keys() | here.keys() if planned.get(path) != here.get(path))
+    if changed:
+        raise RuntimeError(f"the code of stage {stage} changed since its run fingerprinted it ({', '.join(changed)}): "
+                           "run the pipeline again so its fingerprint covers the code that runs")
+
+
+def _stop_fenced_job(reason: str) -> None:
+    """Stop this rank now, and every process it started: another run owns this output."""
+    logging.getLogger("alignflow.worker").error("stopping: %s", reason)
+    sys.stdout.flush()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os._exit(FENCED_EXIT_CODE)
 
 
 def _configure_storage(out: str, storage_options: dict) -> None:

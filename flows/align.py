@@ -12,6 +12,7 @@ from prefect.futures import PrefectFuture
 
 from alignflow.config import compose
 from alignflow.launch import cancel_jobs_on_interrupt
+from alignflow.orphans import reap_on_exit
 from alignflow.runner import StageResult
 from alignflow.stages import as_names
 from tasks.stage import format_value, task_for
@@ -20,6 +21,7 @@ from tasks.stage import format_value, task_for
 @flow(name="align", log_prints=True)
 def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, StageResult]:
     """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed."""
+    reap_on_exit()  # if this process is killed, its jobs and its ephemeral Prefect server die with it
     overrides = [*(overrides or []), *([f"force=[{','.join(force)}]"] if force else [])]
     cfg = compose(pipeline, overrides)
     stages = list(cfg.pipeline.stages)

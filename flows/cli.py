@@ -1,7 +1,7 @@
 """The `align` command. Everything after the verb is a Hydra override.
 
   align demo                          build the offline demo assets (tokenizer, tiny model, data)
-  align plan   [overrides...]         the DAG: fingerprints, output URIs, what would run
+  align plan   [--json] [overrides...] the DAG: fingerprints, output URIs, what would run and why
   align config [overrides...]         the resolved config, secrets masked
   align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL)
 
@@ -9,8 +9,10 @@
 """
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import asdict
 
 # Prefect's ephemeral server needs more than its default start-up time on 2 cores, and
 # nothing here should phone home. Set before prefect is imported.
@@ -59,6 +61,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
     cfg = compose(pipeline, overrides)
+    if args.json:
+        print(json.dumps([asdict(row) for row in plan(cfg)], indent=2))
+        return 0
     table = Table(title=f"align plan: {cfg.pipeline.name}  (store {cfg.store.root})")
     for column in ("stage", "status", "fingerprint", "output", "why"):
         table.add_column(column, overflow="fold")
@@ -89,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         sub = verbs.add_parser(name, help=fn.__name__)
         sub.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. pipeline=sft_dpo data.seq_length=512")
         sub.set_defaults(fn=fn)
+        if name == "plan":
+            sub.add_argument("--json", action="store_true", help="the plan as JSON (stage, fingerprint, uri, status, reason)")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

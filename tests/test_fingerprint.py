@@ -1,12 +1,13 @@
-"""Fingerprints change with everything that changes an output, and with nothing else."""
+"""Fingerprints change with everything that changes an output (config, code, packages, sources,
+inputs by role), and with nothing else."""
 
 import json
 
 import pytest
 
-from alignflow.config import compose
-from alignflow.fingerprint import canonical_json, source_identity
-from alignflow.runner import plan, stage_fingerprint
+from alignflow.config import ConfigError, compose
+from alignflow.fingerprint import canonical_json, code_identity, differences, fingerprint, source_identity
+from alignflow.runner import plan, stage_fingerprint, stage_identity
 
 
 def fp(overrides, stage="prep", upstream=None):
@@ -63,3 +64,70 @@ def test_upstream_change_propagates_down_the_dag(base_overrides):
     b = {p.stage: p.fingerprint for p in plan(compose("sft_dpo", [*base_overrides, "data.seq_length=128"]))}
     assert a["prep"] != b["prep"] and a["sft"] != b["sft"] and a["dpo"] != b["dpo"]
     assert a["convert"] == b["convert"]  # does not read data
+
+
+def test_swapping_two_input_roles_changes_the_fingerprint(base_overrides):
+    wired = lambda model, ref: compose("sft_grpo", [*base_overrides, f"pipeline.stages.grpo={{data:prep,model:{model},ref_model:{ref}}}"])  # noqa: E731
+    upstream = {"prep": "p", "convert": "c", "sft": "s"}
+    assert stage_fingerprint(wired("sft", "convert"), "grpo", upstream) != stage_fingerprint(wired("convert", "sft"), "grpo", upstream)
+
+
+USER_PIPELINE = """# @package _global_
+pipeline:
+  name: mine
+  stages:
+    prep: {{}}
+    convert: {{}}
+    sft: {{data: prep, model: convert}}
+    ref_logprobs: {{data: prep, model: sft}}
+    dpo: {dpo}
+"""
+
+
+@pytest.mark.parametrize("dpo, message", [
+    ("{data: prep, modle: sft, ref_logprobs: ref_logprobs}", r"pipeline\.stages\.dpo\.modle: stage dpo has no input role 'modle'; it takes data"),
+    ("{data: prep, modle: sft, ref_logprobs: ref_logprobs}", r"pipeline\.stages\.dpo: missing input role 'model' \(required, one stage\)"),
+    ("{data: prep, model: [sft, convert], ref_logprobs: ref_logprobs}", r"pipeline\.stages\.dpo\.model: takes one upstream stage, got \['sft', 'convert'\]"),
+])
+def test_a_wrong_input_role_fails_at_compose_naming_it(base_overrides, tmp_path, dpo, message):
+    """In a user's own pipeline file (found through Hydra's search path), before any job."""
+    (tmp_path / "conf" / "pipeline").mkdir(parents=True)
+    (tmp_path / "conf" / "pipeline" / "mine.yaml").write_text(USER_PIPELINE.format(dpo=dpo))
+    with pytest.raises(ConfigError, match=message):
+        compose("mine", [*base_overrides, f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
+
+
+def write_module(root, name: str, text: str):
+    path = root.joinpath(*name.split(".")).with_suffix(".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for package in [path.parent, *path.parent.parents][: name.count(".")]:
+        (package / "__init__.py").touch()
+    path.write_text(text)
+
+
+def test_code_identity_follows_formulas_not_docstrings_or_comments(tmp_path):
+    write_module(tmp_path, "alignflow.stages.toy", '"""A toy stage."""\nfrom alignflow.losses.toy import loss\nfrom alignflow.store import MANIFEST\n\n'
+                                                   'def run(cfg, inputs, out):\n    return loss(2.0)\n')
+    write_module(tmp_path, "alignflow.losses.toy", '"""The loss."""\n\ndef loss(x):\n    """Doubles."""\n    return 2 * x  # twice\n')
+    write_module(tmp_path, "alignflow.store", "MANIFEST = '_SUCCESS.json'\nimport alignflow.lease\n")
+    write_module(tmp_path, "alignflow.lease", "")
+    before = code_identity("alignflow.stages.toy", root=tmp_path)
+    assert set(before) == {"alignflow/stages/toy.py", "alignflow/losses/toy.py", "alignflow/losses/__init__.py"}  # not the store's
+
+    loss_file = tmp_path / "alignflow" / "losses" / "toy.py"
+    loss_file.write_text('"""The loss, reworded."""\n\n# a new comment\ndef loss(x):\n    """Doubles its input."""\n    return 2 * x  # twice, said again\n')
+    assert code_identity("alignflow.stages.toy", root=tmp_path) == before
+
+    loss_file.write_text('"""The loss."""\n\ndef loss(x):\n    """Doubles."""\n    return 3 * x\n')
+    after = code_identity("alignflow.stages.toy", root=tmp_path)
+    assert [path for path in before if after[path] != before[path]] == ["alignflow/losses/toy.py"]
+    assert differences({"code": after}, {"code": before}) == ["code alignflow/losses/toy.py: changed"]
+
+
+def test_package_versions_are_part_of_identity(base_overrides):
+    cfg = compose("sft_dpo", base_overrides)
+    ident = stage_identity(cfg, "sft", {"prep": "a", "convert": "b"})
+    assert set(ident["packages"]) == {"torch", "megatron-core", "transformers", "tokenizers"}
+    bumped = {**ident, "packages": {**ident["packages"], "torch": "9.9.9"}}
+    assert fingerprint(bumped) != fingerprint(ident)
+    assert differences(bumped, ident) == [f"package torch: {ident['packages']['torch']} -> 9.9.9"]

@@ -241,3 +241,27 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
     assert strip(metrics_lines(tmp_path / "resumed-metrics")) == strip(metrics_lines(reference))
     fs.invalidate_cache()
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{staging}/checkpoints")) == sorted(p.name for p in (reference / "checkpoints").iterdir())
+
+
+def test_s3_leases_are_compare_and_swap(s3_endpoint, tmp_path):
+    """On S3 the lease is created with If-None-Match and beaten and taken over with If-Match:
+    one creator wins, a holder frozen past the ttl is taken over once, and then it cannot commit."""
+    from alignflow.lease import Lease, LeaseLost
+
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    path = f"test/leases/{tmp_path.name}/f1.json"
+    first, second = Lease(fs, path, ttl_s=1.0), Lease(fs, path, ttl_s=1.0)
+    assert first.try_acquire() and not second.try_acquire()
+    time.sleep(1.5)
+    assert not second.try_acquire()  # first keeps beating: its ETag moves
+    first._stop.set()
+    first._thread.join()  # frozen
+    deadline = time.monotonic() + 10
+    while not second.try_acquire():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    with pytest.raises(LeaseLost):
+        first.check()
+    second.check()
+    second.release()
+    assert not fs.exists(path)

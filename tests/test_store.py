@@ -1,9 +1,14 @@
 """The store commits atomically, never serves a half output, and lets one run produce a fingerprint."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
+import pytest
+
+from alignflow.lease import LeaseLost, watch
 from alignflow.store import MANIFEST, Store
 
 
@@ -40,31 +45,80 @@ def test_second_contender_waits_and_sees_the_commit(tmp_path):
     log, order = [], []
 
     def producer():
-        with store.lease("prep", "f1", ttl_s=30, poll_s=0.05, log=log.append) as acquired:
-            order.append(("producer", acquired))
+        with store.lease("prep", "f1", ttl_s=30, poll_s=0.05, log=log.append) as lease:
+            order.append(("producer", lease is not None))
             time.sleep(0.5)
             stage_files(store, "f1", "x")
+            lease.check()
             store.commit("prep", "f1", {"by": "producer"})
 
     first = threading.Thread(target=producer)
     first.start()
     time.sleep(0.1)
-    with store.lease("prep", "f1", ttl_s=30, poll_s=0.05, log=log.append) as acquired:
-        order.append(("waiter", acquired))
+    with store.lease("prep", "f1", ttl_s=30, poll_s=0.05, log=log.append) as lease:
+        order.append(("waiter", lease is not None))
     first.join()
     assert order == [("producer", True), ("waiter", False)]
     assert any("another run holds the lease" in line for line in log)
 
 
-def test_stale_lease_of_a_dead_run_is_taken_over(tmp_path):
+HOLD = """
+import sys, time
+from alignflow.store import Store
+with Store(sys.argv[1], {}).lease("prep", "f1", ttl_s=float(sys.argv[2]), poll_s=0.05, log=print) as lease:
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def hold_in_a_process(root, ttl_s: float) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(root), str(ttl_s)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    return holder
+
+
+def test_a_dead_holder_is_taken_over_after_its_lease_stood_still_for_the_ttl(tmp_path):
+    holder = hold_in_a_process(tmp_path, ttl_s=1.0)
+    holder.kill()
+    holder.wait()
+    started = time.monotonic()
+    with Store(str(tmp_path), {}).lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
+        waited = time.monotonic() - started
+        assert lease is not None and json.loads((tmp_path / "prep" / "_leases" / "f1.json").read_text())["owner"] == lease.owner
+    assert 1.0 <= waited < 5.0  # one ttl of watching it stand still, on this host's clock
+    assert not (tmp_path / "prep" / "_leases" / "f1.json").exists()
+
+
+def test_staleness_does_not_read_the_holders_clock(tmp_path):
+    """A lease whose record claims a heartbeat an hour old (a skewed clock) but keeps beating is not stale."""
+    holder = hold_in_a_process(tmp_path, ttl_s=1.0)
+    path = tmp_path / "prep" / "_leases" / "f1.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "heartbeat": time.time() - 3600}))
+    got = []
+    contender = threading.Thread(target=lambda: got.append(Store(str(tmp_path), {}).lease(
+        "prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None).__enter__()))
+    contender.start()
+    contender.join(timeout=3.0)
+    assert contender.is_alive() and not got  # three ttls: the beats keep the lease, whatever the record says
+    holder.kill()
+    contender.join(timeout=10)
+    assert got and got[0] is not None
+
+
+def test_a_holder_whose_lease_was_taken_over_cannot_commit(tmp_path):
+    """The holder stops (SIGSTOP: a long GC pause, a suspended VM) for longer than the ttl; a
+    contender takes over; when the holder wakes, its check before committing refuses."""
     store = Store(str(tmp_path), {})
-    lease = tmp_path / "prep" / "_leases" / "f1.json"
-    lease.parent.mkdir(parents=True)
-    lease.write_text(json.dumps({"owner": "dead-host:1:x", "heartbeat": time.time() - 120}))
-    with store.lease("prep", "f1", ttl_s=10, poll_s=0.05, log=print) as acquired:
-        assert acquired
-        assert json.loads(lease.read_text())["owner"] != "dead-host:1:x"
-    assert not lease.exists()
+    ctx = store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None)
+    holder = ctx.__enter__()
+    holder._stop.set()  # its heartbeats stop, as if its process froze
+    holder._thread.join()
+    with Store(str(tmp_path), {}).lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as contender:
+        assert contender is not None and contender.owner != holder.owner
+        with pytest.raises(LeaseLost, match="taken over by another run"):
+            holder.check()
+        contender.check()  # the new holder may commit
+    ctx.__exit__(None, None, None)  # the old holder leaves the lease file alone
 
 
 def test_heartbeat_keeps_a_long_run_alive(tmp_path):
@@ -72,8 +126,8 @@ def test_heartbeat_keeps_a_long_run_alive(tmp_path):
     got = []
     with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None):
         def contender():
-            with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as acquired:
-                got.append((time.time(), acquired))
+            with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
+                got.append((time.time(), lease is not None))
 
         t = threading.Thread(target=contender)
         started = time.time()
@@ -84,6 +138,27 @@ def test_heartbeat_keeps_a_long_run_alive(tmp_path):
     t.join()
     assert got and got[0][0] >= released and got[0][1] is True
     assert released - started >= 3.0
+
+
+def test_a_job_watching_a_lease_hears_of_a_takeover_and_of_a_dead_holder(tmp_path):
+    store = Store(str(tmp_path), {})
+    heard = []
+    with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
+        watcher = watch(lease.fence(), heard.append)
+        time.sleep(1.5)
+        assert not heard  # beats keep coming
+        lease._stop.set()
+        lease._thread.join()
+        watcher.join(timeout=5)
+    assert heard and "stopped beating it" in heard[0]
+    heard.clear()
+    with store.lease("prep", "f2", ttl_s=2.0, poll_s=0.05, log=lambda _: None) as lease:
+        watcher = watch(lease.fence(), heard.append)
+        path = tmp_path / "prep" / "_leases" / "f2.json"
+        path.write_text(json.dumps({"owner": "another-run"}))
+        watcher.join(timeout=5)
+        assert heard and "taken over by another-run" in heard[0]
+        path.unlink()
 
 
 def test_manifest_is_inside_when_the_directory_appears(tmp_path):

@@ -70,6 +70,12 @@ class ExportDtype(Enum):
     float16 = "float16"
 
 
+class WandbMode(Enum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
 class MonitorMode(Enum):
     min = "min"
     max = "max"
@@ -153,7 +159,7 @@ class WandbConfig:
     enabled: bool = False
     project: str = "alignflow"
     entity: Optional[str] = None
-    mode: str = "offline"  # online only when an api key is configured
+    mode: Optional[WandbMode] = None  # null: online when an api key is configured (WANDB_API_KEY), else offline
     api_key: Optional[str] = "${oc.env:WANDB_API_KEY,null}"
 
 
@@ -235,6 +241,7 @@ class ModelStageBase(StageBase):
 
 @dataclass
 class TrainStageBase(ModelStageBase):
+    retries: int = not_identity(3)  # every retry resumes from the latest checkpoint, so a retry is cheap
     global_batch_size: int = 32
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -37,16 +37,34 @@ def _check_pipeline(cfg: DictConfig) -> list[str]:
     if not cfg.pipeline.stages:
         problems.append("pipeline.stages: empty pipeline")
     for stage, inputs in cfg.pipeline.stages.items():
+        key = f"pipeline.stages.{stage}"
         if stage not in STAGES:
-            problems.append(f"pipeline.stages.{stage}: unknown stage; known stages: {', '.join(STAGES)}")
+            problems.append(f"{key}: unknown stage; known stages: {', '.join(STAGES)}")
+        else:
+            problems += _check_roles(key, stage, dict(inputs or {}))
         for role, upstream in (inputs or {}).items():
             for up in as_names(upstream):
                 if up not in seen:
-                    problems.append(f"pipeline.stages.{stage}.{role}: '{up}' is not a stage listed before '{stage}'")
+                    problems.append(f"{key}.{role}: '{up}' is not a stage listed before '{stage}'")
         seen.append(stage)
     for name in cfg.force:
         if name not in cfg.pipeline.stages:
             problems.append(f"force: '{name}' is not a stage of pipeline '{cfg.pipeline.name}' ({', '.join(cfg.pipeline.stages)})")
+    return problems
+
+
+def _check_roles(key: str, stage: str, wiring: dict) -> list[str]:
+    """The wiring against the input roles the stage declares (`alignflow.stages.STAGES`)."""
+    declared, problems = STAGES[stage].inputs, []
+    takes = ", ".join(f"{role} ({spec.describe()})" for role, spec in declared.items()) or "no inputs"
+    for role, upstream in wiring.items():
+        if role not in declared:
+            problems.append(f"{key}.{role}: stage {stage} has no input role '{role}'; it takes {takes}")
+        elif not declared[role].many and not isinstance(upstream, str):
+            problems.append(f"{key}.{role}: takes one upstream stage, got {list(upstream)}")
+    for role, spec in declared.items():
+        if spec.required and role not in wiring:
+            problems.append(f"{key}: missing input role '{role}' ({spec.describe()}); stage {stage} takes {takes}")
     return problems
 
 

@@ -3,8 +3,10 @@
 The same word names the stage everywhere: this table, the config section, the worker
 module `alignflow.stages.<name>`, the Prefect task and the store prefix `{root}/<name>/`.
 
-- `version`: bumped on purpose when the stage's output format or semantics change; it is
-  part of the fingerprint (a docstring edit must not re-run SFT).
+- `inputs`: the input roles the stage takes, each required or optional, one upstream stage or
+  a list of them; a pipeline is checked against them at compose time, and the fingerprint
+  hashes `{role: upstream fingerprint}`. (What version of the code made an output is not
+  declared here: `alignflow.fingerprint` digests the source of the stage's modules.)
 - `reads`: the config paths the stage reads besides its own section; they form its
   config slice, hence its identity.
 - `context`: config paths the job also receives but that never change its output (logging,
@@ -16,12 +18,24 @@ module `alignflow.stages.<name>`, the Prefect task and the store prefix `{root}/
   retried, so their staging is kept between attempts; other stages start clean.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Role:
+    required: bool = True
+    many: bool = False  # a list of upstream stages
+
+    def describe(self) -> str:
+        return f"{'required' if self.required else 'optional'}, {'a list of stages' if self.many else 'one stage'}"
+
+
+ONE, OPTIONAL, LIST = Role(), Role(required=False), Role(required=False, many=True)
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    version: int
+    inputs: dict[str, Role] = field(default_factory=dict)
     reads: tuple[str, ...] = ()
     context: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
@@ -32,14 +46,14 @@ _CACHE = ("store.cache_dir",)  # where a job downloads input models from object 
 _DATA_SOURCES = tuple(f"data.{kind}.{split}" for kind in ("sft", "preference", "prompts") for split in ("train", "val"))
 
 STAGES: dict[str, StageSpec] = {
-    "prep": StageSpec(1, reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",)),
-    "convert": StageSpec(1, reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer")),
-    "ref_logprobs": StageSpec(1, reads=("model",), context=_CACHE),
-    "sft": StageSpec(1, reads=("model",), context=("logging", *_CACHE), resumable=True),
-    "dpo": StageSpec(1, reads=("model",), context=("logging", *_CACHE), resumable=True),
-    "grpo": StageSpec(1, reads=("model",), context=("logging", *_CACHE), resumable=True),
-    "eval": StageSpec(1, reads=("model",), context=_CACHE),
-    "export": StageSpec(1),
+    "prep": StageSpec(reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",)),
+    "convert": StageSpec(reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer")),
+    "ref_logprobs": StageSpec({"data": ONE, "model": ONE}, reads=("model",), context=_CACHE),
+    "sft": StageSpec({"data": ONE, "model": ONE}, reads=("model",), context=("logging", *_CACHE), resumable=True),
+    "dpo": StageSpec({"data": ONE, "model": ONE, "ref_logprobs": ONE}, reads=("model",), context=("logging", *_CACHE), resumable=True),
+    "grpo": StageSpec({"data": ONE, "model": ONE, "ref_model": OPTIONAL}, reads=("model",), context=("logging", *_CACHE), resumable=True),
+    "eval": StageSpec({"data": ONE, "model": ONE, "baselines": LIST}, reads=("model",), context=_CACHE),
+    "export": StageSpec({"model": ONE}),
 }
 
 

@@ -57,7 +57,6 @@ from alignflow.data.formats import Chat, PreferencePair, PromptAnswer, RowError,
 from alignflow.data.packing import pack_bfd, packing_stats
 from alignflow.data.readers import Record, read_records
 from alignflow.data.tokenize import ChatEncoder, load_tokenizer, truncate
-from alignflow.stages import STAGES
 
 KINDS = ("sft", "preference", "prompts")
 HEADLINE = ("train.rows", "train.packing_efficiency", "train.tokens")
@@ -81,7 +80,6 @@ def run(cfg, inputs: dict[str, str], out: str) -> dict:
     root = root.rstrip("/")
     fs.makedirs(root, exist_ok=True)
     meta = {
-        "version": STAGES["prep"].version,
         "tokenizer": tokenizer_info(encoder.tokenizer),
         "seq_length": cfg.data.seq_length,
         "max_prompt_length": cfg.data.max_prompt_length,

@@ -2,9 +2,9 @@
 
 Rank 0 only. One JSON object per logged step (step, loss, lr, grad_norm, tokens, tokens_per_s,
 and val_loss on steps that validated). On resume the lines after the resumed step are
-dropped, so the file reads as one uninterrupted run. wandb runs offline unless an api key is
-configured; its run id is kept in the checkpoints folder so a retry continues the same run.
-The api key is handed to wandb through its environment variable, never logged or saved.
+dropped, so the file reads as one uninterrupted run (a torn last line too). wandb runs in
+`logging.wandb.mode`, by default online when an api key is configured and offline otherwise;
+its run id is kept in the checkpoints folder so a retry continues the same run. The api key is handed to wandb through its environment variable, never logged or saved.
 """
 
 import json
@@ -47,10 +47,21 @@ def _fmt(value) -> str:
 
 
 def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records up to the resumed step; a torn last line (the job died mid-write) goes too."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            log.warning("%s line %d: not a whole record (a write cut short by a kill): dropped", path, number)
+            continue
+        if record is not None and record["step"] <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def _start_wandb(cfg: Any, out: Path, checkpoints: Path, run_name: str):
@@ -69,7 +80,7 @@ def _start_wandb(cfg: Any, out: Path, checkpoints: Path, run_name: str):
         id=id_file.read_text().strip(),
         resume="allow",
         name=run_name,
-        mode=cfg.mode if api_key else "offline",
+        mode=cfg.mode or ("online" if api_key else "offline"),
         dir=str(out),
     )
     if run.settings.mode == "online":  # the orchestrator links the run from the stage's artifacts

@@ -1,0 +1,80 @@
+"""`align plan` says which stages a changed module, package or config re-runs, and why.
+
+The demo's sft_dpo pipeline is committed once; then `align plan` runs in a copy of the project
+whose code was edited, as a user's checkout would be after a pull."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from alignflow import PROJECT_ROOT
+from flows.align import align
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
+FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1",
+        "dpo.trainer.max_steps=2", "dpo.optim.warmup_steps=1", "dpo.trainer.val_check_interval=1", "dpo.trainer.limit_val_batches=1",
+        "eval.num_generation_samples=4", "eval.limit_batches=1", "data.preference.dev_choose_samples=64"]
+IPO_TERM = "(h - 1 / (2 * cfg.beta)) ** 2"
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory, demo_dir):
+    """Overrides under which every stage of sft_dpo is committed."""
+    root = tmp_path_factory.mktemp("committed")
+    overrides = [f"paths.demo={demo_dir}", f"store.root={root / 'store'}", f"launcher.folder={root / 'jobs'}", *FAST]
+    align(pipeline="sft_dpo", overrides=overrides)
+    return overrides
+
+
+def checkout_copy(tmp_path):
+    copy = tmp_path / "checkout"
+    for part in ("alignflow", "flows", "tasks", "conf"):
+        shutil.copytree(PROJECT_ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def plan_in(checkout, overrides, env=None) -> dict[str, dict]:
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=sft_dpo", *overrides],
+                         cwd=checkout, capture_output=True, text=True, env=env, check=True)
+    return {row["stage"]: row for row in json.loads(out.stdout)}
+
+
+def edit(path, old, new):
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+def test_an_edited_formula_reruns_its_stage_and_downstream_naming_the_module(committed, tmp_path):
+    checkout = checkout_copy(tmp_path)
+    assert {s: row["status"] for s, row in plan_in(checkout, committed).items()} == dict.fromkeys(
+        ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"], "committed")
+    edit(checkout / "alignflow" / "losses" / "preference.py", IPO_TERM, IPO_TERM.replace("2 *", "4 *"))
+    planned = plan_in(checkout, committed)
+    assert [s for s, row in planned.items() if row["status"] == "run"] == ["dpo", "eval", "export"]
+    assert "code alignflow/losses/preference.py: changed" in planned["dpo"]["reason"]
+    assert "input model: changed" in planned["eval"]["reason"] and "input model: changed" in planned["export"]["reason"]
+
+
+def test_a_docstring_or_comment_edit_reruns_nothing(committed, tmp_path):
+    checkout = checkout_copy(tmp_path)
+    losses = checkout / "alignflow" / "losses" / "preference.py"
+    edit(losses, '"""DPO-family losses on per-sequence log-probs, with their metrics.', '"""The DPO family of losses, reworded.')
+    edit(losses, IPO_TERM, IPO_TERM + "  # IPO's squared distance to 1/(2 beta)")
+    edit(checkout / "alignflow" / "train" / "engine.py", "def device() -> torch.device:\n", 'def device() -> torch.device:\n    """The device."""\n')
+    assert {row["status"] for row in plan_in(checkout, committed).values()} == {"committed"}
+
+
+def test_a_changed_package_version_reruns_every_stage(committed, tmp_path):
+    """Another tokenizers on the path (as after an upgrade): every stage hashes it."""
+    site = tmp_path / "site" / "tokenizers-99.0.0.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: tokenizers\nVersion: 99.0.0\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    planned = plan_in(PROJECT_ROOT, committed, env=env)
+    assert {row["status"] for row in planned.values()} == {"run"}
+    assert all("package tokenizers:" in row["reason"] and "-> 99.0.0" in row["reason"] for row in planned.values())
