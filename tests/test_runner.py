@@ -1,9 +1,13 @@
-"""The runner never corrupts an output: concurrent runs share one job, failures commit nothing."""
+"""The runner never corrupts an output: concurrent runs share one job, failures commit nothing, a
+killed run leaves no process behind and its rerun resumes."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -56,3 +60,66 @@ def test_a_failed_forced_rerun_keeps_the_committed_output(base_overrides, tmp_pa
     with pytest.raises(OSError):
         run_stage(cfg, "prep", {}, log=lambda line: None)
     assert (tmp_path / "store" / "prep" / good.fingerprint / "_SUCCESS.json").read_text() == manifest
+
+
+def alive(processes: list[psutil.Process]) -> list[str]:
+    """The processes still running (a zombie has ended: only its exit status is left)."""
+    running = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                running.append(" ".join(p.cmdline())[:120])
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+@pytest.mark.slow
+def test_killing_the_flow_process_leaves_no_orphan_and_the_rerun_resumes(base_overrides, tmp_path):
+    """`align run` (Prefect's ephemeral server, local jobs) is SIGKILLed once SFT has a checkpoint.
+    Before the rerun takes the lease over, nothing the killed run started is left: not its
+    Prefect server, not its SFT job, not the processes that job started. The rerun resumes from
+    the checkpoint and commits a metrics.jsonl with each step once."""
+    overrides = [*base_overrides, "store.lease_ttl_s=6", "store.poll_interval_s=0.5", "sft.trainer.max_steps=9", "sft.optim.warmup_steps=1",
+                 "sft.checkpoint.every_n_steps=3", "sft.trainer.log_every_n_steps=1", "sft.trainer.val_check_interval=3",
+                 "sft.trainer.limit_val_batches=1", "eval.num_generation_samples=4", "eval.limit_batches=1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # ephemeral mode, as a plain `align run`
+    command = [sys.executable, "-m", "flows.cli", "run", "pipeline=demo", *overrides]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while not list((tmp_path / "store" / "sft" / "_staging").glob("*/checkpoints/step-00000003/complete")):
+        assert first.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.2)
+    started = psutil.Process(first.pid).children(recursive=True)
+    commands = " ".join(" ".join(p.cmdline()) for p in started)
+    assert "uvicorn" in commands and "submitit" in commands, commands  # the ephemeral server and the SFT job
+    lease = next((tmp_path / "store" / "sft" / "_leases").glob("*.json"))
+    killed_owner = json.loads(lease.read_text())["owner"]
+    first.kill()
+    first.wait()
+
+    with open(tmp_path / "second.log", "w") as log:
+        second = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while True:  # until the rerun holds the lease
+            try:
+                owner = json.loads(lease.read_text())["owner"]
+            except (FileNotFoundError, ValueError):
+                owner = None
+            if owner not in (None, killed_owner):
+                break
+            assert second.poll() is None and time.time() < deadline, (tmp_path / "second.log").read_text()[-3000:]
+            time.sleep(0.05)
+        assert alive(started) == []
+        assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        second.kill()  # its own watcher ends what it started
+        for process in started:
+            if process.is_running():
+                process.kill()
+
+    output = (tmp_path / "second.log").read_text()
+    assert "resumed from" in output and "step-00000003 (step 3 of 9)" in output, output[-3000:]
+    committed = next((tmp_path / "store" / "sft").glob("*/metrics.jsonl"))
+    assert [json.loads(line)["step"] for line in committed.read_text().splitlines()] == list(range(1, 10))

@@ -6,16 +6,20 @@ stream one layer at a time into safetensors shards (+ index.json past `max_shard
 `config.json` (dtype set to `export.dtype`), `generation_config.json` and the tokenizer
 files go beside them, so `AutoModelForCausalLM.from_pretrained(out)` loads it with no missing
 or unexpected keys. With `export.destination` the finished directory is also published
-there (local path or s3://), files first and config.json last.
+there (local path or s3://), never as a mix of two exports (`publish`).
 """
 
 import json
 import logging
+import os
 import re
+import shutil
 import time
+import uuid
 
 import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
 from alignflow.checkpoint.dist_io import DistCheckpointReader
@@ -63,12 +67,46 @@ def parse_size(size: str) -> int:
 
 
 def publish(src: str, dest: str) -> None:
-    """Copy the export to `dest`, config.json last so a reader never sees a partial model."""
+    """Publish the export at `dest` so that a reader never loads a mix of two exports. On a
+    filesystem: copy beside it, then swap the folders by two renames (a reader sees the old
+    export, the new one, or for an instant none). On an object store: take config.json away
+    first (loaders then fail clearly instead of mixing), remove every old file, upload the new
+    ones, config.json last."""
     src_fs, src_root = fsspec.core.url_to_fs(src)
     dest_fs, dest_root = fsspec.core.url_to_fs(dest)
-    dest_fs.makedirs(dest_root, exist_ok=True)
-    names = sorted(p[len(src_root.rstrip("/")) + 1 :] for p in src_fs.find(src_root))
-    for name in sorted(names, key=lambda n: n == "config.json"):
-        with src_fs.open(f"{src_root.rstrip('/')}/{name}", "rb") as f_in, dest_fs.open(f"{dest_root.rstrip('/')}/{name}", "wb") as f_out:
-            while block := f_in.read(64 << 20):
-                f_out.write(block)
+    src_root, dest_root = src_root.rstrip("/"), dest_root.rstrip("/")
+    names = sorted((p[len(src_root) + 1 :] for p in src_fs.find(src_root)), key=lambda n: n == "config.json")
+    if isinstance(dest_fs, LocalFileSystem):
+        _publish_local(src_fs, src_root, names, dest_root)
+        return
+    if dest_fs.exists(f"{dest_root}/config.json"):
+        dest_fs.rm(f"{dest_root}/config.json")
+    if dest_fs.exists(dest_root):
+        dest_fs.rm(dest_root, recursive=True)
+    for name in names:
+        _copy(src_fs, f"{src_root}/{name}", dest_fs, f"{dest_root}/{name}")
+
+
+def _publish_local(src_fs, src_root: str, names: list[str], dest: str) -> None:
+    parent, tag = os.path.dirname(dest), uuid.uuid4().hex[:8]
+    os.makedirs(parent, exist_ok=True)
+    staged, old = f"{dest}.tmp-{tag}", f"{dest}.old-{tag}"
+    local = LocalFileSystem()
+    try:
+        for name in names:
+            _copy(src_fs, f"{src_root}/{name}", local, f"{staged}/{name}")
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if os.path.exists(dest):
+        os.rename(dest, old)
+    os.rename(staged, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    log.info("published %s", dest)
+
+
+def _copy(src_fs, src: str, dest_fs, dest: str) -> None:
+    dest_fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+    with src_fs.open(src, "rb") as f_in, dest_fs.open(dest, "wb") as f_out:
+        while block := f_in.read(64 << 20):
+            f_out.write(block)
