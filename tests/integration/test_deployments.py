@@ -149,7 +149,8 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
     """wandb on, training stages forced to re-run with WANDB_API_KEY / AWS_SECRET_ACCESS_KEY in the
     worker's environment: no parameter, log, artifact, store output or job file holds them."""
     assert first_run.returncode == 0, first_run.output[-2000:]
-    run = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.beta=0.2", "logging.wandb.enabled=true"],
+    run = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.beta=0.2", "logging.wandb.enabled=true",
+                                                                           "logging.wandb.mode=offline"],  # a fake key: offline
                                                          "force": ["sft", "dpo"]})
     assert run.returncode == 0, run.output[-4000:]
     rows = {line.split("|")[1].strip(): line for line in summary(prefect_stack, run.flow_run_id).splitlines() if line.startswith("| ")}
