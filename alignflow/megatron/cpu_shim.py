@@ -1,25 +1,34 @@
 """Run Megatron-Core 0.16.1 on CPU (gloo), for laptops and CI: patches for where it hard-codes CUDA.
 
 `apply()` installs them once, and only when CUDA is absent: on a GPU nothing changes.
-Each patch keeps Megatron's own code path and only moves what it pins to CUDA onto the CPU:
+Each patch keeps Megatron's own code path (model, schedules, DistributedDataParallel, the
+mixed-precision and distributed optimizers, recompute) and only moves what it pins to CUDA
+onto the CPU:
 
 - RNG tracker (`tensor_parallel/random.py`): the model-parallel RNG states are CUDA generator
-  states; on CPU they are states of the CPU generator (`CpuRNGStatesTracker`).
+  states; on CPU they are states of the CPU generator (`CpuRNGStatesTracker`). Activation
+  recompute also saves and restores "the CUDA RNG state" around each recomputed chunk
+  (`_get_cuda_rng_state` / `_set_cuda_rng_state`, i.e. `torch.cuda.random.get_rng_state` /
+  `set_rng_state`): there is no CUDA generator, so these keep an empty state; the CPU
+  generator and the tracker, which do draw the dropout masks, are restored by recompute itself.
 - `torch.cuda.current_device()`: Megatron allocates buffers with it everywhere (rotary
-  `get_emb`, pipeline p2p receive buffers, TP gathers); on a CPU-only torch it raises, so
-  it answers the CPU device. Nothing else calls it where CUDA is absent.
-- Tensors created on "cuda" by name: the default and sliding-window causal masks
-  (`transformer/utils.py`) and the tied embedding's `.cuda()` when the output layer lives on
-  another pipeline stage run under `_CudaOnCpu`, which places them on the CPU. The pipeline
-  schedules' token counter (`torch.zeros(..., device="cuda")`) is the only CUDA use in
-  `schedules.py`, which therefore sees `_TorchOnCpu` as its `torch`: a TorchFunctionMode
-  around a whole schedule would tax every op of the model's forward and backward.
-
+  `get_emb`, pipeline p2p receive buffers, TP gathers, DDP's gradient buffers); on a CPU-only
+  torch it raises, so it answers the CPU device. Nothing else calls it where CUDA is absent.
+- Tensors created on "cuda" by name: the causal and sliding-window masks
+  (`transformer/utils.py`) run under `_CudaOnCpu`, which places them on the CPU. Modules that
+  do it at every step (the schedules' token counter, the optimizers' scale and inf flags, the
+  grad-norm and clipping buffers of `optimizer/clip_grads.py` and `utils.py`) see `_TorchOnCpu`
+  as their `torch`: a TorchFunctionMode around a whole step would tax every op of the model.
+- `Tensor.cuda()` returns the tensor itself (the tied embedding's copy on the last pipeline
+  stage, optimizer state moves), and `Tensor.type()` without arguments answers the
+  `torch.cuda.*` name of a CPU tensor's type, which is what the mixed-precision and
+  distributed optimizers and the gradient clipping compare parameters and grads against.
+  Both only on a CPU-only torch, where neither could answer otherwise.
 - `torch.cuda.synchronize()`: a no-op, as there is no device queue to wait for (Megatron's
   checkpoint writer calls it before saving; the model is built with `batch_p2p_sync=False`).
 
-Not covered: activation recompute, Megatron's optimizer wrapper,
-fused kernels, and Transformer Engine (absent on CPU anyway).
+Not covered: fused kernels, CUDA streams (DDP's overlapped reduction uses async gloo work
+instead), and Transformer Engine (absent on CPU anyway).
 """
 
 import contextlib
@@ -28,8 +37,10 @@ import logging
 import types
 
 import torch
+from megatron.core import utils as mcore_utils
 from megatron.core.fusions import fused_softmax
-from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.optimizer import clip_grads, grad_scaler
+from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as transformer_utils
@@ -68,16 +79,17 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
             torch.set_rng_state(outer)
 
 
+def _on_cpu_device(device):
+    return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+
+
 class _CudaOnCpu(TorchFunctionMode):
-    """Tensors a wrapped Megatron function creates with device="cuda" (or `.cuda()`) land on the CPU."""
+    """Tensors a wrapped Megatron function creates with device="cuda" land on the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs = {**kwargs, "device": "cpu"}
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": _on_cpu_device(kwargs["device"])}
         return func(*args, **kwargs)
 
 
@@ -90,26 +102,49 @@ def _on_cpu(fn):
     return wrapper
 
 
-# (owner, attribute) of each function that creates tensors on "cuda" by name.
+# (owner, attribute) of each function that creates tensors on "cuda" by name, once per call.
 CUDA_BY_NAME = (
     (transformer_utils, "get_default_causal_mask"),
     (transformer_utils, "get_sliding_window_causal_mask"),
     (fused_softmax, "get_default_causal_mask"),  # imported by name there
     (fused_softmax, "get_sliding_window_causal_mask"),
-    (LanguageModule, "setup_embeddings_and_output_layer"),
 )
 
 
 class _TorchOnCpu(types.ModuleType):
-    """`torch` as `pipeline_parallel/schedules.py` sees it: zeros asked for on "cuda" land on the CPU."""
+    """`torch` as the modules in `TORCH_BY_NAME` see it: factories asked for "cuda" build on the CPU."""
+
+    FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
 
     def __getattr__(self, name: str):
-        return getattr(torch, name)
+        value = getattr(torch, name)
+        if name not in self.FACTORIES:
+            return value
 
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        return torch.zeros(*args, device="cpu" if on_cuda else device, **kwargs)
+        @functools.wraps(value)
+        def factory(*args, device=None, **kwargs):
+            return value(*args, device=_on_cpu_device(device), **kwargs)
+
+        setattr(self, name, factory)
+        return factory
+
+
+# Modules whose `torch` is `_TorchOnCpu`: each creates tensors on "cuda" by name at every step.
+TORCH_BY_NAME = (schedules, mcore_optimizer, clip_grads, grad_scaler, mcore_utils)
+
+_CPU_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(tensor: torch.Tensor, dtype=None, non_blocking: bool = False, **kwargs):
+    """`Tensor.type()`: a CPU tensor answers its `torch.cuda.*` name; with a dtype it converts as usual."""
+    if dtype is not None or kwargs:
+        return _CPU_TYPE(tensor, dtype, non_blocking, **kwargs)
+    name = _CPU_TYPE(tensor)
+    return name.replace("torch.", "torch.cuda.", 1) if tensor.device.type == "cpu" and not tensor.is_sparse else name
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
 
 
 def apply() -> None:
@@ -118,9 +153,14 @@ def apply() -> None:
     if _applied or torch.cuda.is_available():
         return
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # what initialize_rng_tracker instantiates
+    mcore_random._get_cuda_rng_state = _no_cuda_rng_state
+    mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
-    schedules.torch = _TorchOnCpu("torch")
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.type = _cuda_type_name
+    for module in TORCH_BY_NAME:
+        module.torch = _TorchOnCpu("torch")
     for owner, name in CUDA_BY_NAME:
         setattr(owner, name, _on_cpu(getattr(owner, name)))
     _applied = True
