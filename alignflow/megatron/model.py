@@ -6,6 +6,11 @@ sliding window), under TP, PP (with virtual chunks) and, with Transformer Engine
 Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local
 modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
 
+Packed rows (several documents per row) never attend across documents: with Transformer Engine
+they run as THD packed sequences (`packed_seq_params`: cu_seqlens per document, no mask, RoPE
+restarting per document); on the local spec through an explicit block-diagonal mask, which a
+sliding window (Mistral) narrows further (`DocumentWindowAttention`) instead of replacing.
+
 The two specs name the norms differently in `state_dict()` (local: `input_layernorm.weight`;
 TE and every checkpoint: `self_attention.linear_qkv.layer_norm_weight`), so states enter and
 leave a model under checkpoint names (`load_megatron_state`, `megatron_state`), the names
@@ -19,6 +24,9 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import utils as transformer_utils
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
@@ -78,11 +86,43 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
     return TransformerConfig(**{**settings, **overrides})
 
 
+class DocumentWindowAttention(DotProductAttention):
+    """Megatron's local attention with the sliding window applied on top of the mask it is given.
+
+    Megatron's softmax swaps a given mask for the window mask when the model has a window, so
+    the documents of a packed row would see each other; here a given mask (documents, causal)
+    is narrowed by the window, and without one (KV-cached decoding) the window alone applies."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window_size, self.scale_mask_softmax.window_size = self.scale_mask_softmax.window_size, None
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], *args, **kwargs):
+        if self.window_size is not None:  # query [sq, b, heads, dim], key [sk, ...]; True = masked
+            window = transformer_utils.get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size)
+            attention_mask = window if attention_mask is None else attention_mask | window
+        return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+
+def packed_thd() -> bool:
+    """Whether packed rows run as THD sequences (Transformer Engine's attention), else with a mask."""
+    return gpt_layer_specs.HAVE_TE
+
+
+def thd_params(cu_seqlens: Tensor, max_seqlen: int) -> PackedSeqParams:
+    """Transformer Engine's packed-sequence arguments: documents at `cu_seqlens` of the flattened batch."""
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
 def layer_spec() -> ModuleSpec:
     """Transformer Engine's fused layers where importable (GPU clusters), else Megatron's own."""
-    if gpt_layer_specs.HAVE_TE:
+    if packed_thd():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = DocumentWindowAttention
+    return spec
 
 
 def build_gpt(

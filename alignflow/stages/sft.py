@@ -7,23 +7,25 @@ from the input model, `metrics.jsonl`, and `checkpoints/` (see
 `alignflow.train.checkpointing`), from whose latest complete step a retried job resumes.
 Returns the final train loss, final val loss, steps, tokens and tokens/s.
 
-Supported: everything `alignflow.train.engine` supports (TP, PP, virtual PP, DP, gradient
-accumulation, schedules, clipping, validation, early stopping, top-k checkpoints, exact
-resume, wandb). Each packed row is one sequence whose documents do not see each other:
-an explicit block-diagonal causal attention mask (bool, True = masked, Megatron's
-convention) built from cu_seqlens; labels are the next token, trained only where
-loss_mask marks it and within the same document; the loss is averaged over the loss
-tokens of the whole global batch.
+Supported: everything `alignflow.train.engine` supports (TP, PP, virtual PP, DP, the
+distributed optimizer, bf16, activation recompute, gradient accumulation, schedules, clipping,
+validation, early stopping, top-k checkpoints, exact resume, resume at another layout,
+wandb). Each packed row is one sequence whose documents do not see each other: with
+Transformer Engine a micro batch runs as THD packed sequences (`PackedSeqParams` from the
+rows' cu_seqlens, RoPE restarting per document); on Megatron's local spec through an
+explicit block-diagonal causal attention mask (bool, True = masked, Megatron's convention)
+built from cu_seqlens, narrowed by a sliding window where the model has one. Labels are the
+next token, trained only where loss_mask marks it and within the same document; the loss is
+averaged over the loss tokens of the whole global batch.
 
 Simplified:
-- Position ids restart at each document and are passed to the model, but Megatron's
-  GPTModel computes RoPE for positions 0..s-1 of the row whatever position_ids say. RoPE
-  scores depend only on the distance i - j, and attention never crosses a document, so
-  this equals restarted positions up to float rounding (the test checks a packed row
-  against its documents run one by one to 1e-5).
-- The mask is dense ([micro, 1, s, s]): fine at CPU/test scale, quadratic in memory.
-  Packed THD attention through cu_seqlens (`PackedSeqParams` with Transformer Engine's
-  fused attention, no mask) is the GPU path and is not implemented.
+- On the local spec, position ids restart at each document and are passed to the model, but
+  Megatron's GPTModel computes RoPE for positions 0..s-1 of the row whatever position_ids
+  say. RoPE scores depend only on the distance i - j, and attention never crosses a
+  document, so this equals restarted positions up to float rounding (the test checks a
+  packed row against its documents run one by one to 1e-5).
+- The local spec's mask is dense ([micro, 1, s, s]): fine at CPU/test scale, quadratic in
+  memory. The THD path (Transformer Engine) is written but has not run here (no GPU).
 - Megatron's checkpoint I/O and the atomic checkpoint renames need a filesystem: with an
   object-store store the input model is downloaded and the job trains in a local scratch
   synced with `out` (`alignflow.train.workspace`); the data is read from any fsspec URI.
@@ -35,6 +37,7 @@ from typing import Sequence
 import fsspec
 import torch
 
+from alignflow.megatron.model import packed_thd, thd_params
 from alignflow.train.data import list_column, packed_rows, read_split
 from alignflow.train.engine import LossTerms, Objective, TrainData, run_training_stage
 
@@ -64,8 +67,14 @@ class PackedSFT:
 
 
 def sft_forward(model, batch: dict) -> torch.Tensor:
-    """Per-token cross entropy [b, s] on the last stage (hidden states elsewhere)."""
-    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    """Per-token cross entropy [b, s] on the last stage (hidden states elsewhere). With THD
+    attention the micro batch is one flat sequence of documents [1, b * s] (see the top)."""
+    tokens, labels = batch["tokens"], batch["labels"]
+    if not packed_thd():
+        return model(tokens, batch["position_ids"], batch["attention_mask"], labels=labels)
+    out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None, labels=labels.view(1, -1),
+                packed_seq_params=thd_params(batch["cu_seqlens"], batch["max_seqlen"]))
+    return out.view(tokens.shape) if out.dim() == 2 else out
 
 
 def sft_loss(per_token: torch.Tensor, batch: dict) -> LossTerms:

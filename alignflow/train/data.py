@@ -7,8 +7,9 @@
   `DataPosition` (epoch, batch) says where training is, so a resumed run reads exactly the
   rows an uninterrupted one would.
 - `dp_micro_batches`: this data-parallel rank's share of a global batch, in micro batches.
-- `packed_rows`: block-diagonal causal masks, per-document position ids and next-token
-  labels for rows packing several documents (cu_seqlens), padded to one length.
+- `packed_rows`: block-diagonal causal masks (and the same documents as THD cu_seqlens),
+  per-document position ids and next-token labels for rows packing several documents
+  (cu_seqlens), padded to one length.
 
 A dataset the engine trains on is anything with `__len__`, `collate(indices) -> dict of
 tensors` (one micro batch) and `num_tokens(indices) -> int` (for throughput).
@@ -96,6 +97,8 @@ class PackedRows:
     loss_mask: torch.Tensor  # [b, s] float: 1 where labels[t] is trained on
     position_ids: torch.Tensor  # [b, s] restart at 0 in each document
     attention_mask: torch.Tensor  # [b, 1, s, s] bool, True = masked (Megatron's convention)
+    cu_seqlens: torch.Tensor  # [documents + 1] int32: document (and padding) starts in the flat [b * s] batch
+    max_seqlen: int  # the longest document (with cu_seqlens: THD attention's arguments)
 
 
 def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], length: int, pad_id: int) -> PackedRows:
@@ -110,6 +113,7 @@ def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], lengt
     loss = np.zeros((b, length), dtype=np.float32)
     positions = np.zeros((b, length), dtype=np.int64)
     doc = np.zeros((b, length), dtype=np.int64)
+    starts = []
     for i, (ids, mask, cu) in enumerate(rows):
         n = len(ids)
         if n > length:
@@ -123,9 +127,12 @@ def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], lengt
         positions[i, n:] = np.arange(length - n)
         same_doc_next = doc_of[:-1] == doc_of[1:]
         loss[i, : n - 1] = np.asarray(mask[1:], dtype=np.float32) * same_doc_next
+        starts.append(i * length + (np.r_[cu[:-1], n] if n < length else cu[:-1]))
+    cu_seqlens = np.r_[np.concatenate(starts), b * length]
     doc_t = torch.from_numpy(doc)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     allowed = (doc_t[:, :, None] == doc_t[:, None, :]) & causal
     return PackedRows(
-        torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions), (~allowed)[:, None]
+        torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions), (~allowed)[:, None],
+        torch.from_numpy(cu_seqlens.astype(np.int32)), int(np.diff(cu_seqlens).max()),
     )
