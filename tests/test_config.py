@@ -39,6 +39,10 @@ def test_tensor_parallel_must_divide_heads(base_overrides):
         (["sft.optim.min_lr=1.0"], "sft.optim.min_lr"),
         (["data.sft.train=/nonexistent/x.jsonl"], "data.sft.train: /nonexistent/x.jsonl does not exist"),
         (["force=[grpo]"], "force: 'grpo' is not a stage"),
+        (["sft.recompute_granularity=full", "sft.recompute_num_layers=0"], "sft.recompute_num_layers: must be >= 1"),
+        (["sft.recompute_granularity=full", "sft.recompute_method=block", "sft.recompute_num_layers=3"],
+         "sft.recompute_num_layers: 3 exceeds the 2 layers of a pipeline stage"),
+        (["sft.parallel.overlap_param_gather=true"], "sft.parallel.overlap_param_gather: needs use_distributed_optimizer"),
     ],
 )
 def test_cross_field_checks(base_overrides, overrides, message):

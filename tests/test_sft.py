@@ -190,8 +190,7 @@ def test_wandb_offline_run_continues_after_a_retry(demo_dir, inputs, tmp_path):
 @pytest.mark.parametrize("sft_override,message", [
     ({"parallel": {"context_parallel_size": 2}}, "context_parallel_size > 1"),
     ({"parallel": {"sequence_parallel": True}}, "sequence_parallel needs Transformer Engine"),
-    ({"precision": "bf16"}, "only fp32 training"),
-], ids=["cp", "sp", "bf16"])
+], ids=["cp", "sp"])
 def test_unsupported_settings_fail_before_training(demo_dir, inputs, tmp_path, sft_override, message):
     with pytest.raises(NotImplementedError, match=message):
         run_sft(sft_cfg(demo_dir, **sft_override), inputs, tmp_path / "out")

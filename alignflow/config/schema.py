@@ -56,7 +56,18 @@ class Schedule(Enum):
 class Precision(Enum):
     auto = "auto"  # bf16 on GPU, fp32 on CPU
     fp32 = "fp32"
-    bf16 = "bf16"
+    bf16 = "bf16"  # bf16 weights and activations, fp32 main weights, grads reduced in fp32
+
+
+class RecomputeGranularity(Enum):
+    none = "none"
+    selective = "selective"  # the core attention of every layer
+    full = "full"  # whole layers, chosen by recompute_method
+
+
+class RecomputeMethod(Enum):
+    uniform = "uniform"  # every layer, in chunks of recompute_num_layers layers
+    block = "block"  # the first recompute_num_layers layers of each pipeline stage
 
 
 class DPOLoss(Enum):
@@ -187,7 +198,11 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state and fp32 main weights sharded over DP
+    # Overlap the gradient reduce-scatter / all-reduce with the backward pass, and (with the
+    # distributed optimizer) the parameter all-gather with the next forward; null: where CUDA is.
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: Optional[bool] = None
 
 
 @dataclass
@@ -248,6 +263,10 @@ class TrainStageBase(ModelStageBase):
     optim: OptimConfig = field(default_factory=OptimConfig)
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # Activation recompute (Megatron's names): trade compute for activation memory.
+    recompute_granularity: RecomputeGranularity = RecomputeGranularity.none
+    recompute_method: RecomputeMethod = RecomputeMethod.uniform  # with full only
+    recompute_num_layers: int = 1  # with full only: layers per chunk (uniform) or per stage (block)
 
 
 # ----------------------------------------------------------------------------- stages

@@ -9,6 +9,7 @@ import json
 import fsspec
 from omegaconf import DictConfig, OmegaConf
 
+from alignflow.config.schema import RecomputeGranularity, RecomputeMethod
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.rewards import resolve
 from alignflow.stages import STAGES, as_names
@@ -94,6 +95,8 @@ def _check_stage(cfg: DictConfig, stage: str, shape: ModelShape | None) -> list[
         problems += _check_parallel(stage, section, world, shape)
     if "optim" in section:
         problems += _check_optim(stage, section)
+    if "recompute_granularity" in section:
+        problems += _check_recompute(stage, section, shape)
     if stage == "dpo":
         if section.beta <= 0:
             problems.append(f"dpo.beta: must be > 0, got {section.beta}")
@@ -122,6 +125,8 @@ def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelSha
         problems.append(f"{key}.context_parallel_size: context parallelism needs Transformer Engine's attention and is not built")
     if par.sequence_parallel and tp == 1:
         problems.append(f"{key}.sequence_parallel: needs tensor_model_parallel_size > 1")
+    if par.overlap_param_gather and not par.use_distributed_optimizer:
+        problems.append(f"{key}.overlap_param_gather: needs use_distributed_optimizer (only its parameters are gathered)")
     vpp = par.virtual_pipeline_model_parallel_size
     if vpp is not None and (vpp < 1 or pp == 1):
         problems.append(f"{key}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1 and a value >= 1")
@@ -170,6 +175,20 @@ def _check_optim(stage: str, section: DictConfig) -> list[str]:
     if trainer.val_check_interval < 1:
         problems.append(f"{stage}.trainer.val_check_interval: must be >= 1")
     return problems
+
+
+def _check_recompute(stage: str, section: DictConfig, shape: ModelShape | None) -> list[str]:
+    """Megatron's rules for full recompute: at least one layer, and a block within a stage's layers."""
+    if section.recompute_granularity != RecomputeGranularity.full:
+        return []
+    n, key = section.recompute_num_layers, f"{stage}.recompute_num_layers"
+    if n < 1:
+        return [f"{key}: must be >= 1 with recompute_granularity full, got {n}"]
+    par = section.parallel
+    stage_layers = shape.num_layers // (par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)) if shape else None
+    if section.recompute_method == RecomputeMethod.block and stage_layers and n > stage_layers:
+        return [f"{key}: {n} exceeds the {stage_layers} layers of a pipeline stage (model.source) with recompute_method block"]
+    return []
 
 
 def _check_grpo(section: DictConfig) -> list[str]:

@@ -20,7 +20,9 @@ from alignflow.megatron import cpu_shim
 EXTRA_STATE = "_extra_state"
 
 
-def _sharded(chunks: Sequence[GPTModel]) -> dict:
+def sharded_state_dict(chunks: Sequence[GPTModel]) -> dict:
+    """The chunks' weights as Megatron ShardedTensors (what dist_checkpointing saves and loads;
+    Megatron's optimizers map their states onto it)."""
     sharded = {}
     for i, chunk in enumerate(chunks):
         state = chunk.sharded_state_dict()
@@ -38,13 +40,13 @@ def save(chunks: Sequence[GPTModel], uri: str) -> None:
     """Write the model's weights as a torch_dist checkpoint (every rank calls this)."""
     cpu_shim.apply()
     os.makedirs(uri, exist_ok=True)  # Megatron's writer wants the directory to exist
-    dist_checkpointing.save(_sharded(chunks), uri)
+    dist_checkpointing.save(sharded_state_dict(chunks), uri)
 
 
 def load(chunks: Sequence[GPTModel], uri: str) -> None:
     """Load weights saved at any TP/PP layout into this rank's chunks; every parameter must be found."""
     cpu_shim.apply()
-    loaded = dist_checkpointing.load(_sharded(chunks), uri)
+    loaded = dist_checkpointing.load(sharded_state_dict(chunks), uri)
     for i, chunk in enumerate(chunks):
         result = chunk.load_state_dict(loaded[_chunk_key(i, len(chunks))], strict=False)
         missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]

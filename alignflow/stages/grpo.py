@@ -26,7 +26,7 @@ Simplified: the training log-probs use the model's plain distribution (no temper
 scaling); generation and training share the weights in one process (no separate
 inference engine, so no weight refit and no generation/training mismatch unless
 requested with use_importance_sampling_correction); the reference model is a second copy
-of the model in the same layout.
+of the model in the same layout and dtype.
 """
 
 import json
@@ -176,7 +176,8 @@ class GRPOTrainer(Trainer):
         self.rewards = [(resolve(r.name), dict(r.kwargs or {})) for r in cfg.environment]
         self.ref_chunks = None
         if cfg.ref_policy_kl_penalty > 0:
-            built = build_gpt(self.hf_config, cfg.parallel, make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by)
+            built = build_gpt(self.hf_config, cfg.parallel, params_dtype=self.dtype,
+                              make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by)
             self.ref_chunks = built if isinstance(built, list) else [built]
             megatron_checkpoint.load(self.ref_chunks, f"{self.ref_model.rstrip('/')}/{MODEL_DIR}")
 

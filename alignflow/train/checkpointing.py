@@ -3,19 +3,27 @@
 Layout under `{out}/checkpoints/`:
 
     step-00000010/
-        model/               Megatron torch_dist (global tensors; `alignflow.megatron.checkpoint`)
-        rank-00000.pt ...    per rank: optimizer state and RNG states (python, numpy, torch,
-                             Megatron's RNG tracker, CUDA when present)
+        model/               Megatron torch_dist: the weights as global tensors
+                             (`alignflow.megatron.checkpoint`), in the training dtype
+        optimizer/           Megatron torch_dist: the optimizer's sharded state (fp32 main
+                             weights under bf16, Adam moments, step), mapped onto the weights'
+                             global tensors; the distributed optimizer's in its
+                             `fully_reshardable` format (gathered on DP rank 0 to save)
+        rank-00000.pt ...    per rank: RNG states (python, numpy, torch, Megatron's RNG tracker,
+                             CUDA when present) and the TP/PP/VP/DP layout that drew them
         trainer.json         step, data position, tracked metrics, early-stopping state
         complete             written last: a checkpoint without it does not exist
     .tmp-step-00000010/      a checkpoint being written (removed when found stale)
     wandb-run-id             the wandb run a retry continues
 
 Every rank writes into the temp folder; after a barrier rank 0 writes trainer.json,
-renames the folder to `step-N` and writes `complete`. The per-rank files assume the same
-TP/PP/DP layout on resume (a retry of the same fingerprint has it); the model part would
-reshard to any layout. On a filesystem (local or shared POSIX); when the store is an object
-store, `alignflow.train.workspace` writes them in a local scratch and uploads each complete one.
+renames the folder to `step-N` and writes `complete`. Weights and optimizer state reshard on
+load: a job resumes at another TP, PP or DP size (with the same precision and the same
+`use_distributed_optimizer`). At the same layout a resumed run continues bit-exactly; at
+another one the RNG states are not restored (they belong to ranks that no longer exist), so
+dropout draws other masks from there on. On a filesystem (local or shared POSIX); when the
+store is an object store, `alignflow.train.workspace` writes them in a local scratch and
+uploads each complete one.
 
 `prune` keeps the latest checkpoint (for resume) and the `save_top_k` best by the monitored
 metric (`val_loss` or `loss`), whose value is the latest one computed at or before the
@@ -23,6 +31,7 @@ checkpoint's step.
 """
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -33,13 +42,20 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.optimizer import MegatronOptimizer
 
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.train.data import DataPosition
 
+log = logging.getLogger("alignflow.train")
+
 COMPLETE = "complete"
 WANDB_RUN_ID = "wandb-run-id"
+# How Megatron's optimizers shard their state in a checkpoint: the distributed optimizer in its
+# format that reshards over TP, PP and DP, gathered through DP rank 0's CPU memory when saved.
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True,
+                    "chained_optim_avoid_prefix": True}
 
 
 @dataclass
@@ -95,7 +111,15 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def save(root: Path, chunks, optimizer: torch.optim.Optimizer, state: TrainerState) -> Path:
+def layout() -> dict:
+    """This job's parallel layout: RNG states are restored only into the same one."""
+    return {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+            "virtual": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+            "data": parallel_state.get_data_parallel_world_size()}
+
+
+def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState) -> Path:
     """Write `step-N` atomically (every rank calls this); returns its path."""
     rank = dist.get_rank()
     final, tmp = step_dir(root, state.step), root / f".tmp-step-{state.step:08d}"
@@ -105,7 +129,10 @@ def save(root: Path, chunks, optimizer: torch.optim.Optimizer, state: TrainerSta
         tmp.mkdir(parents=True)
     dist.barrier()
     megatron_checkpoint.save(chunks, str(tmp / "model"))
-    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_states()}, tmp / f"rank-{rank:05d}.pt")
+    (tmp / "optimizer").mkdir(exist_ok=True)
+    weights = megatron_checkpoint.sharded_state_dict(chunks)
+    dist_checkpointing.save(optimizer.sharded_state_dict(weights, metadata=OPTIMIZER_FORMAT), str(tmp / "optimizer"))
+    torch.save({"layout": layout(), "rng": rng_states()}, tmp / f"rank-{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
         (tmp / "trainer.json").write_text(json.dumps(state.to_json(), indent=2) + "\n")
@@ -116,12 +143,19 @@ def save(root: Path, chunks, optimizer: torch.optim.Optimizer, state: TrainerSta
     return final
 
 
-def load(path: Path, chunks, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Restore weights, optimizer, RNG states and trainer state from a complete checkpoint."""
+def load(path: Path, chunks, optimizer: MegatronOptimizer) -> TrainerState:
+    """Restore weights, optimizer and trainer state from a complete checkpoint written at any
+    layout, and the RNG states when it was written at this one."""
     megatron_checkpoint.load(chunks, str(path / "model"))
-    saved = torch.load(path / f"rank-{dist.get_rank():05d}.pt", weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
-    set_rng_states(saved["rng"])
+    weights = megatron_checkpoint.sharded_state_dict(chunks)
+    sharded = optimizer.sharded_state_dict(weights, is_loading=True, metadata=OPTIMIZER_FORMAT)
+    optimizer.load_state_dict(dist_checkpointing.load(sharded, str(path / "optimizer")))
+    rank_file = path / f"rank-{dist.get_rank():05d}.pt"
+    saved = torch.load(rank_file, weights_only=False) if rank_file.exists() else {"layout": None}
+    if saved["layout"] == layout():
+        set_rng_states(saved["rng"])
+    elif dist.get_rank() == 0:
+        log.warning("%s was written at layout %s, this job runs at %s: RNG states not restored", path, saved["layout"], layout())
     return TrainerState.from_json(json.loads((path / "trainer.json").read_text()))
 
 

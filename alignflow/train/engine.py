@@ -22,17 +22,26 @@ GRPO's step differs (roll out, score, then optimizer steps on the rollouts), so
 Per step: the global batch's rows are cut into this DP rank's micro batches
 (num_micro = global / (micro * DP)), forwarded and backwarded through Megatron's
 `get_forward_backward_func` (no pipelining, 1F1B, or interleaved with virtual PP) with
-`calculate_per_token_loss` so the schedule leaves the sums alone; gradients are summed over
-DP (and between the tied embedding copies of the first and last PP stages, and over TP
-for sequence-parallel norms), divided by the global count, clipped by the global norm across
-TP/PP (TP-replicated and shared parameters counted once), and applied by torch AdamW/Adam
-(Megatron's optimizer wrapper hard-codes CUDA). No weight decay on biases and norms, as Megatron.
+`calculate_per_token_loss`: the model chunks are wrapped in Megatron-Core's
+`DistributedDataParallel` (gradients accumulate in contiguous fp32 buffers, reduced over DP
+in buckets, overlapped with the backward pass where CUDA is), and the schedule's
+`finalize_model_grads` sums them over DP, ties the embedding copies of the first and last PP
+stages, sums sequence-parallel norms over TP and divides by the global count. Megatron's
+optimizer (`get_megatron_optimizer`: Adam or AdamW, its weight-decay groups without decay on
+biases and norms) clips by the global norm and steps.
 
-Simplified / missing: fp32 only (bf16 needs fp32 main weights, i.e. Megatron's optimizer:
-not wired); no distributed optimizer (each DP rank holds the full optimizer state of its
-TP/PP shard); no context parallelism, and sequence parallelism only with Transformer Engine
-(its gradient reduction is written but untested here); a resumed run must keep
-the TP/PP/DP layout (the per-rank optimizer files are not resharded).
+Precision (`precision`): fp32, or bf16 mixed precision (bf16 weights and activations, fp32
+main weights in the optimizer, gradients accumulated and reduced in fp32); `auto` is bf16 on
+GPU, fp32 on CPU, and bf16 runs on CPU too. `parallel.use_distributed_optimizer` shards the
+fp32 main weights and Adam states over DP (ZeRO-1: reduce-scatter of gradients, all-gather
+of weights, overlapped with the next forward where CUDA is). Activation recompute
+(`recompute_granularity` selective/full, `recompute_method`, `recompute_num_layers`) is
+Megatron's. Checkpoints (`alignflow.train.checkpointing`) reshard to another TP/PP/DP layout.
+
+Simplified / missing: no fp16 (loss scaling) and no fp8; bf16 training starts from the input
+weights rounded to bf16 (main weights are fp32 from then on; an HF model is usually bf16
+anyway); no context parallelism, and sequence parallelism only with Transformer Engine
+(untested here); data-parallel replicas start from identical weights (no DP random init).
 """
 
 import functools
@@ -48,10 +57,11 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import param_is_not_shared
 from omegaconf import OmegaConf
 from torch import Tensor
 
@@ -59,7 +69,7 @@ from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
 
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import runtime
-from alignflow.megatron.model import build_gpt
+from alignflow.megatron.model import build_gpt, packed_thd
 from alignflow.train import checkpointing
 from alignflow.train.checkpointing import TrainerState
 from alignflow.train.data import Dataset, GlobalBatches, dp_micro_batches
@@ -120,12 +130,12 @@ def check_supported(parallel: Any) -> None:
         raise NotImplementedError("sequence_parallel needs Transformer Engine's norms; Megatron's local spec (CPU) refuses it")
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def resolve_precision(precision: str) -> torch.dtype:
-    """auto = bf16 on GPU, fp32 on CPU. Only fp32 training is implemented."""
-    resolved = ("bf16" if torch.cuda.is_available() else "fp32") if precision == "auto" else precision
-    if resolved != "fp32":
-        raise NotImplementedError(f"precision {precision} -> {resolved}: only fp32 training is implemented (bf16 needs fp32 main weights)")
-    return torch.float32
+    """The weights' dtype: auto = bf16 on GPU, fp32 on CPU (where bf16 runs too, e.g. to test it)."""
+    return PRECISIONS[("bf16" if torch.cuda.is_available() else "fp32") if precision == "auto" else precision]
 
 
 class Trainer:
@@ -144,17 +154,18 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         check_supported(cfg.parallel)
-        dtype = resolve_precision(cfg.precision)
+        self.dtype = resolve_precision(cfg.precision)
         runtime.init_parallel(cfg.parallel, seed=cfg.trainer.seed)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         self.check_batch_sizes()
-        built = build_gpt(self.hf_config, cfg.parallel, params_dtype=dtype,
+        built = build_gpt(self.hf_config, cfg.parallel, params_dtype=self.dtype,
                           make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by,
                           hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-                          calculate_per_token_loss=True)
-        self.chunks = built if isinstance(built, list) else [built]
-        self.optimizer = build_optimizer(self.chunks, cfg.optim)
+                          calculate_per_token_loss=True, **recompute_settings(cfg))
+        self.chunks = built if isinstance(built, list) else [built]  # the GPTModels: weights, checkpoints, generation
+        self.model = wrap_ddp(self.chunks, ddp_config(cfg.parallel))  # what the training schedule runs
+        self.optimizer = build_optimizer(self.model, cfg, self.dtype)
         self.batches = GlobalBatches(len(self.data.train), self.rows_per_step(), cfg.trainer.seed)
         self.total_steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else cfg.trainer.max_epochs * self.batches.per_epoch
         self.state = self.resume_or_start()
@@ -184,6 +195,7 @@ class Trainer:
                 log.info("resumed from %s (step %d of %d)", path, state.step, self.total_steps)
             return state
         megatron_checkpoint.load(self.chunks, f"{self.init_model.rstrip('/')}/model")
+        self.optimizer.reload_model_params()  # fp32 main weights from the loaded ones
         if self.rank == 0:
             log.info("starting from %s: %d steps of %d rows", self.init_model, self.total_steps, self.cfg.global_batch_size)
         return TrainerState()
@@ -249,22 +261,21 @@ class Trainer:
                      total_steps=self.total_steps, schedule=optim.schedule)
 
     def optimizer_step(self, micro: list[np.ndarray], dataset: Dataset, seq_length: int, lr: float) -> StepStats:
-        """One optimizer step on this rank's micro batches of a global batch (tokens left at 0)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        """One optimizer step on this rank's micro batches of a global batch (tokens left at 0).
+        The schedule leaves the gradients reduced and divided by the global count (see top)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
         total, count, metrics = self.run_micro_batches(micro, dataset, forward_only=False, seq_length=seq_length)
-        params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
-        reduce_gradients(self.chunks, params, scale=1.0 / max(count, 1.0))
-        grad_norm = clip_grad_norm(params, self.cfg.trainer.gradient_clip_val)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        set_lr(self.optimizer, lr, self.cfg.optim.weight_decay)
+        _, grad_norm, _ = self.optimizer.step()  # no loss scaler (bf16 / fp32): a step always applies
         return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=0,
                          metrics={k: v / max(count, 1.0) for k, v in metrics.items()})
 
     def run_micro_batches(self, micro: list[np.ndarray], dataset: Optional[Dataset] = None,
                           forward_only: bool = False, seq_length: Optional[int] = None) -> tuple[float, float, dict[str, float]]:
         """Forward (and backward) `micro`; returns the global (loss sum, count, metric sums) on every rank."""
-        outputs = self.schedule(self.chunks, self._forward_step, micro, dataset or self.data.train, forward_only, seq_length)
+        outputs = self.schedule(self.model, self._forward_step, micro, dataset or self.data.train, forward_only, seq_length)
         names = self.objective.metric_names
         sums = torch.zeros(2 + len(names), dtype=torch.float64, device=device())
         for out in outputs:
@@ -275,13 +286,16 @@ class Trainer:
 
     def schedule(self, chunks: list, forward_step, micro: list[np.ndarray], dataset: Dataset, forward_only: bool,
                  seq_length: Optional[int] = None) -> list:
-        """Megatron's pipeline schedule over `micro`; the loss functions' outputs (last stage only)."""
+        """Megatron's pipeline schedule over `micro`; the loss functions' outputs (last stage only).
+        THD attention runs a micro batch as one flat sequence, so its stages pass [b * s, 1, h]."""
         batches = [to_device(dataset.collate(m)) for m in micro]
+        rows, length = self.cfg.micro_batch_size * self.data.rows_per_item, seq_length or self.data.seq_length
+        if packed_thd():
+            rows, length = 1, rows * length
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
-            seq_length=seq_length or self.data.seq_length, micro_batch_size=self.cfg.micro_batch_size * self.data.rows_per_item,
-            forward_only=forward_only,
+            seq_length=length, micro_batch_size=rows, forward_only=forward_only,
         )
 
     @torch.no_grad()
@@ -338,6 +352,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoint, cleanup
 
     def save_checkpoint(self) -> None:
+        gather_weights(self.model)
         path = checkpointing.save(self.checkpoints, self.chunks, self.optimizer, self.state)
         if self.rank == 0:
             ckpt = self.cfg.checkpoint
@@ -355,52 +370,72 @@ class Trainer:
 # ---------------------------------------------------------------------- shared pieces
 
 
-def build_optimizer(chunks: list, optim: Any) -> torch.optim.Optimizer:
-    """AdamW (decoupled decay) or Adam (L2 decay); biases and 1-D weights (norms) get no decay."""
-    decay, no_decay = [], []
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if param.requires_grad:
-                (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
-    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
-    if optim.name not in kinds:
-        raise ValueError(f"unknown optimizer {optim.name!r}; supported: {', '.join(kinds)}")
-    return kinds[optim.name](groups, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+def recompute_settings(cfg: Any) -> dict:
+    """TransformerConfig's activation-recompute fields for a stage's knobs (see the schema)."""
+    if cfg.recompute_granularity == "none":
+        return {}
+    if cfg.recompute_granularity == "selective":  # Megatron's default module: the core attention
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": cfg.recompute_method, "recompute_num_layers": cfg.recompute_num_layers}
 
 
-def reduce_gradients(chunks: list, params: list[Tensor], scale: float) -> None:
-    """Sum gradients over DP, tie the embedding copies across PP, sum SP norms over TP; then scale."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if parallel_state.get_data_parallel_world_size() > 1:
-        _all_reduce_flat([p.grad for p in params], parallel_state.get_data_parallel_group())
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
-        for chunk in (chunks[0], chunks[-1]) if len(chunks) > 1 else chunks:
-            if chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process):
-                dist.all_reduce(chunk.shared_embedding_or_output_weight().grad, group=parallel_state.get_embedding_group())
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
-        if sp:
-            _all_reduce_flat(sp, parallel_state.get_tensor_model_parallel_group())
-    for p in params:
-        p.grad.mul_(scale)
+def ddp_config(parallel: Any) -> DistributedDataParallelConfig:
+    """Gradients accumulate in fp32 buffers and are reduced in fp32 whatever the weights' dtype;
+    reduce-scattered to the distributed optimizer's shards; overlapped where CUDA is (or as set)."""
+    on_gpu, distributed = torch.cuda.is_available(), parallel.use_distributed_optimizer
+    overlap_grads = on_gpu if parallel.overlap_grad_reduce is None else parallel.overlap_grad_reduce
+    overlap_params = on_gpu and distributed if parallel.overlap_param_gather is None else parallel.overlap_param_gather
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
+                                         overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_params)
 
 
-def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
-    """The global L2 norm over TP and PP (each parameter counted once); clip when max_norm > 0."""
-    squares = torch.zeros((), dtype=torch.float64, device=device())
-    for p in params:
-        if param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
-            squares += p.grad.double().pow(2).sum()
-    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-    norm = squares.sqrt().item()
-    if max_norm > 0 and norm > max_norm:
-        coefficient = max_norm / (norm + 1e-6)
-        for p in params:
-            p.grad.mul_(coefficient)
-    return norm
+def wrap_ddp(chunks: list, config: DistributedDataParallelConfig) -> list[DistributedDataParallel]:
+    """Megatron's DDP around each chunk (buckets on the first only, as Megatron-LM), and the
+    schedule's hooks into it: `finalize_model_grads` after the last micro batch and, with
+    overlap, no gradient reduction before the last micro batch of each chunk."""
+    model = [DistributedDataParallel(chunk.config, config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    schedule = chunks[0].config  # one TransformerConfig shared by the chunks
+    schedule.finalize_model_grads_func = finalize_model_grads
+    if config.overlap_grad_reduce:
+        no_sync, grad_sync = [m.no_sync for m in model], [m.start_grad_sync for m in model]
+        schedule.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        schedule.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+    return model
+
+
+DECOUPLED_DECAY = {"adamw": True, "adam": False}  # AdamW's decoupled weight decay, or Adam's L2 term
+
+
+def build_optimizer(model: list, cfg: Any, dtype: torch.dtype) -> MegatronOptimizer:
+    """Megatron's optimizer over the DDP-wrapped chunks: fp32 main weights for bf16 ones, ZeRO-1
+    with `parallel.use_distributed_optimizer`, no weight decay on biases and norms (its groups'
+    wd_mult, see `set_lr`), clipping by the global norm at `trainer.gradient_clip_val` (0: off)."""
+    optim = cfg.optim
+    if optim.name not in DECOUPLED_DECAY:
+        raise ValueError(f"unknown optimizer {optim.name!r}; supported: {', '.join(DECOUPLED_DECAY)}")
+    return get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        decoupled_weight_decay=DECOUPLED_DECAY[optim.name], adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_param_gather=model[0].ddp_config.overlap_param_gather, clip_grad=cfg.trainer.gradient_clip_val,
+    ), model)
+
+
+def set_lr(optimizer: MegatronOptimizer, lr: float, weight_decay: float) -> None:
+    """This step's learning rate and weight decay times each group's multipliers, as Megatron's
+    OptimizerParamScheduler sets them (Megatron's groups: wd_mult 0 for biases and norms)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+def gather_weights(model: list[DistributedDataParallel]) -> None:
+    """With overlapped parameter gathers, an optimizer step leaves the other DP ranks' shards of
+    the weights to the next forward's hooks: gather them before the weights are read directly."""
+    if model[0].ddp_config.overlap_param_gather:
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
 
 
 @contextmanager
@@ -434,13 +469,6 @@ def to_device(batch: dict) -> dict:
 
 def _every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
-
-
-def _all_reduce_flat(tensors: list[Tensor], group) -> None:
-    flat = torch._utils._flatten_dense_tensors(tensors)
-    dist.all_reduce(flat, group=group)
-    for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-        t.copy_(synced)
 
 
 def run_training_stage(name: str, cfg: Any, inputs: dict, data: TrainData, objective: Objective, out: str,
