@@ -162,6 +162,9 @@ def _build_chunk(common: dict, vp_stage: Optional[int], vp_size: Optional[int]) 
         parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(), vp_stage, vp_size
     )
     model = GPTModel(pre_process=pre, post_process=post, vp_stage=vp_stage, **common)
+    # Every weight in params_dtype: the local spec builds its norms in fp32 whatever it says
+    # (Megatron-LM's Float16Module casts them too; its optimizers expect one dtype).
+    model.to(common["config"].params_dtype)
     return model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model
 
 

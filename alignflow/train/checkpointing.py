@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.optimizer import MegatronOptimizer
 
 from alignflow.megatron import checkpoint as megatron_checkpoint
@@ -52,10 +52,6 @@ log = logging.getLogger("alignflow.train")
 
 COMPLETE = "complete"
 WANDB_RUN_ID = "wandb-run-id"
-# How Megatron's optimizers shard their state in a checkpoint: the distributed optimizer in its
-# format that reshards over TP, PP and DP, gathered through DP rank 0's CPU memory when saved.
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True,
-                    "chained_optim_avoid_prefix": True}
 
 
 @dataclass
@@ -129,9 +125,7 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState) 
         tmp.mkdir(parents=True)
     dist.barrier()
     megatron_checkpoint.save(chunks, str(tmp / "model"))
-    (tmp / "optimizer").mkdir(exist_ok=True)
-    weights = megatron_checkpoint.sharded_state_dict(chunks)
-    dist_checkpointing.save(optimizer.sharded_state_dict(weights, metadata=OPTIMIZER_FORMAT), str(tmp / "optimizer"))
+    megatron_checkpoint.save_optimizer(optimizer, chunks, str(tmp / "optimizer"))
     torch.save({"layout": layout(), "rng": rng_states()}, tmp / f"rank-{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
@@ -146,10 +140,8 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState) 
 def load(path: Path, chunks, optimizer: MegatronOptimizer) -> TrainerState:
     """Restore weights, optimizer and trainer state from a complete checkpoint written at any
     layout, and the RNG states when it was written at this one."""
+    megatron_checkpoint.load_optimizer(optimizer, chunks, str(path / "optimizer"))
     megatron_checkpoint.load(chunks, str(path / "model"))
-    weights = megatron_checkpoint.sharded_state_dict(chunks)
-    sharded = optimizer.sharded_state_dict(weights, is_loading=True, metadata=OPTIMIZER_FORMAT)
-    optimizer.load_state_dict(dist_checkpointing.load(sharded, str(path / "optimizer")))
     rank_file = path / f"rank-{dist.get_rank():05d}.pt"
     saved = torch.load(rank_file, weights_only=False) if rank_file.exists() else {"layout": None}
     if saved["layout"] == layout():
