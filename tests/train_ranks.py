@@ -12,6 +12,7 @@ checkpoint so that a test can kill the job between two checkpoints.
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 SEQ_LENGTH = 64
+RANKS = Path(__file__)
+# |loss|, |grad norm|, |val loss| between runs at two layouts: fp32 rounds alike; bf16 rounds
+# each layout's matmuls (split over TP, or whole) and the activations PP passes on differently.
+LAYOUT_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
 
 
 def prep_demo(demo_dir: Path, out: Path, prompts: bool = False) -> Path:
@@ -89,6 +94,43 @@ def stage_cfg(stage: str, demo_dir: Path, tp: int = 1, pp: int = 1, **section) -
         "model": OmegaConf.to_container(model, enum_to_str=True),
         "logging": OmegaConf.to_container(logging_cfg, enum_to_str=True),
     }
+
+
+def run_sft(cfg: dict, inputs: dict, out: Path) -> dict:
+    """The SFT stage in this process (one rank)."""
+    from alignflow.stages import sft
+
+    return sft.run(OmegaConf.create(cfg), inputs, str(out))
+
+
+def job_env() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(RANKS.parents[1])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def job_args(cfg: dict, inputs: dict, out: Path) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_file = out.with_suffix(".cfg.json")
+    cfg_file.write_text(json.dumps(cfg))
+    return [str(RANKS), str(cfg_file), inputs["data"], inputs["model"], str(out)]
+
+
+def torchrun(nproc: int, cfg: dict, inputs: dict, out: Path, *extra: str) -> None:
+    """This file's job on `nproc` ranks (the stage's metrics in OUT/result.json)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), *job_args(cfg, inputs, out), *extra],
+                         capture_output=True, text=True, timeout=300, cwd=RANKS.parents[1], env=job_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def weights(model_dir: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint, by name."""
+    from alignflow.checkpoint.dist_io import DistCheckpointReader
+
+    reader = DistCheckpointReader(str(model_dir))
+    return {key: reader.read(key) for key in reader.keys()}
 
 
 def metrics_lines(out: Path) -> list[dict]:
