@@ -18,8 +18,7 @@ from alignflow.generation import Completion
 from alignflow.stages import grpo, sft
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_sft import job_args, job_env, torchrun, weights  # noqa: E402
-from train_ranks import convert_demo, metrics_lines, prep_demo, sft_cfg, stage_cfg  # noqa: E402
+from train_ranks import convert_demo, job_args, job_env, metrics_lines, prep_demo, sft_cfg, stage_cfg, torchrun, weights  # noqa: E402
 
 STEP_METRICS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "reward_mean", "reward_std", "accuracy",
                 "response_length", "truncation_rate", "kl", "clip_fraction", "ratio", "generation_tokens_per_s"}
