@@ -15,10 +15,10 @@ onto the CPU:
   `get_emb`, pipeline p2p receive buffers, TP gathers, DDP's gradient buffers); on a CPU-only
   torch it raises, so it answers the CPU device. Nothing else calls it where CUDA is absent.
 - Tensors created on "cuda" by name: the causal and sliding-window masks
-  (`transformer/utils.py`) run under `_CudaOnCpu`, which places them on the CPU. Modules that
-  do it at every step (the schedules' token counter, the optimizers' scale and inf flags, the
-  grad-norm and clipping buffers of `optimizer/clip_grads.py` and `utils.py`) see `_TorchOnCpu`
-  as their `torch`: a TorchFunctionMode around a whole step would tax every op of the model.
+  (`transformer/utils.py`) run under `_CudaOnCpu`, which places them on the CPU. Modules whose
+  step code does it (the schedules' token counter, the optimizers' unit scale, the grad-norm
+  and clipping buffers of `optimizer/clip_grads.py` and `utils.py`) see `_TorchOnCpu` as their
+  `torch`: a TorchFunctionMode around a whole step would tax every op of the model.
 - `Tensor.cuda()` returns the tensor itself (the tied embedding's copy on the last pipeline
   stage, optimizer state moves), and `Tensor.type()` without arguments answers the
   `torch.cuda.*` name of a CPU tensor's type, which is what the mixed-precision and
@@ -39,7 +39,7 @@ import types
 import torch
 from megatron.core import utils as mcore_utils
 from megatron.core.fusions import fused_softmax
-from megatron.core.optimizer import clip_grads, grad_scaler
+from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import random as mcore_random
@@ -130,7 +130,7 @@ class _TorchOnCpu(types.ModuleType):
 
 
 # Modules whose `torch` is `_TorchOnCpu`: each creates tensors on "cuda" by name at every step.
-TORCH_BY_NAME = (schedules, mcore_optimizer, clip_grads, grad_scaler, mcore_utils)
+TORCH_BY_NAME = (schedules, mcore_optimizer, clip_grads, mcore_utils)
 
 _CPU_TYPE = torch.Tensor.type
 
