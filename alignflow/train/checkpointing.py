@@ -140,7 +140,7 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState) 
 def load(path: Path, chunks, optimizer: MegatronOptimizer) -> TrainerState:
     """Restore weights, optimizer and trainer state from a complete checkpoint written at any
     layout, and the RNG states when it was written at this one."""
-    megatron_checkpoint.load_optimizer(optimizer, chunks, str(path / "optimizer"))
+    megatron_checkpoint.load_optimizer(optimizer, chunks, str(path / "optimizer"))  # first: it may step the optimizer
     megatron_checkpoint.load(chunks, str(path / "model"))
     rank_file = path / f"rank-{dist.get_rank():05d}.pt"
     saved = torch.load(rank_file, weights_only=False) if rank_file.exists() else {"layout": None}
