@@ -48,10 +48,11 @@ SENTENCES = (
 )
 
 VAL_PROBLEMS = 200  # one held-out set: every kind's val split, never in any kind's train split
-SPLITS = {  # file stem -> (row kind, train rows, seed offset)
-    "sft": ("messages", 2000, 1),
-    "preference": ("preference", 1000, 2),
-    "prompts": ("prompts", 4000, 3),
+SPLITS = {  # file stem -> (row kind, train rows, seed offset, operators)
+    "sft": ("messages", 2000, 1, "+-"),
+    "preference": ("preference", 1000, 2, "+-"),
+    "prompts": ("prompts", 4000, 3, "+-"),
+    "sft_domain": ("messages", 1000, 4, "-"),  # a "domain" set: subtraction only (pipeline sft_general_domain)
 }
 
 MODEL_CONFIG = {
@@ -98,14 +99,14 @@ def answer(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b
 
 
-def split_problems(train_rows: int, seed: int) -> tuple[list, list]:
-    """(train, val): the shared held-out problems, and `train_rows` others drawn with `seed`,
-    so no stage trains on a problem that eval scores."""
+def split_problems(train_rows: int, seed: int, ops: str = "+-") -> tuple[list, list]:
+    """(train, val): the shared held-out problems, and `train_rows` others with operators `ops`
+    drawn with `seed`, so no stage trains on a problem that eval scores."""
     problems = all_problems()
     order = np.random.default_rng(SEED).permutation(len(problems))
-    val, rest = [problems[i] for i in order[:VAL_PROBLEMS]], order[VAL_PROBLEMS:]
+    val, rest = [problems[i] for i in order[:VAL_PROBLEMS]], [i for i in order[VAL_PROBLEMS:] if problems[i][1] in ops]
     train = np.random.default_rng(seed).choice(rest, size=train_rows, replace=False)
-    return [problems[i] for i in train], val
+    return [problems[i] for i in train], [p for p in val if p[1] in ops]
 
 
 def wrong_answer(correct: int, rng: np.random.Generator) -> int:
@@ -128,10 +129,10 @@ def make_rows(kind: str, problems: list, rng: np.random.Generator) -> list[dict]
 
 
 def data_files() -> dict[str, bytes]:
-    """The six jsonl files of the demo task, as bytes."""
+    """The jsonl files of the demo task (train and val of each of SPLITS), as bytes."""
     files = {}
-    for stem, (kind, n_train, offset) in SPLITS.items():
-        train, val = split_problems(n_train, SEED + offset)
+    for stem, (kind, n_train, offset, ops) in SPLITS.items():
+        train, val = split_problems(n_train, SEED + offset, ops)
         rng = np.random.default_rng(SEED + 10 * offset)
         for split, problems in (("train", train), ("val", val)):
             lines = [json.dumps(row, ensure_ascii=False) for row in make_rows(kind, problems, rng)]

@@ -17,12 +17,12 @@ import warnings
 
 import fsspec
 import psutil
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from alignflow.fingerprint import code_identity
 from alignflow.lease import watch
 from alignflow.orphans import reap_on_exit
-from alignflow.stages import worker_module
+from alignflow.stages import AlignConfig, worker_module
 
 FENCED_EXIT_CODE = 75  # EX_TEMPFAIL: the job was stopped because its run is gone; nothing of it is committed
 
@@ -37,9 +37,9 @@ EXPECTED_WARNINGS = (
 )
 
 
-def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str, storage_options: dict, fence: dict | None = None,
+def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options: dict, fence: dict | None = None,
                   code: dict | None = None) -> dict:
-    """Run `alignflow.stages.<stage>.run` on this rank; every rank returns its metrics.
+    """Run `alignflow.stages.<kind>.run` on this rank; every rank returns its metrics.
 
     `fence` is the lease of the run that submitted the job: the job stops once that run is
     gone or lost it (`alignflow.lease.watch`). `code` is the code identity the run
@@ -54,13 +54,21 @@ def run_stage_job(stage: str, cfg: dict, inputs: dict, out: str, storage_options
     if fence is not None:
         watch(fence, _stop_fenced_job)  # the lease is in the store, whose options are fsspec's defaults now
     if code is not None:
-        _check_code(stage, code)
-    config = OmegaConf.create(cfg)  # secrets are still `${oc.env:...}` here and resolve from this job's env
-    module = importlib.import_module(worker_module(stage))
-    logging.getLogger("alignflow.worker").info("stage %s -> %s", stage, out)
+        _check_code(kind, code)
+    config = typed(cfg)
+    module = importlib.import_module(worker_module(kind))
+    logging.getLogger("alignflow.worker").info("stage %s -> %s", kind, out)
     metrics = module.run(config, inputs, out)
     sys.stdout.flush()
     return metrics
+
+
+def typed(cfg: dict) -> DictConfig:
+    """The job's config slice typed by the schema (enums intact) and read-only; secrets are still
+    `${oc.env:...}` here and resolve from this job's environment."""
+    config = OmegaConf.merge(OmegaConf.structured(AlignConfig), cfg)
+    OmegaConf.set_readonly(config, True)
+    return config
 
 
 def _check_code(stage: str, planned: dict) -> None:

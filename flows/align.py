@@ -1,7 +1,7 @@
 """The `align` flow: compose the config, then run the pipeline's stages as Prefect tasks.
 
-The flow reads like the pipeline: one task per stage in the order of
-`conf/pipeline/<name>.yaml`, each waiting on the upstream stages it is wired to. Nothing
+The flow reads like the pipeline: one task per stage instance, in run order
+(`alignflow.pipeline`), each waiting on the upstream stages it is wired to. Nothing
 is submitted until the whole config has validated. Cancelling the flow run (SIGTERM from
 the Prefect worker, or Ctrl-C) cancels the stages' jobs too.
 """
@@ -10,11 +10,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.futures import PrefectFuture
 
-from alignflow.config import compose
+from alignflow.config.compose import compose
 from alignflow.launch import cancel_jobs_on_interrupt
 from alignflow.orphans import reap_on_exit
+from alignflow.pipeline import Pipeline
 from alignflow.runner import StageResult
-from alignflow.stages import as_names
 from tasks.stage import format_value, task_for
 
 
@@ -23,19 +23,18 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
     """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed."""
     reap_on_exit()  # if this process is killed, its jobs and its ephemeral Prefect server die with it
     overrides = [*(overrides or []), *([f"force=[{','.join(force)}]"] if force else [])]
-    cfg = compose(pipeline, overrides)
-    stages = list(cfg.pipeline.stages)
+    stages = Pipeline.build(compose(pipeline, overrides))
     progress = create_progress_artifact(progress=0.0, description=f"align {pipeline}: stages done")
 
     futures: dict[str, PrefectFuture] = {}
     with cancel_jobs_on_interrupt():  # the signal lands here, in the main thread, not in the tasks' threads
         for stage in stages:
-            upstream = {name: futures[name] for names in (cfg.pipeline.stages[stage] or {}).values() for name in as_names(names)}
-            futures[stage] = task_for(stage, cfg[stage].retries).submit(stage, pipeline, tuple(overrides), upstream)
+            upstream = {name: futures[name] for name in stage.upstream()}
+            futures[stage.name] = task_for(stage).submit(stage.name, pipeline, tuple(overrides), upstream)
 
-        for done, stage in enumerate(stages, start=1):
-            futures[stage].wait()
-            update_progress_artifact(progress, progress=100.0 * done / len(stages))
+        for done, future in enumerate(futures.values(), start=1):
+            future.wait()
+            update_progress_artifact(progress, progress=100.0 * done / len(futures))
 
     _publish_summary(pipeline, futures)
     return {stage: future.result() for stage, future in futures.items()}

@@ -2,7 +2,7 @@
 
   align demo                          build the offline demo assets (tokenizer, tiny model, data)
   align plan   [--json] [overrides...] the DAG: fingerprints, output URIs, what would run and why
-  align config [overrides...]         the resolved config, secrets masked
+  align config [overrides...]         the resolved config and each stage instance's, secrets masked
   align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL)
 
 `pipeline=NAME` picks the pipeline (conf/pipeline/NAME.yaml); `force=[prep]` re-runs stages.
@@ -28,8 +28,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from alignflow import __version__  # noqa: E402
-from alignflow.config import ConfigError, compose  # noqa: E402
+from alignflow.config.compose import ConfigError, compose  # noqa: E402
 from alignflow.config.slices import masked  # noqa: E402
+from alignflow.pipeline import Pipeline  # noqa: E402
 from alignflow.runner import plan  # noqa: E402
 
 console = Console(soft_wrap=True)
@@ -54,22 +55,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
     cfg = compose(pipeline, overrides, check_paths=False)
-    console.print(yaml.safe_dump(masked(cfg), sort_keys=False), end="", markup=False, highlight=False)
+    shown = masked(cfg)
+    shown["instances"] = {stage.name: {"kind": stage.kind, "inputs": {r: list(u) if isinstance(u, tuple) else u for r, u in stage.inputs.items()},
+                                       stage.kind: masked(stage.cfg, (stage.kind,))[stage.kind]}
+                          for stage in Pipeline.build(cfg)}  # each instance's effective config
+    console.print(yaml.safe_dump(shown, sort_keys=False), end="", markup=False, highlight=False)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
     cfg = compose(pipeline, overrides)
+    planned = plan(Pipeline.build(cfg))
     if args.json:
-        print(json.dumps([asdict(row) for row in plan(cfg)], indent=2))
+        print(json.dumps([asdict(row) for row in planned], indent=2))
         return 0
     table = Table(title=f"align plan: {cfg.pipeline.name}  (store {cfg.store.root})")
-    for column in ("stage", "status", "fingerprint", "output", "why"):
+    for column in ("stage", "kind", "status", "fingerprint", "output", "why"):
         table.add_column(column, overflow="fold")
-    for row in plan(cfg):
+    for row in planned:
         style = _STATUS_STYLE.get(row.status, "")
-        table.add_row(row.stage, f"[{style}]{row.status}[/]", row.fingerprint, row.uri, row.reason)
+        table.add_row(row.stage, row.kind, f"[{style}]{row.status}[/]", row.fingerprint, row.uri, row.reason)
     Console(width=max(console.width, 160)).print(table)
     return 0
 

@@ -17,10 +17,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from alignflow.config import compose
+from alignflow.config.compose import compose
 from alignflow.launch import InfrastructureError, JobError
+from alignflow.pipeline import Pipeline, Stage
 from alignflow.runner import StageResult, run_stage
-from alignflow.stages import STAGES
 from alignflow.store import options_for
 
 HEADLINE_METRICS = 5
@@ -28,8 +28,8 @@ STEP_ROWS = 40  # per-step metrics shown per stage: evenly spaced, first and las
 
 
 @lru_cache(maxsize=8)
-def _config(pipeline: str, overrides: tuple[str, ...]):
-    return compose(pipeline, list(overrides))
+def _pipeline(pipeline: str, overrides: tuple[str, ...]) -> Pipeline:
+    return Pipeline.build(compose(pipeline, list(overrides)))
 
 
 def _infrastructure_failure(task, task_run, state) -> bool:
@@ -43,17 +43,17 @@ def _infrastructure_failure(task, task_run, state) -> bool:
 
 
 @task(cache_policy=NO_CACHE, retry_condition_fn=_infrastructure_failure, retry_delay_seconds=5)
-def stage_task(stage: str, pipeline: str, overrides: tuple[str, ...], upstream: dict[str, StageResult]) -> StageResult:
-    cfg = _config(pipeline, tuple(overrides))
+def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], upstream: dict[str, StageResult]) -> StageResult:
+    stage = _pipeline(pipeline, tuple(overrides))[name]
     logger = get_run_logger()
     try:
-        result = run_stage(cfg, stage, upstream, log=JobLogWatcher(stage, logger.info))
+        result = run_stage(stage, upstream, log=JobLogWatcher(name, logger.info))
     except JobError as err:
-        _publish_table(stage, [{"field": "state", "value": "failed"}, *_job_rows(err.job)])
+        _publish_table(name, [{"field": "state", "value": "failed"}, *_job_rows(err.job)])
         raise
-    _publish(result)
-    if STAGES[stage].resumable:
-        _publish_steps(result, options_for(result.uri, cfg))
+    _publish(result, stage.kind)
+    if stage.spec.resumable:
+        _publish_steps(result, options_for(result.uri, stage.cfg))
     return result
 
 
@@ -87,14 +87,15 @@ def _key(kind: str, stage: str) -> str:
     return f"{kind}-{stage}".replace("_", "-")
 
 
-def _publish(result: StageResult) -> None:
+def _publish(result: StageResult, kind: str) -> None:
     rows = [
         {"field": "output", "value": result.uri},
+        {"field": "kind", "value": kind},
         {"field": "fingerprint", "value": result.fingerprint},
         {"field": "state", "value": "cache hit" if result.cached else "ran"},
         *_job_rows(result.job),
     ]
-    rows += [{"field": k, "value": format_value(v)} for k, v in list(result.metrics.items())[:HEADLINE_METRICS]]
+    rows += [{"field": k, "value": format_value(v)} for k, v in list(result.metrics.items())[:HEADLINE_METRICS]]  # headline first
     _publish_table(result.stage, rows)
 
 
@@ -129,7 +130,6 @@ def format_value(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def task_for(stage: str, retries: int):
-    """The Prefect task of `stage`, named after it so the UI's graph reads like the pipeline."""
-    assert stage in STAGES, stage
-    return stage_task.with_options(name=stage, task_run_name=stage, retries=retries)
+def task_for(stage: Stage):
+    """The Prefect task of a stage instance, named after it so the UI's graph reads like the pipeline."""
+    return stage_task.with_options(name=stage.name, task_run_name=stage.name, retries=stage.section.retries)

@@ -3,7 +3,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from alignflow.config import ConfigError, compose
+from alignflow.config.compose import ConfigError, compose
 from alignflow.config.slices import MASK, for_job, identity, masked
 from flows.cli import main
 
@@ -14,7 +14,7 @@ from flows.cli import main
         ("sft.optim.lrr=1e-4", "sft.optim.lrr"),
         ("sft.trainer.max_steps=ten", "sft.trainer.max_steps"),
         ("data.truncation=keep_middle", "data.truncation"),
-        ("dpo.loss_type=hinge", "dpo.loss_type"),
+        ("dpo.loss.loss_type=hinge", "dpo.loss.loss_type"),
     ],
 )
 def test_typo_and_wrong_type_name_the_key(base_overrides, override, key):
@@ -57,8 +57,8 @@ def test_key_under_a_dropped_section_is_a_config_error(base_overrides):
 
 def test_all_problems_reported_at_once(base_overrides):
     with pytest.raises(ConfigError) as err:
-        compose("sft_dpo", [*base_overrides, "data.max_prompt_length=999", "dpo.beta=0"])
-    assert "data.max_prompt_length" in str(err.value) and "dpo.beta" in str(err.value)
+        compose("sft_dpo", [*base_overrides, "data.max_prompt_length=999", "dpo.loss.beta=0"])
+    assert "data.max_prompt_length" in str(err.value) and "dpo.loss.beta" in str(err.value)
 
 
 def test_min_lr_defaults_to_a_tenth_of_lr(base_overrides):

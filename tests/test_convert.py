@@ -15,9 +15,11 @@ from transformers import AutoModelForCausalLM
 from alignflow import PROJECT_ROOT
 from alignflow.checkpoint import HF_DIR, MODEL_DIR
 from alignflow.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry, save_lazy
-from alignflow.config import ConfigError, compose
+from alignflow.config.compose import ConfigError, compose
 from alignflow.convert import streaming
-from alignflow.runner import run_stage, stage_fingerprint
+from alignflow.fingerprint import fingerprint
+from alignflow.pipeline import Pipeline
+from alignflow.runner import run_stage, stage_identity
 from alignflow.stages import convert, export
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -149,8 +151,8 @@ def test_changing_one_source_tensor_reconverts(base_overrides, hf_dirs, tmp_path
     for f in hf_dirs["llama"].iterdir():
         (source / f.name).write_bytes(f.read_bytes())
     overrides = [*base_overrides, f"model.source={source}", "pipeline.stages={convert: {}}"]
-    first = run_stage(compose("demo", overrides), "convert", {}, log=print)
-    assert run_stage(compose("demo", overrides), "convert", {}, log=print).cached
+    first = run_stage(Pipeline.build(compose("demo", overrides))["convert"], {}, log=print)
+    assert run_stage(Pipeline.build(compose("demo", overrides))["convert"], {}, log=print).cached
     shard = sorted(source.glob("*.safetensors"))[0]
     tensors = load_file(shard)
     name = sorted(tensors)[0]
@@ -158,8 +160,8 @@ def test_changing_one_source_tensor_reconverts(base_overrides, hf_dirs, tmp_path
     tensors[name].view(-1)[0] += 1.0
     save_file(tensors, shard, metadata={"format": "pt"})
     cfg = compose("demo", overrides)
-    assert stage_fingerprint(cfg, "convert", {}) != first.fingerprint
-    second = run_stage(cfg, "convert", {}, log=print)
+    assert fingerprint(stage_identity(Pipeline.build(cfg)["convert"], {})) != first.fingerprint
+    second = run_stage(Pipeline.build(cfg)["convert"], {}, log=print)
     assert not second.cached
     changed = DistCheckpointReader(f"{second.uri}/{MODEL_DIR}")
     assert changed.keys()

@@ -9,13 +9,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from alignflow import PROJECT_ROOT
-from alignflow.losses.preference import PreferenceLossConfig
+from alignflow.config.schema import DPOLossConfig
 from alignflow.megatron import runtime
 from alignflow.stages import dpo, eval as eval_stage, prep, ref_logprobs, sft
 from alignflow.train.preference import load_pairs
+from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_demo, metrics_lines, stage_cfg  # noqa: E402
@@ -32,7 +32,7 @@ def inputs(demo_dir, tmp_path_factory):
     data = demo_dir / "data"
     spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
                    "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "preference")}
-    prep.run(OmegaConf.create({
+    prep.run(typed({
         "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
         "data": {**spec, "prompts": None, "seq_length": SEQ, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
         "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
@@ -40,19 +40,19 @@ def inputs(demo_dir, tmp_path_factory):
     base = convert_demo(demo_dir, root / "base")
     sft_cfg = stage_cfg("sft", demo_dir, micro_batch_size=4, global_batch_size=16, trainer={"max_steps": 120, "val_check_interval": 120},
                         optim={"lr": 3e-3, "warmup_steps": 10})
-    sft.run(OmegaConf.create(sft_cfg), {"data": str(root / "prep"), "model": str(base)}, str(root / "model"))
+    sft.run(typed(sft_cfg), {"data": str(root / "prep"), "model": str(base)}, str(root / "model"))
     model = root / "model"
-    ref_logprobs.run(OmegaConf.create({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
+    ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
                                        "model": {"make_vocab_size_divisible_by": 128}}),
                      {"data": str(root / "prep"), "model": str(model)}, str(root / "ref"))
     return {"data": str(root / "prep"), "model": str(model), "ref_logprobs": str(root / "ref")}
 
 
 def dpo_cfg(demo_dir, tp=1, pp=1, **section) -> dict:
-    return stage_cfg("dpo", demo_dir, tp, pp, **{"micro_batch_size": 2, "global_batch_size": 8, "beta": 0.1, **section})
+    return stage_cfg("dpo", demo_dir, tp, pp, **{"micro_batch_size": 2, "global_batch_size": 8, "loss": {"beta": 0.1}, **section})
 
 
-@pytest.mark.parametrize("loss_cfg", [PreferenceLossConfig(), PreferenceLossConfig(loss_type="ipo", preference_average_log_probs=True,
+@pytest.mark.parametrize("loss_cfg", [DPOLossConfig(), DPOLossConfig(loss_type="ipo", preference_average_log_probs=True,
                                                                                      sft_loss_weight=0.5, sft_average_log_probs=True)],
                          ids=["sigmoid", "ipo-averaged+sft"])
 def test_precomputed_reference_equals_an_online_reference(inputs, loss_cfg):
@@ -89,7 +89,7 @@ def test_dpo_fits_its_pairs(demo_dir, inputs, tmp_path, precision):
     pq.write_table(table, data / "preference" / "train-00000.parquet")
     cfg = dpo_cfg(demo_dir, precision=precision, global_batch_size=16, micro_batch_size=4,
                   trainer={"max_steps": 25, "log_every_n_steps": 1}, optim={"lr": 3e-3, "warmup_steps": 2})
-    metrics = dpo.run(OmegaConf.create(cfg), {**inputs, "data": str(data)}, str(tmp_path / "out"))
+    metrics = dpo.run(typed(cfg), {**inputs, "data": str(data)}, str(tmp_path / "out"))
     lines = metrics_lines(tmp_path / "out")
     assert metrics["steps"] == 25 and (tmp_path / "out" / "model" / ".metadata").exists()
     print(f"{precision} DPO: loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}, accuracy {lines[-1]['reward_accuracy']:.2f}")
@@ -101,7 +101,7 @@ def test_dpo_fits_its_pairs(demo_dir, inputs, tmp_path, precision):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_dpo_losses_at_tp2_and_pp2_match_tp1(demo_dir, inputs, tmp_path, tp, pp):
     reference = tmp_path / "tp1"
-    dpo.run(OmegaConf.create(dpo_cfg(demo_dir, trainer={"val_check_interval": 5})), inputs, str(reference))
+    dpo.run(typed(dpo_cfg(demo_dir, trainer={"val_check_interval": 5})), inputs, str(reference))
     parallel = tmp_path / f"tp{tp}pp{pp}"
     parallel.mkdir()
     cfg_file = tmp_path / "cfg.json"

@@ -5,13 +5,14 @@ import json
 
 import pytest
 
-from alignflow.config import ConfigError, compose
+from alignflow.config.compose import ConfigError, compose
 from alignflow.fingerprint import canonical_json, code_identity, differences, fingerprint, source_identity
-from alignflow.runner import plan, stage_fingerprint, stage_identity
+from alignflow.pipeline import Pipeline
+from alignflow.runner import plan, stage_identity
 
 
 def fp(overrides, stage="prep", upstream=None):
-    return stage_fingerprint(compose("sft_dpo", overrides), stage, upstream or {})
+    return fingerprint(stage_identity(Pipeline.build(compose("sft_dpo", overrides))[stage], upstream or {}))
 
 
 def test_canonical_json_is_order_independent_and_refuses_unknown_types():
@@ -30,6 +31,15 @@ def test_prep_identity_follows_its_config_slice(base_overrides):
     assert fp([*base_overrides, "prep.retries=5"]) == base  # marked not-identity
     assert fp([*base_overrides, "launcher=slurm"]) == base  # where it runs is not what it is
     assert fp([*base_overrides, "sft.optim.lr=1.0"]) == base  # another stage's section
+
+
+def test_the_layout_is_not_identity_but_the_distributed_optimizer_is(base_overrides):
+    """A stage re-run at another TP/PP/DP size keeps its fingerprint, so it resumes its checkpoints resharded."""
+    base = fp(base_overrides, "sft", {"prep": "a", "convert": "b"})
+    relaid = ["sft.resources.tasks_per_node=4", "sft.parallel.tensor_model_parallel_size=2", "sft.parallel.pipeline_model_parallel_size=2",
+              "sft.recompute_granularity=full"]
+    assert fp([*base_overrides, *relaid], "sft", {"prep": "a", "convert": "b"}) == base
+    assert fp([*base_overrides, "sft.parallel.use_distributed_optimizer=true"], "sft", {"prep": "a", "convert": "b"}) != base
 
 
 def test_training_identity_ignores_log_interval_but_not_lr(base_overrides):
@@ -60,39 +70,56 @@ def test_source_identity_covers_directories_and_globs(tmp_path):
 
 
 def test_upstream_change_propagates_down_the_dag(base_overrides):
-    a = {p.stage: p.fingerprint for p in plan(compose("sft_dpo", base_overrides))}
-    b = {p.stage: p.fingerprint for p in plan(compose("sft_dpo", [*base_overrides, "data.seq_length=128"]))}
+    a = {p.stage: p.fingerprint for p in plan(Pipeline.build(compose("sft_dpo", base_overrides)))}
+    b = {p.stage: p.fingerprint for p in plan(Pipeline.build(compose("sft_dpo", [*base_overrides, "data.seq_length=128"])))}
     assert a["prep"] != b["prep"] and a["sft"] != b["sft"] and a["dpo"] != b["dpo"]
     assert a["convert"] == b["convert"]  # does not read data
 
 
 def test_swapping_two_input_roles_changes_the_fingerprint(base_overrides):
-    wired = lambda model, ref: compose("sft_grpo", [*base_overrides, f"pipeline.stages.grpo={{data:prep,model:{model},ref_model:{ref}}}"])  # noqa: E731
+    wired = lambda model, ref: compose("sft_grpo", [*base_overrides, f"pipeline.stages.grpo.inputs.model={model}", f"pipeline.stages.grpo.inputs.ref_model={ref}"])  # noqa: E731
     upstream = {"prep": "p", "convert": "c", "sft": "s"}
-    assert stage_fingerprint(wired("sft", "convert"), "grpo", upstream) != stage_fingerprint(wired("convert", "sft"), "grpo", upstream)
+    assert fingerprint(stage_identity(Pipeline.build(wired("sft", "convert"))["grpo"], upstream)) != fingerprint(stage_identity(Pipeline.build(wired("convert", "sft"))["grpo"], upstream))
 
 
 USER_PIPELINE = """# @package _global_
 pipeline:
   name: mine
   stages:
-    prep: {{}}
-    convert: {{}}
-    sft: {{data: prep, model: convert}}
-    ref_logprobs: {{data: prep, model: sft}}
-    dpo: {dpo}
+{stages}
 """
+WIRED = {
+    "prep": "{}",
+    "convert": "{}",
+    "sft": "{inputs: {data: prep, model: convert}}",
+    "ref_logprobs": "{inputs: {data: prep, model: sft}}",
+    "dpo": "{inputs: {data: prep, model: sft, ref_logprobs: ref_logprobs}}",
+}
 
 
-@pytest.mark.parametrize("dpo, message", [
-    ("{data: prep, modle: sft, ref_logprobs: ref_logprobs}", r"pipeline\.stages\.dpo\.modle: stage dpo has no input role 'modle'; it takes data"),
-    ("{data: prep, modle: sft, ref_logprobs: ref_logprobs}", r"pipeline\.stages\.dpo: missing input role 'model' \(required, one stage\)"),
-    ("{data: prep, model: [sft, convert], ref_logprobs: ref_logprobs}", r"pipeline\.stages\.dpo\.model: takes one upstream stage, got \['sft', 'convert'\]"),
+@pytest.mark.parametrize("changed, message", [
+    ({"dpo": "{inputs: {data: prep, modle: sft, ref_logprobs: ref_logprobs}}"},
+     r"pipeline\.stages\.dpo\.inputs\.modle: stage kind dpo has no input role 'modle'; it takes data"),
+    ({"dpo": "{inputs: {data: prep, modle: sft, ref_logprobs: ref_logprobs}}"},
+     r"pipeline\.stages\.dpo\.inputs: missing input role 'model' \(required, one model output\)"),
+    ({"dpo": "{inputs: {data: prep, model: [sft, convert], ref_logprobs: ref_logprobs}}"},
+     r"pipeline\.stages\.dpo\.inputs\.model: takes one upstream stage, got \['sft', 'convert'\]"),
+    ({"dpo": "{inputs: {data: prep, model: stf, ref_logprobs: ref_logprobs}}"},
+     r"pipeline\.stages\.dpo\.inputs\.model: 'stf' is not a stage of this pipeline"),
+    ({"dpo": "{inputs: {data: convert, model: sft, ref_logprobs: ref_logprobs}}"},
+     r"pipeline\.stages\.dpo\.inputs\.data: expects a prep output; 'convert' \(convert\) gives a model output"),
+    ({"sft": "{inputs: {data: prep, model: dpo}}"}, r"pipeline\.stages: a cycle: (sft -> dpo -> sft|dpo -> sft -> dpo)"),
+    ({"dpo_again": "{inputs: {data: prep, model: sft}}"}, r"pipeline\.stages\.dpo_again: unknown stage kind 'dpo_again'"),
+    ({"dpo": "{inputs: {data: prep, model: sft, ref_logprobs: ref_logprobs}, betta: 0.2}"},
+     r"pipeline\.stages\.dpo\.betta: not a setting of stage kind dpo"),
+    ({"dpo": "{inputs: {data: prep, model: sft, ref_logprobs: ref_logprobs}, loss: {betta: 0.2}}"},
+     r"pipeline\.stages\.dpo\.loss\.betta: Key 'betta' not in 'DPOLossConfig'"),
 ])
-def test_a_wrong_input_role_fails_at_compose_naming_it(base_overrides, tmp_path, dpo, message):
-    """In a user's own pipeline file (found through Hydra's search path), before any job."""
+def test_a_wrong_pipeline_fails_at_compose_naming_the_stage(base_overrides, tmp_path, changed, message):
+    """A user's own pipeline file (found through Hydra's search path) is refused before any job."""
+    stages = "\n".join(f"    {name}: {body}" for name, body in {**WIRED, **changed}.items())
     (tmp_path / "conf" / "pipeline").mkdir(parents=True)
-    (tmp_path / "conf" / "pipeline" / "mine.yaml").write_text(USER_PIPELINE.format(dpo=dpo))
+    (tmp_path / "conf" / "pipeline" / "mine.yaml").write_text(USER_PIPELINE.format(stages=stages))
     with pytest.raises(ConfigError, match=message):
         compose("mine", [*base_overrides, f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
 
@@ -126,7 +153,7 @@ def test_code_identity_follows_formulas_not_docstrings_or_comments(tmp_path):
 
 def test_package_versions_are_part_of_identity(base_overrides):
     cfg = compose("sft_dpo", base_overrides)
-    ident = stage_identity(cfg, "sft", {"prep": "a", "convert": "b"})
+    ident = stage_identity(Pipeline.build(cfg)["sft"], {"prep": "a", "convert": "b"})
     assert set(ident["packages"]) == {"torch", "megatron-core", "transformers", "tokenizers"}
     bumped = {**ident, "packages": {**ident["packages"], "torch": "9.9.9"}}
     assert fingerprint(bumped) != fingerprint(ident)

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from alignflow import PROJECT_ROOT
 from alignflow.generation import Completion
 from alignflow.stages import grpo, sft
+from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_demo, job_args, job_env, metrics_lines, prep_demo, sft_cfg, stage_cfg, torchrun, weights  # noqa: E402
@@ -32,7 +33,7 @@ def inputs(demo_dir, tmp_path_factory):
     base = str(convert_demo(demo_dir, root / "base"))
     cfg = sft_cfg(demo_dir, micro_batch_size=8, global_batch_size=16, trainer={"max_steps": 60, "val_check_interval": 60},
                   optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4}, checkpoint={"every_n_steps": 60})
-    sft.run(OmegaConf.create(cfg), {"data": data, "model": base}, str(root / "sft"))
+    sft.run(typed(cfg), {"data": data, "model": base}, str(root / "sft"))
     return {"data": data, "model": str(root / "sft"), "ref_model": str(root / "sft")}
 
 
@@ -45,7 +46,7 @@ def grpo_cfg(demo_dir, tp: int = 1, pp: int = 1, **section) -> dict:
 
 
 def run_grpo(cfg: dict, inputs: dict, out: Path) -> dict:
-    return grpo.run(OmegaConf.create(cfg), inputs, str(out))
+    return grpo.run(typed(cfg), inputs, str(out))
 
 
 def test_grpo_trains_and_logs_every_metric(demo_dir, inputs, tmp_path):
@@ -66,7 +67,7 @@ def test_grpo_trains_and_logs_every_metric(demo_dir, inputs, tmp_path):
 
 
 def test_several_optimizer_steps_per_batch_are_off_policy_and_clipped(demo_dir, inputs, tmp_path):
-    cfg = grpo_cfg(demo_dir, num_optimizer_steps_per_batch=2, ratio_clip_min=0.01, ratio_clip_max=0.01, trainer={"max_steps": 2})
+    cfg = grpo_cfg(demo_dir, num_optimizer_steps_per_batch=2, loss={"ratio_clip_min": 0.01, "ratio_clip_max": 0.01}, trainer={"max_steps": 2})
     run_grpo(cfg, inputs, tmp_path / "out")
     lines = metrics_lines(tmp_path / "out")
     assert all(line["ratio"] != pytest.approx(1.0, abs=1e-7) for line in lines)  # the second update sees a moved policy

@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 
 from alignflow import PROJECT_ROOT
-from alignflow.config.schema import AlignConfig
+from alignflow.stages import AlignConfig
 from alignflow.stages import STAGES, worker_module
 
 HEAVY = ("torch", "megatron", "transformers")

@@ -6,14 +6,15 @@ import random
 import pytest
 import torch
 
-from alignflow.losses.preference import PreferenceLossConfig, preference_loss, sequence_logps
+from alignflow.config.schema import DPOLossConfig
+from alignflow.losses.preference import preference_loss, sequence_logps
 
 
 def log_sigmoid(x: float) -> float:
     return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
-def direct(cfg: PreferenceLossConfig, pc, pr, rc, rr, nll) -> dict:
+def direct(cfg: DPOLossConfig, pc, pr, rc, rr, nll) -> dict:
     """The formulas, pair by pair, in plain Python floats."""
     losses, rewards = [], []
     for a, b, c, d in zip(pc, pr, rc, rr):
@@ -39,11 +40,11 @@ def direct(cfg: PreferenceLossConfig, pc, pr, rc, rr, nll) -> dict:
 @pytest.mark.parametrize(
     "cfg",
     [
-        PreferenceLossConfig(loss_type="sigmoid", beta=0.1),
-        PreferenceLossConfig(loss_type="sigmoid", beta=0.5, label_smoothing=0.2),
-        PreferenceLossConfig(loss_type="ipo", beta=0.3),
-        PreferenceLossConfig(loss_type="sigmoid", beta=0.2, sft_loss_weight=0.7, preference_loss_weight=0.5),
-        PreferenceLossConfig(loss_type="ipo", beta=1.0, sft_loss_weight=1.0),
+        DPOLossConfig(loss_type="sigmoid", beta=0.1),
+        DPOLossConfig(loss_type="sigmoid", beta=0.5, label_smoothing=0.2),
+        DPOLossConfig(loss_type="ipo", beta=0.3),
+        DPOLossConfig(loss_type="sigmoid", beta=0.2, sft_loss_weight=0.7, preference_loss_weight=0.5),
+        DPOLossConfig(loss_type="ipo", beta=1.0, sft_loss_weight=1.0),
     ],
     ids=["dpo", "cdpo", "ipo", "dpo+sft", "ipo+sft"],
 )
@@ -59,7 +60,7 @@ def test_losses_and_metrics_equal_direct_formulas(cfg):
 
 def test_gradient_pushes_chosen_up_and_rejected_down():
     pc, pr = torch.tensor([-10.0], requires_grad=True), torch.tensor([-9.0], requires_grad=True)
-    preference_loss(PreferenceLossConfig(), pc, pr, torch.tensor([-10.0]), torch.tensor([-9.0])).loss.backward()
+    preference_loss(DPOLossConfig(), pc, pr, torch.tensor([-10.0]), torch.tensor([-9.0])).loss.backward()
     assert pc.grad.item() < 0 < pr.grad.item()
 
 
@@ -71,5 +72,5 @@ def test_sequence_logps_sum_or_average_over_masked_tokens():
 
 
 def test_unknown_loss_type_names_the_key():
-    with pytest.raises(ValueError, match="dpo.loss_type"):
-        preference_loss(PreferenceLossConfig(loss_type="hinge"), *[torch.zeros(2)] * 4)
+    with pytest.raises(ValueError, match="dpo.loss.loss_type"):
+        preference_loss(DPOLossConfig(loss_type="hinge"), *[torch.zeros(2)] * 4)

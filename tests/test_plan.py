@@ -78,3 +78,60 @@ def test_a_changed_package_version_reruns_every_stage(committed, tmp_path):
     planned = plan_in(PROJECT_ROOT, committed, env=env)
     assert {row["status"] for row in planned.values()} == {"run"}
     assert all("package tokenizers:" in row["reason"] and "-> 99.0.0" in row["reason"] for row in planned.values())
+
+
+NEW_KIND_MODULE = '''"""A toy stage kind: counts the rows of a prep output's SFT train split."""
+
+from alignflow.data.prepared import Prepared
+
+
+def run(cfg, inputs, out):
+    rows = Prepared(inputs["data"]).require("sft").num_rows
+    with open(f"{out}/count.txt", "w") as f:
+        f.write(str(rows * cfg.row_count.scale))
+    return {"rows": rows * cfg.row_count.scale}
+'''
+NEW_KIND_SCHEMA = '''
+
+@dataclass
+class RowCountConfig(StageBase):
+    scale: int = 1
+'''
+NEW_KIND_ENTRY = '''    "row_count": StageKind(schema.RowCountConfig, "eval", {"data": one("prep")}, headline=("rows",)),
+'''
+NEW_KIND_PIPELINE = '''# @package _global_
+# align run pipeline=count
+pipeline:
+  name: count
+  stages:
+    prep: {}
+    count: {kind: row_count, inputs: {data: prep}, scale: 3}
+'''
+RUN_PIPELINE = """
+import json, sys
+from alignflow.config.compose import compose
+from alignflow.pipeline import Pipeline
+from alignflow.runner import run_stage
+results = {}
+for stage in Pipeline.build(compose("count", sys.argv[1:])):
+    results[stage.name] = run_stage(stage, {u: results[u] for u in stage.upstream()}, log=print)
+print(json.dumps({"count": results["count"].metrics, "packs": results["prep"].metrics["sft.train.packs"]}))
+"""
+
+
+def test_a_new_stage_kind_is_its_module_its_schema_class_and_one_registry_entry(base_overrides, tmp_path):
+    """What README's "Adding a stage kind" says, done in a copy of the checkout: the kind
+    composes, plans and runs as a job, with its instance's setting."""
+    checkout = checkout_copy(tmp_path)
+    (checkout / "alignflow" / "stages" / "row_count.py").write_text(NEW_KIND_MODULE)
+    with open(checkout / "alignflow" / "config" / "schema.py", "a") as f:
+        f.write(NEW_KIND_SCHEMA)
+    edit(checkout / "alignflow" / "stages" / "__init__.py", '    "export": StageKind(', NEW_KIND_ENTRY + '    "export": StageKind(')
+    (checkout / "conf" / "pipeline" / "count.yaml").write_text(NEW_KIND_PIPELINE)
+    overrides = [*base_overrides, "data.preference=null", "data.prompts=null"]
+    planned = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=count", *overrides], cwd=checkout,
+                             capture_output=True, text=True, check=True)
+    assert [(row["stage"], row["kind"], row["status"]) for row in json.loads(planned.stdout)] == [("prep", "prep", "run"), ("count", "row_count", "run")]
+    ran = subprocess.run([sys.executable, "-c", RUN_PIPELINE, *overrides], cwd=checkout, capture_output=True, text=True, check=True)
+    counted = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert counted["count"] == {"rows": 3 * counted["packs"]} and counted["packs"] > 0

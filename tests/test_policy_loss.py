@@ -8,7 +8,8 @@ import statistics
 import pytest
 import torch
 
-from alignflow.losses.policy import GRPOLossConfig, group_advantages, policy_loss
+from alignflow.config.schema import GRPOLossConfig
+from alignflow.losses.policy import group_advantages, policy_loss
 
 
 def direct_advantages(rewards, use_rloo, normalize):

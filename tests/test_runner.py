@@ -11,15 +11,17 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from alignflow.config import compose
+from alignflow.config.compose import compose
 from alignflow.launch import StageFailed
+from alignflow.pipeline import Pipeline
 from alignflow.runner import run_stage
 
 RUN_PREP = """
 import json, sys
-from alignflow.config import compose
+from alignflow.config.compose import compose
+from alignflow.pipeline import Pipeline
 from alignflow.runner import run_stage
-result = run_stage(compose("demo", sys.argv[1:]), "prep", {}, log=lambda line: None)
+result = run_stage(Pipeline.build(compose("demo", sys.argv[1:]))["prep"], {}, log=lambda line: None)
 print(json.dumps({"cached": result.cached, "fingerprint": result.fingerprint}))
 """
 
@@ -48,17 +50,17 @@ def test_a_bad_row_fails_the_stage_naming_file_line_field_and_commits_nothing(ba
     bad.write_text('{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}\n{"messages": "oops"}\n')
     cfg = compose("demo", [*base_overrides, f"data.sft.train={bad}", "data.sft.val=null"])
     with pytest.raises(StageFailed, match=r"bad\.jsonl.*line 2.*messages"):
-        run_stage(cfg, "prep", {}, log=lambda line: None)
+        run_stage(Pipeline.build(cfg)["prep"], {}, log=lambda line: None)
     assert not list((tmp_path / "store" / "prep").glob("*/_SUCCESS.json"))
 
 
 def test_a_failed_forced_rerun_keeps_the_committed_output(base_overrides, tmp_path):
-    good = run_stage(compose("demo", base_overrides), "prep", {}, log=lambda line: None)
+    good = run_stage(Pipeline.build(compose("demo", base_overrides))["prep"], {}, log=lambda line: None)
     manifest = (tmp_path / "store" / "prep" / good.fingerprint / "_SUCCESS.json").read_text()
     # Same fingerprint (where jobs run is not identity), but the job cannot even start.
     cfg = compose("demo", [*base_overrides, "force=[prep]", "launcher.folder=/dev/null/jobs"])
     with pytest.raises(OSError):
-        run_stage(cfg, "prep", {}, log=lambda line: None)
+        run_stage(Pipeline.build(cfg)["prep"], {}, log=lambda line: None)
     assert (tmp_path / "store" / "prep" / good.fingerprint / "_SUCCESS.json").read_text() == manifest
 
 

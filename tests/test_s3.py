@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from alignflow import PROJECT_ROOT
-from alignflow.config import compose
+from alignflow.config.compose import compose
+from alignflow.worker import typed
+from alignflow.pipeline import Pipeline
 from alignflow.runner import plan, run_stage
-from alignflow.stages import as_names
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_demo, metrics_lines, prep_demo, sft_cfg  # noqa: E402
@@ -64,7 +65,7 @@ def test_prep_reads_and_commits_on_s3(s3_endpoint, demo_dir, base_overrides):
         "data.sft.val_fraction=0.1",
     ]
     cfg = compose("convert", [*overrides, "+pipeline.stages.prep={}"])
-    first = run_stage(cfg, "prep", {}, log=print)
+    first = run_stage(Pipeline.build(cfg)["prep"], {}, log=print)
     assert first.uri == f"s3://test/store/prep/{first.fingerprint}" and not first.cached
     manifest = json.loads(fs.cat_file(f"test/store/prep/{first.fingerprint}/_SUCCESS.json"))
     assert manifest["metrics"] == first.metrics
@@ -73,7 +74,7 @@ def test_prep_reads_and_commits_on_s3(s3_endpoint, demo_dir, base_overrides):
     assert not fs.exists(f"test/store/prep/_staging/{first.fingerprint}")
     assert "test-secret-value" not in json.dumps(manifest)
 
-    assert run_stage(cfg, "prep", {}, log=print).cached
+    assert run_stage(Pipeline.build(cfg)["prep"], {}, log=print).cached
 
 
 @pytest.mark.slow
@@ -92,11 +93,11 @@ def test_convert_and_export_through_s3(s3_endpoint, demo_dir, base_overrides):
         "export.destination=s3://test/published/tiny-llama",
     ]
     cfg = compose("convert", overrides)
-    assert [p.status for p in plan(cfg)] == ["run", "run"]
-    converted = run_stage(cfg, "convert", {}, log=print)
+    assert [p.status for p in plan(Pipeline.build(cfg))] == ["run", "run"]
+    converted = run_stage(Pipeline.build(cfg)["convert"], {}, log=print)
     assert fs.exists(f"test/store2/convert/{converted.fingerprint}/model/.metadata")
-    exported = run_stage(cfg, "export", {"convert": converted}, log=print)
-    assert [p.status for p in plan(cfg)] == ["committed", "committed"]
+    exported = run_stage(Pipeline.build(cfg)["export"], {"convert": converted}, log=print)
+    assert [p.status for p in plan(Pipeline.build(cfg))] == ["committed", "committed"]
     assert exported.uri.startswith("s3://test/store2/export/")
     source = load_file(demo_dir / "tiny-llama" / "model.safetensors")
     for root in (exported.uri.removeprefix("s3://"), "test/published/tiny-llama"):
@@ -130,9 +131,8 @@ def test_demo_pipeline_with_everything_on_s3(s3_endpoint, demo_dir, base_overrid
     ]
     cfg = compose("demo", overrides)
     results = {}
-    for stage, wiring in cfg.pipeline.stages.items():  # the flow's order and wiring, without Prefect
-        upstream = {name: results[name] for names in (wiring or {}).values() for name in as_names(names)}
-        results[stage] = run_stage(cfg, stage, upstream, log=print)
+    for stage in Pipeline.build(cfg):  # the flow's order and wiring, without Prefect
+        results[stage.name] = run_stage(stage, {name: results[name] for name in stage.upstream()}, log=print)
 
     sft = results["sft"]
     root = f"test/store3/sft/{sft.fingerprint}"
@@ -201,7 +201,7 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
                   trainer={"max_steps": 8, "val_check_interval": 2, "log_every_n_steps": 1},
                   checkpoint={"every_n_steps": 3, "save_top_k": 1})
     reference = tmp_path / "uninterrupted"
-    sft.run(OmegaConf.create(cfg), local, str(reference))
+    sft.run(typed(cfg), local, str(reference))
 
     out, staging = "s3://test/resume/out", "test/resume/out"
     script = tmp_path / "job.py"

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from alignflow.worker import typed
+
 SEQ_LENGTH = 64
 RANKS = Path(__file__)
 # |loss|, |grad norm|, |val loss| between runs at two layouts: fp32 rounds alike; bf16 rounds
@@ -33,7 +35,7 @@ def prep_demo(demo_dir: Path, out: Path, prompts: bool = False) -> Path:
     data = demo_dir / "data"
     spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
                    "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "prompts")}
-    prep.run(OmegaConf.create({
+    prep.run(typed({
         "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
         "data": {"sft": spec["sft"], "preference": None, "prompts": spec["prompts"] if prompts else None,
                  "seq_length": SEQ_LENGTH, "max_prompt_length": 32,
@@ -59,7 +61,7 @@ def convert_demo(demo_dir: Path, out: Path, **hf_overrides) -> Path:
         torch.manual_seed(0)
         source = out.with_name(out.name + "-hf")
         LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(source)
-    convert.run(OmegaConf.create({
+    convert.run(typed({
         "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
                   "make_vocab_size_divisible_by": 128},
         "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
@@ -100,7 +102,7 @@ def run_sft(cfg: dict, inputs: dict, out: Path) -> dict:
     """The SFT stage in this process (one rank)."""
     from alignflow.stages import sft
 
-    return sft.run(OmegaConf.create(cfg), inputs, str(out))
+    return sft.run(typed(cfg), inputs, str(out))
 
 
 def job_env() -> dict:
@@ -165,7 +167,7 @@ def main() -> int:
     inputs = {"data": args.data, "model": args.model}
     inputs |= {role: path for role, path in (("ref_logprobs", args.ref_logprobs), ("ref_model", args.ref_model)) if path}
     stage = {"sft": sft, "dpo": dpo, "grpo": grpo}[args.stage]
-    metrics = stage.run(OmegaConf.create(json.loads(Path(args.cfg).read_text())), inputs, args.out)
+    metrics = stage.run(typed(json.loads(Path(args.cfg).read_text())), inputs, args.out)
     if int(os.environ.get("RANK", 0)) == 0:
         (Path(args.out) / "result.json").write_text(json.dumps(metrics))
     return 0

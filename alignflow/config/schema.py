@@ -8,10 +8,16 @@ Knob names follow the NeMo-Aligner / NeMo-RL / NeMo Customizer / NeuronX docs.
 """
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+
+from alignflow import PROJECT_ROOT
+
+# Resolvers the defaults below use; registered wherever the schema is (orchestrator and jobs).
+OmegaConf.register_new_resolver("af.project", lambda: str(PROJECT_ROOT), replace=True)
+OmegaConf.register_new_resolver("af.mul", lambda a, b: float(a) * float(b), replace=True)
 
 
 def not_identity(default: Any = None, *, factory: Any = None):
@@ -22,17 +28,17 @@ def not_identity(default: Any = None, *, factory: Any = None):
     return field(default=default, metadata=meta)
 
 
-class LauncherName(Enum):
+class LauncherName(StrEnum):
     local = "local"
     slurm = "slurm"
 
 
-class Truncation(Enum):
+class Truncation(StrEnum):
     keep_start = "keep_start"
     keep_end = "keep_end"
 
 
-class DatasetFormat(Enum):
+class DatasetFormat(StrEnum):
     auto = "auto"
     messages = "messages"
     prompt_completion = "prompt_completion"
@@ -42,52 +48,52 @@ class DatasetFormat(Enum):
     prompt_answer = "prompt_answer"
 
 
-class OptimizerName(Enum):
+class OptimizerName(StrEnum):
     adamw = "adamw"
     adam = "adam"
 
 
-class Schedule(Enum):
+class Schedule(StrEnum):
     cosine = "cosine"
     linear = "linear"
     constant = "constant"
 
 
-class Precision(Enum):
+class Precision(StrEnum):
     auto = "auto"  # bf16 on GPU, fp32 on CPU
     fp32 = "fp32"
     bf16 = "bf16"  # bf16 weights and activations, fp32 main weights, grads reduced in fp32
 
 
-class RecomputeGranularity(Enum):
+class RecomputeGranularity(StrEnum):
     none = "none"
     selective = "selective"  # the core attention of every layer
     full = "full"  # whole layers, chosen by recompute_method
 
 
-class RecomputeMethod(Enum):
+class RecomputeMethod(StrEnum):
     uniform = "uniform"  # every layer, in chunks of recompute_num_layers layers
     block = "block"  # the first recompute_num_layers layers of each pipeline stage
 
 
-class DPOLoss(Enum):
+class DPOLoss(StrEnum):
     sigmoid = "sigmoid"
     ipo = "ipo"
 
 
-class ExportDtype(Enum):
+class ExportDtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
 
 
-class WandbMode(Enum):
+class WandbMode(StrEnum):
     online = "online"
     offline = "offline"
     disabled = "disabled"
 
 
-class MonitorMode(Enum):
+class MonitorMode(StrEnum):
     min = "min"
     max = "max"
 
@@ -185,24 +191,30 @@ class LoggingConfig:
 
 @dataclass
 class ResourcesConfig:
-    """How many ranks a stage's job gets: world size = nodes * tasks_per_node."""
+    """How many ranks a stage's job gets: world size = nodes * tasks_per_node. Where a stage
+    runs is not what it computes: not part of its identity."""
 
-    nodes: int = 1
-    tasks_per_node: int = 1
+    nodes: int = not_identity(1)
+    tasks_per_node: int = not_identity(1)
 
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
+    """How the model is laid out over the ranks. The layout is not part of a stage's identity
+    (outputs agree across layouts to float rounding: tests/test_sft.py, test_scale.py), so a
+    stage re-run at another TP/PP/DP size resumes its checkpoints resharded; the distributed
+    optimizer is (its checkpoints have another format)."""
+
+    tensor_model_parallel_size: int = not_identity(1)
+    pipeline_model_parallel_size: int = not_identity(1)
+    virtual_pipeline_model_parallel_size: Optional[int] = not_identity(None)
+    context_parallel_size: int = not_identity(1)
+    sequence_parallel: bool = not_identity(False)
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state and fp32 main weights sharded over DP
     # Overlap the gradient reduce-scatter / all-reduce with the backward pass, and (with the
     # distributed optimizer) the parameter all-gather with the next forward; null: where CUDA is.
-    overlap_grad_reduce: Optional[bool] = None
-    overlap_param_gather: Optional[bool] = None
+    overlap_grad_reduce: Optional[bool] = not_identity(None)
+    overlap_param_gather: Optional[bool] = not_identity(None)
 
 
 @dataclass
@@ -263,10 +275,11 @@ class TrainStageBase(ModelStageBase):
     optim: OptimConfig = field(default_factory=OptimConfig)
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    # Activation recompute (Megatron's names): trade compute for activation memory.
-    recompute_granularity: RecomputeGranularity = RecomputeGranularity.none
-    recompute_method: RecomputeMethod = RecomputeMethod.uniform  # with full only
-    recompute_num_layers: int = 1  # with full only: layers per chunk (uniform) or per stage (block)
+    # Activation recompute (Megatron's names): trade compute for activation memory; the same
+    # steps either way (tests/test_scale.py), so not part of identity.
+    recompute_granularity: RecomputeGranularity = not_identity(RecomputeGranularity.none)
+    recompute_method: RecomputeMethod = not_identity(RecomputeMethod.uniform)  # with full only
+    recompute_num_layers: int = not_identity(1)  # with full only: layers per chunk (uniform) or per stage (block)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -296,14 +309,22 @@ class SFTConfig(TrainStageBase):
 
 
 @dataclass
-class DPOConfig(TrainStageBase):
+class DPOLossConfig:
+    """The DPO family's loss (`alignflow.losses.preference`), NeMo-RL's names."""
+
     loss_type: DPOLoss = DPOLoss.sigmoid
-    beta: float = 0.1  # ref_policy_kl_penalty in NeMo Customizer
+    beta: float = 0.1  # reference_policy_kl_penalty in NeMo-RL, ref_policy_kl_penalty in NeMo Customizer
     label_smoothing: float = 0.0  # conservative DPO
     sft_loss_weight: float = 0.0
     preference_loss_weight: float = 1.0
     preference_average_log_probs: bool = False
     sft_average_log_probs: bool = False
+
+
+@dataclass
+class DPOConfig(TrainStageBase):
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=9e-6))
+    loss: DPOLossConfig = field(default_factory=DPOLossConfig)
 
 
 @dataclass
@@ -315,12 +336,26 @@ class RewardConfig:
 
 
 @dataclass
+class GRPOLossConfig:
+    """GRPO's clipped policy loss (`alignflow.losses.policy`), NeMo-RL's `loss_fn` names."""
+
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    ratio_clip_c: Optional[float] = None  # dual clip, > 1 (typically 3)
+    ref_policy_kl_penalty: float = 0.01  # reference_policy_kl_penalty in NeMo-RL
+    token_level_loss: bool = True
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+
+
+@dataclass
 class GRPOConfig(TrainStageBase):
     """NeMo-RL / NeMo Customizer GRPO knobs. A step is num_prompts_per_step x
     num_generations_per_prompt samples (global_batch_size is not used); its rollouts are cut
     into num_optimizer_steps_per_batch equal slices, one optimizer step each (after the first
     the policy is off the sampling policy, and the ratio clips). trainer.max_steps counts steps."""
 
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     num_prompts_per_step: int = 8
     num_generations_per_prompt: int = 4
     num_optimizer_steps_per_batch: int = 1
@@ -332,13 +367,7 @@ class GRPOConfig(TrainStageBase):
     normalize_rewards: bool = True
     use_rloo: bool = True
     overlong_filtering: bool = False
-    ref_policy_kl_penalty: float = 0.01
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    ratio_clip_c: Optional[float] = None
-    token_level_loss: bool = True
-    use_on_policy_kl_approximation: bool = False
-    use_importance_sampling_correction: bool = False
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     # Accepted so NeMo-RL configs load; no effect: log-probs come from Megatron's fused
     # vocab-parallel cross entropy in one pass.
     logprob_chunk_size: int = not_identity(1024)
@@ -365,14 +394,18 @@ class ExportConfig(StageBase):
 
 @dataclass
 class PipelineConfig:
-    """A pipeline is data: stage name -> {input role: upstream stage name(s)}, in run order."""
+    """A pipeline is data: instance name -> {kind, inputs: {role: upstream name(s)}, and
+    overrides of that kind's section or of what it reads}; see `alignflow.pipeline`."""
 
     name: str = MISSING
     stages: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
-class AlignConfig:
+class AlignBase:
+    """The shared sections; `alignflow.config.compose.AlignConfig` adds one section per stage
+    kind of the registry (`alignflow.stages.STAGES`), typed by the kind's schema."""
+
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -381,11 +414,3 @@ class AlignConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     force: List[str] = not_identity(factory=list)
-    prep: PrepConfig = field(default_factory=PrepConfig)
-    convert: ConvertConfig = field(default_factory=ConvertConfig)
-    ref_logprobs: RefLogprobsConfig = field(default_factory=RefLogprobsConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    dpo: DPOConfig = field(default_factory=lambda: DPOConfig(optim=OptimConfig(lr=9e-6)))
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(optim=OptimConfig(lr=1e-6)))
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)

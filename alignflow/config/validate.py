@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from alignflow.config.schema import RecomputeGranularity, RecomputeMethod
 from alignflow.convert.llama import ModelShape, model_shape
+from alignflow.pipeline import Pipeline, PipelineError, Stage
 from alignflow.rewards import resolve
-from alignflow.stages import STAGES, as_names
 from alignflow.store import options_for
 
 
@@ -20,105 +20,77 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the offending keys."""
 
 
-def validate(cfg: DictConfig, check_paths: bool = True) -> None:
+def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
+    """The pipeline of `cfg`, or ConfigError naming every problem of it and of its stages."""
+    try:
+        pipeline = Pipeline.build(cfg)
+    except PipelineError as err:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in err.problems)) from None
     problems: list[str] = []
-    problems += _check_pipeline(cfg)
-    uses_model = any("parallel" in cfg[stage] for stage in cfg.pipeline.stages if stage in STAGES)
-    shape = _model_shape(cfg, problems) if check_paths and uses_model else None
-    for stage in cfg.pipeline.stages:
-        if stage in STAGES:
-            problems += _check_stage(cfg, stage, shape)
-    problems += _check_data(cfg, check_paths)
+    shapes: dict[str, ModelShape | None] = {}
+    for stage in pipeline:
+        key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"
+        shape = _model_shape(stage.cfg, problems, shapes) if check_paths and "parallel" in stage.section else None
+        problems += _check_stage(stage, key, shape)
+        if stage.kind == "prep":
+            problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
     if problems:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in dict.fromkeys(problems)))
+    return pipeline
 
 
-def _check_pipeline(cfg: DictConfig) -> list[str]:
-    problems, seen = [], []
-    if not cfg.pipeline.stages:
-        problems.append("pipeline.stages: empty pipeline")
-    for stage, inputs in cfg.pipeline.stages.items():
-        key = f"pipeline.stages.{stage}"
-        if stage not in STAGES:
-            problems.append(f"{key}: unknown stage; known stages: {', '.join(STAGES)}")
-        else:
-            problems += _check_roles(key, stage, dict(inputs or {}))
-        for role, upstream in (inputs or {}).items():
-            for up in as_names(upstream):
-                if up not in seen:
-                    problems.append(f"{key}.{role}: '{up}' is not a stage listed before '{stage}'")
-        seen.append(stage)
-    for name in cfg.force:
-        if name not in cfg.pipeline.stages:
-            problems.append(f"force: '{name}' is not a stage of pipeline '{cfg.pipeline.name}' ({', '.join(cfg.pipeline.stages)})")
-    return problems
-
-
-def _check_roles(key: str, stage: str, wiring: dict) -> list[str]:
-    """The wiring against the input roles the stage declares (`alignflow.stages.STAGES`)."""
-    declared, problems = STAGES[stage].inputs, []
-    takes = ", ".join(f"{role} ({spec.describe()})" for role, spec in declared.items()) or "no inputs"
-    for role, upstream in wiring.items():
-        if role not in declared:
-            problems.append(f"{key}.{role}: stage {stage} has no input role '{role}'; it takes {takes}")
-        elif not declared[role].many and not isinstance(upstream, str):
-            problems.append(f"{key}.{role}: takes one upstream stage, got {list(upstream)}")
-    for role, spec in declared.items():
-        if spec.required and role not in wiring:
-            problems.append(f"{key}: missing input role '{role}' ({spec.describe()}); stage {stage} takes {takes}")
-    return problems
-
-
-def _model_shape(cfg: DictConfig, problems: list[str]) -> ModelShape | None:
+def _model_shape(cfg: DictConfig, problems: list[str], seen: dict) -> ModelShape | None:
     """The model's shape from the HF config.json of `model.source` (or `model.hf_config`)."""
     key = "model.hf_config" if cfg.model.hf_config else "model.source"
     uri = f"{OmegaConf.select(cfg, key).rstrip('/')}/config.json"
+    if uri in seen:
+        return seen[uri]
+    seen[uri] = None
     try:
         with fsspec.open(uri, "r", **options_for(uri, cfg)) as f:
-            return model_shape(json.load(f))
+            seen[uri] = model_shape(json.load(f))
     except FileNotFoundError:
         hint = "; a Megatron/NeMo source needs model.hf_config" if key == "model.source" else ""
         problems.append(f"{key}: {uri} does not exist (for the demo model run `align demo` first{hint})")
     except (OSError, ValueError) as err:
         problems.append(f"{key}: {uri}: {err}")
-    return None
+    return seen[uri]
 
 
-def _check_stage(cfg: DictConfig, stage: str, shape: ModelShape | None) -> list[str]:
-    section = cfg[stage]
+def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
+    section, kind = stage.section, stage.kind
     problems = []
     world = section.resources.nodes * section.resources.tasks_per_node
     if world < 1:
-        problems.append(f"{stage}.resources: nodes * tasks_per_node must be >= 1")
-        return problems
+        return [f"{key}.resources: nodes * tasks_per_node must be >= 1"]
     if "parallel" in section:
-        problems += _check_parallel(stage, section, world, shape)
+        problems += _check_parallel(kind, key, section, world, shape)
     if "optim" in section:
-        problems += _check_optim(stage, section)
+        problems += _check_optim(key, section)
     if "recompute_granularity" in section:
-        problems += _check_recompute(stage, section, shape)
-    if stage == "dpo":
-        if section.beta <= 0:
-            problems.append(f"dpo.beta: must be > 0, got {section.beta}")
-        if not 0 <= section.label_smoothing < 0.5:
-            problems.append(f"dpo.label_smoothing: must be in [0, 0.5), got {section.label_smoothing}")
-    if stage == "grpo":
-        problems += _check_grpo(section)
-    if stage == "eval" and (world != 1 or section.parallel.tensor_model_parallel_size * section.parallel.pipeline_model_parallel_size != 1):
-        problems.append("eval.resources / eval.parallel: eval runs on one rank (TP1, PP1); generation at TP/PP > 1 is not built")
+        problems += _check_recompute(key, section, shape)
+    if kind == "dpo":
+        if section.loss.beta <= 0:
+            problems.append(f"{key}.loss.beta: must be > 0, got {section.loss.beta}")
+        if not 0 <= section.loss.label_smoothing < 0.5:
+            problems.append(f"{key}.loss.label_smoothing: must be in [0, 0.5), got {section.loss.label_smoothing}")
+    if kind == "grpo":
+        problems += _check_grpo(key, section)
+    if kind == "eval" and (world != 1 or section.parallel.tensor_model_parallel_size * section.parallel.pipeline_model_parallel_size != 1):
+        problems.append(f"{key}.resources / {key}.parallel: eval runs on one rank (TP1, PP1); generation at TP/PP > 1 is not built")
     return problems
 
 
-def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelShape | None) -> list[str]:
+def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, shape: ModelShape | None) -> list[str]:
     par, problems = section.parallel, []
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
-    key = f"{stage}.parallel"
+    key = f"{stage_key}.parallel"
     if min(tp, pp, cp) < 1:
         return [f"{key}: parallel sizes must be >= 1"]
     if world % (tp * pp * cp):
         problems.append(
             f"{key}: tensor ({tp}) x pipeline ({pp}) x context ({cp}) = {tp * pp * cp} does not divide the world size "
-            f"{stage}.resources.nodes x tasks_per_node = {world}"
+            f"{stage_key}.resources.nodes x tasks_per_node = {world}"
         )
     dp = max(world // (tp * pp * cp), 1)
     if cp > 1:
@@ -138,31 +110,31 @@ def _check_parallel(stage: str, section: DictConfig, world: int, shape: ModelSha
         if shape.num_layers % (pp * (vpp or 1)):
             problems.append(f"{key}.pipeline_model_parallel_size: {pp} x virtual {vpp or 1} does not divide the model's {shape.num_layers} layers (model.source)")
     if section.micro_batch_size < 1:
-        problems.append(f"{stage}.micro_batch_size: must be >= 1")
-    elif stage == "grpo":
-        problems += grpo_batch_problems(section, dp)
+        problems.append(f"{stage_key}.micro_batch_size: must be >= 1")
+    elif kind == "grpo":
+        problems += grpo_batch_problems(section, dp, stage_key)
     elif "global_batch_size" in section and section.global_batch_size % (section.micro_batch_size * dp):
         problems.append(
-            f"{stage}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
+            f"{stage_key}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
             f"x data-parallel size ({dp})"
         )
     return problems
 
 
-def grpo_batch_problems(section: DictConfig, dp: int) -> list[str]:
+def grpo_batch_problems(section: DictConfig, dp: int, key: str = "grpo") -> list[str]:
     """GRPO's batch is num_prompts_per_step x num_generations_per_prompt samples (global_batch_size
     is unused); checked at compose time and again by the trainer, which knows its DP size."""
     if section.num_prompts_per_step % dp:
-        return [f"grpo.num_prompts_per_step: {section.num_prompts_per_step} is not divisible by the data-parallel size ({dp})"]
+        return [f"{key}.num_prompts_per_step: {section.num_prompts_per_step} is not divisible by the data-parallel size ({dp})"]
     samples = section.num_prompts_per_step // dp * section.num_generations_per_prompt
     if samples % (section.num_optimizer_steps_per_batch * section.micro_batch_size):
-        return [f"grpo.micro_batch_size: the {samples} samples per data-parallel rank and step (num_prompts_per_step / DP x "
+        return [f"{key}.micro_batch_size: the {samples} samples per data-parallel rank and step (num_prompts_per_step / DP x "
                 f"num_generations_per_prompt) do not split into num_optimizer_steps_per_batch ({section.num_optimizer_steps_per_batch}) "
                 f"x micro_batch_size ({section.micro_batch_size})"]
     return []
 
 
-def _check_optim(stage: str, section: DictConfig) -> list[str]:
+def _check_optim(stage: str, section: DictConfig) -> list[str]:  # stage: the section's key
     optim, trainer, problems = section.optim, section.trainer, []
     if optim.lr <= 0:
         problems.append(f"{stage}.optim.lr: must be > 0")
@@ -191,49 +163,49 @@ def _check_recompute(stage: str, section: DictConfig, shape: ModelShape | None) 
     return []
 
 
-def _check_grpo(section: DictConfig) -> list[str]:
+def _check_grpo(key: str, section: DictConfig) -> list[str]:
     problems = []
-    if section.ratio_clip_c is not None and section.ratio_clip_c <= 1:
-        problems.append(f"grpo.ratio_clip_c: must be > 1 (typically 3) or null, got {section.ratio_clip_c}")
+    if section.loss.ratio_clip_c is not None and section.loss.ratio_clip_c <= 1:
+        problems.append(f"{key}.loss.ratio_clip_c: must be > 1 (typically 3) or null, got {section.loss.ratio_clip_c}")
     if section.generation_temperature < 0:
-        problems.append("grpo.generation_temperature: must be >= 0 (0 = greedy)")
+        problems.append(f"{key}.generation_temperature: must be >= 0 (0 = greedy)")
     if not 0 < section.generation_top_p <= 1:
-        problems.append("grpo.generation_top_p: must be in (0, 1]")
+        problems.append(f"{key}.generation_top_p: must be in (0, 1]")
     if section.generation_top_k is not None and section.generation_top_k < 1:
-        problems.append("grpo.generation_top_k: must be >= 1 or null")
+        problems.append(f"{key}.generation_top_k: must be >= 1 or null")
     if section.num_generations_per_prompt < 2 and (section.use_rloo or section.normalize_rewards):
-        problems.append("grpo.num_generations_per_prompt: group baselines need at least 2 generations per prompt")
+        problems.append(f"{key}.num_generations_per_prompt: group baselines need at least 2 generations per prompt")
     if not section.environment:
-        problems.append("grpo.environment: needs at least one reward function")
+        problems.append(f"{key}.environment: needs at least one reward function")
     for i, reward in enumerate(section.environment):
         try:
             resolve(reward.name)
         except ValueError as err:
-            problems.append(f"grpo.environment[{i}].name: {err}")
+            problems.append(f"{key}.environment[{i}].name: {err}")
     return problems
 
 
-def _check_data(cfg: DictConfig, check_paths: bool) -> list[str]:
+def _check_data(cfg: DictConfig, instance_key: str, check_paths: bool) -> list[str]:
+    """A prep instance's data (`cfg` is the root config as it sees it)."""
     data, problems = cfg.data, []
+    at = f"{instance_key}.data" if instance_key else "data"
     if data.seq_length < 2:
-        problems.append(f"data.seq_length: must be >= 2, got {data.seq_length}")
+        problems.append(f"{at}.seq_length: must be >= 2, got {data.seq_length}")
     if not 0 < data.max_prompt_length < data.seq_length:
-        problems.append(f"data.max_prompt_length: {data.max_prompt_length} must be in [1, data.seq_length={data.seq_length})")
-    if "prep" not in cfg.pipeline.stages:
-        return problems
+        problems.append(f"{at}.max_prompt_length: {data.max_prompt_length} must be in [1, data.seq_length={data.seq_length})")
     if check_paths and not _exists(cfg.model.tokenizer, cfg):
         problems.append(f"model.tokenizer: {cfg.model.tokenizer} does not exist (for the demo tokenizer run `align demo` first)")
     kinds = [kind for kind in ("sft", "preference", "prompts") if data[kind] is not None]
     if not kinds:
-        problems.append("data: prep needs at least one of data.sft, data.preference, data.prompts")
+        problems.append(f"{at}: prep needs at least one of data.sft, data.preference, data.prompts")
     for kind in kinds:
         spec = data[kind]
         if not 0 <= spec.val_fraction < 1:
-            problems.append(f"data.{kind}.val_fraction: must be in [0, 1)")
+            problems.append(f"{at}.{kind}.val_fraction: must be in [0, 1)")
         for split in ("train", "val"):
             uri = spec[split]
             if check_paths and uri is not None and not _exists(uri, cfg):
-                problems.append(f"data.{kind}.{split}: {uri} does not exist")
+                problems.append(f"{at}.{kind}.{split}: {uri} does not exist")
     return problems
 
 

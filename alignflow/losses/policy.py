@@ -22,16 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class GRPOLossConfig:
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    ratio_clip_c: float | None = None
-    ref_policy_kl_penalty: float = 0.01
-    token_level_loss: bool = True
-    use_on_policy_kl_approximation: bool = False
-    use_importance_sampling_correction: bool = False
+from alignflow.config.schema import GRPOLossConfig
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("sigmoid", "ipo")
-
-
-@dataclass(frozen=True)
-class PreferenceLossConfig:
-    loss_type: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    sft_loss_weight: float = 0.0
-    preference_loss_weight: float = 1.0
-    preference_average_log_probs: bool = False
-    sft_average_log_probs: bool = False
+from alignflow.config.schema import DPOLoss, DPOLossConfig
 
 
 @dataclass(frozen=True)
@@ -52,7 +41,7 @@ def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, average: bool)
 
 
 def preference_loss(
-    cfg: PreferenceLossConfig,
+    cfg: DPOLossConfig,
     policy_chosen: torch.Tensor,
     policy_rejected: torch.Tensor,
     ref_chosen: torch.Tensor,
@@ -61,10 +50,10 @@ def preference_loss(
 ) -> PreferenceLoss:
     """The loss and metrics for a batch of pairs ([pairs] tensors); `chosen_nll` is the
     chosen responses' negative log-likelihood ([pairs], reduced per `sft_average_log_probs`)."""
-    if cfg.loss_type not in LOSS_TYPES:
-        raise ValueError(f"dpo.loss_type: {cfg.loss_type!r} is not one of {LOSS_TYPES}")
+    if cfg.loss_type not in tuple(DPOLoss):
+        raise ValueError(f"dpo.loss.loss_type: {cfg.loss_type!r} is not one of {[t.value for t in DPOLoss]}")
     h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
-    if cfg.loss_type == "sigmoid":
+    if cfg.loss_type == DPOLoss.sigmoid:
         per_pair = -(1 - cfg.label_smoothing) * F.logsigmoid(cfg.beta * h) - cfg.label_smoothing * F.logsigmoid(-cfg.beta * h)
     else:
         per_pair = (h - 1 / (2 * cfg.beta)) ** 2

@@ -1,41 +1,69 @@
-"""The stage registry: pure data, importable without torch.
+"""The stage registry: one entry per stage kind, pure data, importable without torch.
 
-The same word names the stage everywhere: this table, the config section, the worker
-module `alignflow.stages.<name>`, the Prefect task and the store prefix `{root}/<name>/`.
+The same word names a kind everywhere: this table, its config section and schema class, and
+its worker module `alignflow.stages.<kind>`. A pipeline holds named *instances* of kinds
+(`alignflow.pipeline`); the instance name is what the flow, the store and the UI show.
 
-- `inputs`: the input roles the stage takes, each required or optional, one upstream stage or
-  a list of them; a pipeline is checked against them at compose time, and the fingerprint
-  hashes `{role: upstream fingerprint}`. (What version of the code made an output is not
-  declared here: `alignflow.fingerprint` digests the source of the stage's modules.)
-- `reads`: the config paths the stage reads besides its own section; they form its
-  config slice, hence its identity.
+- `schema`: the kind's config dataclass (`alignflow.config.schema`); the root config
+  (`AlignConfig`) gets one section of it per kind, and each instance's effective config is
+  typed by it.
+- `output`: the format of its output (`OUTPUTS`), read by one reader beside its writer.
+- `inputs`: the input roles it takes, each with the output format it expects, required or
+  optional, one upstream stage or a list; a pipeline is checked against them at compose time,
+  and the fingerprint hashes `{role: upstream fingerprint}`. (Which version of the code made an
+  output is not declared here: `alignflow.fingerprint` digests the source of its modules.)
+- `headline`: the metrics its summary and artifact lead with (fnmatch patterns).
+- `reads`: the config paths it reads besides its own section; they form its config slice,
+  hence its identity, and an instance may override them (e.g. a second prep's `data`).
 - `context`: config paths the job also receives but that never change its output (logging,
-  wandb, the local cache for object-store inputs), so they stay out of its identity;
+  wandb, the local cache for object-store inputs), so they stay out of its identity.
 - `sources`: config paths holding URIs of external inputs (data files, checkpoints,
-  tokenizers); their content identity is part of the fingerprint, so a changed file is
-  never served from cache.
+  tokenizers); their content identity is part of the fingerprint.
 - `resumable`: training stages checkpoint in their staging area and resume from it when
   retried, so their staging is kept between attempts; other stages start clean.
+
+Adding a kind: its module `alignflow/stages/<kind>.py` with `run(cfg, inputs, out)`, its
+schema class, and one entry here.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
+
+from alignflow.config import schema
+
+# Output formats (README "Stages and the store"): where each is written and read.
+OUTPUTS = {
+    "prep": "Parquet token tables + metadata.json (alignflow.data.prepared)",
+    "model": "Megatron torch_dist model/ + hf/ + tokenizer/ (alignflow.checkpoint)",
+    "ref_logprobs": "Parquet per-pair reference log-probs (alignflow.stages.ref_logprobs)",
+    "eval": "eval.json: metrics per model and samples (alignflow.stages.eval)",
+    "hf": "HF safetensors shards + config + tokenizer (alignflow.stages.export)",
+}
 
 
 @dataclass(frozen=True)
 class Role:
+    output: str  # the output format it expects
     required: bool = True
     many: bool = False  # a list of upstream stages
 
     def describe(self) -> str:
-        return f"{'required' if self.required else 'optional'}, {'a list of stages' if self.many else 'one stage'}"
+        return f"{'required' if self.required else 'optional'}, {'a list of' if self.many else 'one'} {self.output} output{'s' if self.many else ''}"
 
 
-ONE, OPTIONAL, LIST = Role(), Role(required=False), Role(required=False, many=True)
+def one(output: str) -> Role:
+    return Role(output)
+
+
+def many(output: str) -> Role:
+    return Role(output, required=False, many=True)
 
 
 @dataclass(frozen=True)
-class StageSpec:
+class StageKind:
+    schema: type
+    output: str
     inputs: dict[str, Role] = field(default_factory=dict)
+    headline: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
     context: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
@@ -43,22 +71,37 @@ class StageSpec:
 
 
 _CACHE = ("store.cache_dir",)  # where a job downloads input models from object stores (and trains)
+_TRAINING = ("logging", *_CACHE)
 _DATA_SOURCES = tuple(f"data.{kind}.{split}" for kind in ("sft", "preference", "prompts") for split in ("train", "val"))
+_TRAIN_HEADLINE = ("train_loss", "val_loss", "steps", "tokens_per_s")
 
-STAGES: dict[str, StageSpec] = {
-    "prep": StageSpec(reads=("data", "model.tokenizer", "model.chat_template"), sources=_DATA_SOURCES + ("model.tokenizer",)),
-    "convert": StageSpec(reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer")),
-    "ref_logprobs": StageSpec({"data": ONE, "model": ONE}, reads=("model",), context=_CACHE),
-    "sft": StageSpec({"data": ONE, "model": ONE}, reads=("model",), context=("logging", *_CACHE), resumable=True),
-    "dpo": StageSpec({"data": ONE, "model": ONE, "ref_logprobs": ONE}, reads=("model",), context=("logging", *_CACHE), resumable=True),
-    "grpo": StageSpec({"data": ONE, "model": ONE, "ref_model": OPTIONAL}, reads=("model",), context=("logging", *_CACHE), resumable=True),
-    "eval": StageSpec({"data": ONE, "model": ONE, "baselines": LIST}, reads=("model",), context=_CACHE),
-    "export": StageSpec({"model": ONE}),
+STAGES: dict[str, StageKind] = {
+    "prep": StageKind(schema.PrepConfig, "prep", headline=("*.train.rows", "*.train.packing_efficiency", "*.train.tokens"),
+                      reads=("data", "model.tokenizer", "model.chat_template"), sources=(*_DATA_SOURCES, "model.tokenizer")),
+    "convert": StageKind(schema.ConvertConfig, "model", headline=("architecture", "parameters", "megabytes", "mb_per_s"),
+                         reads=("model",), sources=("model.source", "model.hf_config", "model.tokenizer")),
+    "ref_logprobs": StageKind(schema.RefLogprobsConfig, "ref_logprobs", {"data": one("prep"), "model": one("model")},
+                              headline=("train.pairs", "val.pairs", "train.mean_chosen_logp"), reads=("model",), context=_CACHE),
+    "sft": StageKind(schema.SFTConfig, "model", {"data": one("prep"), "model": one("model")}, headline=_TRAIN_HEADLINE,
+                     reads=("model",), context=_TRAINING, resumable=True),
+    "dpo": StageKind(schema.DPOConfig, "model", {"data": one("prep"), "model": one("model"), "ref_logprobs": one("ref_logprobs")},
+                     headline=("val_reward_accuracy", *_TRAIN_HEADLINE), reads=("model",), context=_TRAINING, resumable=True),
+    "grpo": StageKind(schema.GRPOConfig, "model", {"data": one("prep"), "model": one("model"), "ref_model": one("model")},
+                      headline=("reward_first_tenth", "reward_last_tenth", "accuracy", "steps"),
+                      reads=("model",), context=_TRAINING, resumable=True),
+    "eval": StageKind(schema.EvalConfig, "eval", {"data": one("prep"), "model": one("model"), "baselines": many("model")},
+                      headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"), reads=("model",), context=_CACHE),
+    "export": StageKind(schema.ExportConfig, "hf", {"model": one("model")}, headline=("architecture", "dtype", "shards", "destination")),
 }
 
 
-def worker_module(stage: str) -> str:
-    return f"alignflow.stages.{stage}"
+# The root config's schema: the shared sections plus one section per kind, typed by its schema.
+AlignConfig = make_dataclass("AlignConfig", [(kind, spec.schema, field(default_factory=spec.schema)) for kind, spec in STAGES.items()],
+                             bases=(schema.AlignBase,))
+
+
+def worker_module(kind: str) -> str:
+    return f"alignflow.stages.{kind}"
 
 
 def as_names(upstream) -> list[str]:

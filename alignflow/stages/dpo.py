@@ -18,8 +18,8 @@ import json
 import fsspec
 import torch
 
-from alignflow.losses import from_section
-from alignflow.losses.preference import PreferenceLoss, PreferenceLossConfig, preference_loss
+from alignflow.config.schema import DPOLossConfig
+from alignflow.losses.preference import PreferenceLoss, preference_loss
 from alignflow.stages.sft import sft_forward
 from alignflow.train.engine import LossTerms, Objective, TrainData, run_training_stage
 from alignflow.train.preference import load_pairs
@@ -27,7 +27,7 @@ from alignflow.train.preference import load_pairs
 METRICS = tuple(name for name in PreferenceLoss.__dataclass_fields__ if name != "loss")
 
 
-def dpo_objective(cfg: PreferenceLossConfig) -> Objective:
+def dpo_objective(cfg: DPOLossConfig) -> Objective:
     def loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
         out = pair_loss(cfg, per_token, batch)
         n = batch["ref_chosen_logp"].shape[0]
@@ -37,7 +37,7 @@ def dpo_objective(cfg: PreferenceLossConfig) -> Objective:
     return Objective(forward=sft_forward, loss=loss, metric_names=METRICS)
 
 
-def pair_loss(cfg: PreferenceLossConfig, per_token: torch.Tensor, batch: dict) -> PreferenceLoss:
+def pair_loss(cfg: DPOLossConfig, per_token: torch.Tensor, batch: dict) -> PreferenceLoss:
     """The preference loss of a micro batch (chosen rows, then rejected rows) from per-token NLL."""
     mask = batch["loss_mask"]
     n = batch["ref_chosen_logp"].shape[0]
@@ -68,5 +68,5 @@ def load_data(data_uri: str, reference_uri: str) -> TrainData:
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    objective = dpo_objective(from_section(PreferenceLossConfig, cfg.dpo))
+    objective = dpo_objective(cfg.dpo.loss)
     return run_training_stage("dpo", cfg, inputs, load_data(inputs["data"], inputs["ref_logprobs"]), objective, out)

@@ -33,7 +33,6 @@ from alignflow.train.data import list_column, packed_rows, read_split
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.eval")
-HEADLINE = ("accuracy", "preference_accuracy", "val_loss", "perplexity")
 SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
                "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
 
@@ -44,7 +43,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     tokenizer = meta["tokenizer"]
     pad_id = tokenizer["pad_token_id"] if tokenizer["pad_token_id"] is not None else tokenizer["eos_token_id"]
     runtime.init_parallel(SINGLE_RANK, seed=0)
-    models = {_stage_name(uri): uri for uri in [inputs["model"], *inputs.get("baselines", [])]}
+    models = {_stage_name(uri): uri for uri in [inputs["model"], *inputs["baselines"]]}
     metrics, samples = {}, {}
     try:
         for name, uri in models.items():
@@ -54,7 +53,6 @@ def run(cfg, inputs: dict, out: str) -> dict:
             log.info("%s: %s", name, results)
     finally:
         runtime.teardown()
-    metrics = {k: metrics[k] for k in sorted(metrics, key=lambda k: HEADLINE.index(k.split(".")[-1]))}  # accuracies lead summaries
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     fs.pipe(f"{root.rstrip('/')}/eval.json", json.dumps({"metrics": metrics, "samples": samples}, indent=2).encode())

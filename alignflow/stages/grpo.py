@@ -45,8 +45,8 @@ from transformers import AutoTokenizer
 from alignflow.checkpoint import MODEL_DIR, TOKENIZER_DIR
 from alignflow.config.validate import grpo_batch_problems
 from alignflow.generation import Completion, Sampling, generate
-from alignflow.losses import from_section
-from alignflow.losses.policy import GRPOLossConfig, group_advantages, policy_loss
+from alignflow.config.schema import GRPOLossConfig
+from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match, resolve
@@ -175,7 +175,7 @@ class GRPOTrainer(Trainer):
                                  temperature=cfg.generation_temperature, top_p=cfg.generation_top_p, top_k=cfg.generation_top_k)
         self.rewards = [(resolve(r.name), dict(r.kwargs or {})) for r in cfg.environment]
         self.ref_chunks = None
-        if cfg.ref_policy_kl_penalty > 0:
+        if cfg.loss.ref_policy_kl_penalty > 0:
             built = build_gpt(self.hf_config, cfg.parallel, params_dtype=self.dtype,
                               make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by)
             self.ref_chunks = built if isinstance(built, list) else [built]
@@ -246,7 +246,7 @@ def load_data(data_uri: str) -> TrainData:
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    objective = grpo_objective(from_section(GRPOLossConfig, cfg.grpo))
-    ref_model = local_model(inputs.get("ref_model", inputs["model"]), cache_dir(cfg))
+    objective = grpo_objective(cfg.grpo.loss)
+    ref_model = local_model(inputs["ref_model"], cache_dir(cfg))
     return run_training_stage("grpo", cfg, inputs, load_data(inputs["data"]), objective, out,
                               trainer_class=GRPOTrainer, ref_model=str(ref_model))

@@ -24,42 +24,30 @@ rows are tokenized one at a time; string message contents only (no multimodal pa
 tool-call fields); a NeMo prompt is treated as user text and goes through the chat
 template, so an already templated NeMo prompt would be templated twice.
 
-Output under `out` (Parquet, shards of prep.rows_per_shard rows, `{split}-{i:05d}.parquet`,
-split in train/val; a split that exists has at least one shard, maybe empty):
-- sft/: input_ids list<int32>; loss_mask list<int8> (1 = predict this token);
-  cu_seqlens list<int32> (document offsets in the row: 0, ..., len(input_ids));
-  sample_ids list<int64> (source row of each document). Unpacked rows hold one document.
-- preference/: sample_id int64; prompt_length int32 (shared prompt tokens at the start of
-  both sequences); chosen_input_ids, rejected_input_ids list<int32>; chosen_loss_mask,
-  rejected_loss_mask list<int8>.
-- prompts/: sample_id int64; prompt_ids list<int32> (ends with the generation prompt);
-  prompt string (the rendered text of prompt_ids); answer string (the ground truth).
-- metadata.json: per dataset and split the counts (rows_in, rows, skipped_rows,
-  truncated_rows, no_loss_rows, tokens, loss_tokens; packed SFT also packs,
-  packing_efficiency, packs_lower_bound, efficiency_upper_bound), the format used, and
-  the tokenizer's vocab size and bos/eos/pad ids.
+Output under `out`: the format of `alignflow.data.prepared` (Parquet shards of
+prep.rows_per_shard rows per dataset and split, and metadata.json with per dataset and split
+the counts (rows_in, rows, skipped_rows, truncated_rows, no_loss_rows, tokens, loss_tokens;
+packed SFT also packs, packing_efficiency, packs_lower_bound, efficiency_upper_bound), the
+format used, and the tokenizer's vocab size and bos/eos/pad ids).
 sample_id is the 0-based index of the row in its source (files in sorted order); a val
 split cut from train keeps the train source's indices.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from itertools import chain
 
-import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from alignflow.data.formats import Chat, PreferencePair, PromptAnswer, RowError, check_format, detect_format, parse_row
 from alignflow.data.packing import pack_bfd, packing_stats
+from alignflow.data.prepared import SCHEMAS, write_metadata, write_split
 from alignflow.data.readers import Record, read_records
 from alignflow.data.tokenize import ChatEncoder, load_tokenizer, truncate
 
 KINDS = ("sft", "preference", "prompts")
-HEADLINE = ("train.rows", "train.packing_efficiency", "train.tokens")
 
 
 @dataclass
@@ -76,9 +64,6 @@ class Counts:
 def run(cfg, inputs: dict[str, str], out: str) -> dict:
     """Build every requested dataset into `out`; returns flat headline metrics."""
     encoder = ChatEncoder(load_tokenizer(cfg.model.tokenizer, cfg.model.chat_template))
-    fs, root = fsspec.core.url_to_fs(out)
-    root = root.rstrip("/")
-    fs.makedirs(root, exist_ok=True)
     meta = {
         "tokenizer": tokenizer_info(encoder.tokenizer),
         "seq_length": cfg.data.seq_length,
@@ -86,18 +71,11 @@ def run(cfg, inputs: dict[str, str], out: str) -> dict:
     }
     metrics = {}
     for kind in (k for k in KINDS if cfg.data[k] is not None):
-        meta[kind] = prepare(kind, cfg, encoder, fs, f"{root}/{kind}")
+        meta[kind] = prepare(kind, cfg, encoder, out)
         for split, stats in meta[kind]["splits"].items():
             metrics |= {f"{kind}.{split}.{k}": v for k, v in stats.items()}
-    with fs.open(f"{root}/metadata.json", "wb") as f:
-        f.write((json.dumps(meta, indent=2) + "\n").encode())
-    return headline_first(metrics)
-
-
-def headline_first(metrics: dict) -> dict:
-    """Rows, packing efficiency and tokens of each train split lead, for summaries that show a few."""
-    lead = [k for suffix in HEADLINE for k in metrics if k.endswith(suffix) and k.count(".") == 2]
-    return {k: metrics[k] for k in lead} | metrics
+    write_metadata(out, meta)
+    return metrics
 
 
 def tokenizer_info(tokenizer) -> dict:
@@ -112,7 +90,7 @@ def tokenizer_info(tokenizer) -> dict:
 # ---------------------------------------------------------------- one dataset
 
 
-def prepare(kind: str, cfg, encoder: ChatEncoder, fs, dest: str) -> dict:
+def prepare(kind: str, cfg, encoder: ChatEncoder, out: str) -> dict:
     spec = cfg.data[kind]
     splits = load_splits(spec, cfg.data.seed)
     fmt = resolve_format(kind, spec, sorted(chain(*splits.values()), key=lambda r: r[0]))
@@ -121,7 +99,7 @@ def prepare(kind: str, cfg, encoder: ChatEncoder, fs, dest: str) -> dict:
         context = f"data.{kind}.{'val' if split == 'val' and spec.val is not None else 'train'}"
         items, counts = encode_split(kind, fmt, records, cfg, encoder, context)
         table, extra = TABLES[kind](items, counts, cfg)
-        write_shards(fs, dest, split, table, cfg.prep.rows_per_shard)
+        write_split(out, kind, split, table, cfg.prep.rows_per_shard)
         info["splits"][split] = asdict(counts) | extra
     if kind == "sft":
         info["packed"] = bool(cfg.data.packing)
@@ -247,58 +225,34 @@ def sft_table(items: list, counts: Counts, cfg) -> tuple[pa.Table, dict]:
         del extra["tokens"]
     else:
         bins = [[i] for i in range(len(items))]
-    table = pa.table(
-        {
-            "input_ids": list_array([[t for i in b for t in items[i][1]] for b in bins], np.int32),
-            "loss_mask": list_array([[t for i in b for t in items[i][2]] for b in bins], np.int8),
-            "cu_seqlens": list_array([np.cumsum([0] + [lengths[i] for i in b]).tolist() for b in bins], np.int32),
-            "sample_ids": list_array([[items[i][0] for i in b] for b in bins], np.int64),
-        }
-    )
-    return table, extra
+    return table_of("sft", [
+        list_array([[t for i in b for t in items[i][1]] for b in bins], np.int32),
+        list_array([[t for i in b for t in items[i][2]] for b in bins], np.int8),
+        list_array([np.cumsum([0] + [lengths[i] for i in b]).tolist() for b in bins], np.int32),
+        list_array([[items[i][0] for i in b] for b in bins], np.int64),
+    ]), extra
 
 
 def preference_table(items: list, counts: Counts, cfg) -> tuple[pa.Table, dict]:
     cols = list(zip(*items)) or [[]] * 6
     counts.tokens = sum(len(ids) for ids in cols[2]) + sum(len(ids) for ids in cols[4])
     counts.loss_tokens = sum(sum(m) for m in cols[3]) + sum(sum(m) for m in cols[5])
-    table = pa.table(
-        {
-            "sample_id": pa.array(cols[0], pa.int64()),
-            "prompt_length": pa.array(cols[1], pa.int32()),
-            "chosen_input_ids": list_array(cols[2], np.int32),
-            "chosen_loss_mask": list_array(cols[3], np.int8),
-            "rejected_input_ids": list_array(cols[4], np.int32),
-            "rejected_loss_mask": list_array(cols[5], np.int8),
-        }
-    )
-    return table, {}
+    return table_of("preference", [pa.array(cols[0], pa.int64()), pa.array(cols[1], pa.int32()), list_array(cols[2], np.int32),
+                                   list_array(cols[3], np.int8), list_array(cols[4], np.int32), list_array(cols[5], np.int8)]), {}
 
 
 def prompts_table(items: list, counts: Counts, cfg) -> tuple[pa.Table, dict]:
     cols = list(zip(*items)) or [[]] * 4
     counts.tokens = sum(len(ids) for ids in cols[1])
-    table = pa.table(
-        {
-            "sample_id": pa.array(cols[0], pa.int64()),
-            "prompt_ids": list_array(cols[1], np.int32),
-            "prompt": pa.array(cols[2], pa.string()),
-            "answer": pa.array(cols[3], pa.string()),
-        }
-    )
-    return table, {}
+    return table_of("prompts", [pa.array(cols[0], pa.int64()), list_array(cols[1], np.int32), pa.array(cols[2], pa.string()),
+                                pa.array(cols[3], pa.string())]), {}
 
 
 TABLES = {"sft": sft_table, "preference": preference_table, "prompts": prompts_table}
 
 
-def write_shards(fs, dest: str, split: str, table: pa.Table, rows_per_shard: int) -> list[str]:
-    """`{split}-{i:05d}.parquet` of at most rows_per_shard rows; at least one shard."""
-    fs.makedirs(dest, exist_ok=True)
-    paths = []
-    for i, start in enumerate(range(0, max(table.num_rows, 1), rows_per_shard)):
-        path = f"{dest}/{split}-{i:05d}.parquet"
-        with fs.open(path, "wb") as f:
-            pq.write_table(table.slice(start, rows_per_shard), f)
-        paths.append(path)
-    return paths
+def table_of(dataset: str, arrays: list) -> pa.Table:
+    """The arrays as the dataset's table, in the order of its schema (`alignflow.data.prepared`)."""
+    return pa.Table.from_arrays(arrays, schema=SCHEMAS[dataset])
+
+

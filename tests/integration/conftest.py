@@ -187,4 +187,4 @@ def run_overrides(demo_dir, workdir, store, slurm_cluster):
 @pytest.fixture(scope="module")
 def first_run(prefect_stack, run_overrides):
     """`prefect deployment run align/sft-dpo --param overrides=[...] --watch` on a fresh store."""
-    return prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.beta=0.2"]})
+    return prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.loss.beta=0.2"]})

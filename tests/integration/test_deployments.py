@@ -49,7 +49,7 @@ def test_sft_dpo_deployment_runs_on_slurm_with_outputs_on_s3_then_hits_the_cache
         flow_run = client.read_flow_run(first_run.flow_run_id)
         deployment = client.read_deployment(flow_run.deployment_id)
     assert flow_run.state.type == StateType.COMPLETED and deployment.name == "sft-dpo"
-    assert flow_run.parameters["pipeline"] == "sft_dpo" and "dpo.beta=0.2" in flow_run.parameters["overrides"]
+    assert flow_run.parameters["pipeline"] == "sft_dpo" and "dpo.loss.beta=0.2" in flow_run.parameters["overrides"]
 
     first = summary(prefect_stack, first_run.flow_run_id)
     for stage in SFT_DPO:
@@ -62,7 +62,7 @@ def test_sft_dpo_deployment_runs_on_slurm_with_outputs_on_s3_then_hits_the_cache
     jobs = len(list((workdir / "jobs").glob("*/*")))
     assert jobs == len(SFT_DPO)
 
-    again = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.beta=0.2"]})
+    again = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.loss.beta=0.2"]})
     assert again.returncode == 0, again.output[-4000:]
     second = summary(prefect_stack, again.flow_run_id)
     for stage in SFT_DPO:
@@ -149,7 +149,7 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
     """wandb on, training stages forced to re-run with WANDB_API_KEY / AWS_SECRET_ACCESS_KEY in the
     worker's environment: no parameter, log, artifact, store output or job file holds them."""
     assert first_run.returncode == 0, first_run.output[-2000:]
-    run = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.beta=0.2", "logging.wandb.enabled=true",
+    run = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.loss.beta=0.2", "logging.wandb.enabled=true",
                                                                            "logging.wandb.mode=offline"],  # a fake key: offline
                                                          "force": ["sft", "dpo"]})
     assert run.returncode == 0, run.output[-4000:]

@@ -1,0 +1,106 @@
+"""Prep's output format: its one writer (`write_split`, used by the prep stage) and its one
+reader (`Prepared`, used by every stage that reads prepared data). Column names live here.
+
+    {out}/metadata.json                     counts per dataset and split, tokenizer ids, seq_length
+    {out}/sft/{split}-NNNNN.parquet         input_ids list<int32>; loss_mask list<int8> (1 = predict
+                                            this token); cu_seqlens list<int32> (document offsets:
+                                            0, ..., len(input_ids)); sample_ids list<int64>
+    {out}/preference/{split}-NNNNN.parquet  sample_id int64; prompt_length int32; chosen_input_ids,
+                                            rejected_input_ids list<int32>; chosen_loss_mask,
+                                            rejected_loss_mask list<int8>
+    {out}/prompts/{split}-NNNNN.parquet     sample_id int64; prompt_ids list<int32> (ending with the
+                                            generation prompt); prompt string; answer string
+
+A split that exists has at least one shard, maybe empty. No torch here: training batches are
+built from these tables by `alignflow.train` (`PackedSFT`, `PreferencePairs`, `Prompts`).
+"""
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+METADATA = "metadata.json"
+DATASETS = ("sft", "preference", "prompts")
+SIDES = ("chosen", "rejected")
+SCHEMAS = {
+    "sft": pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+                      ("cu_seqlens", pa.list_(pa.int32())), ("sample_ids", pa.list_(pa.int64()))]),
+    "preference": pa.schema([("sample_id", pa.int64()), ("prompt_length", pa.int32()),
+                             *[(f"{side}_{column}", pa.list_(dtype)) for side in SIDES
+                               for column, dtype in (("input_ids", pa.int32()), ("loss_mask", pa.int8()))]]),
+    "prompts": pa.schema([("sample_id", pa.int64()), ("prompt_ids", pa.list_(pa.int32())), ("prompt", pa.string()),
+                          ("answer", pa.string())]),
+}
+
+
+def write_split(out: str, dataset: str, split: str, table: pa.Table, rows_per_shard: int) -> None:
+    """`{out}/{dataset}/{split}-{i:05d}.parquet` of at most rows_per_shard rows; at least one shard."""
+    table = table.select(SCHEMAS[dataset].names).cast(SCHEMAS[dataset])
+    fs, root = fsspec.core.url_to_fs(out)
+    dest = f"{root.rstrip('/')}/{dataset}"
+    fs.makedirs(dest, exist_ok=True)
+    for i, start in enumerate(range(0, max(table.num_rows, 1), rows_per_shard)):
+        with fs.open(f"{dest}/{split}-{i:05d}.parquet", "wb") as f:
+            pq.write_table(table.slice(start, rows_per_shard), f)
+
+
+def write_metadata(out: str, meta: dict) -> None:
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe(f"{root.rstrip('/')}/{METADATA}", (json.dumps(meta, indent=2) + "\n").encode())
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prep output, by URI (any fsspec filesystem)."""
+
+    uri: str
+
+    @cached_property
+    def meta(self) -> dict:
+        with fsspec.open(f"{self.uri.rstrip('/')}/{METADATA}", "r") as f:
+            return json.load(f)
+
+    @property
+    def seq_length(self) -> int:
+        return self.meta["seq_length"]
+
+    @property
+    def tokenizer(self) -> dict:
+        return self.meta["tokenizer"]
+
+    @property
+    def pad_id(self) -> int:
+        """The tokenizer's pad id, else its eos id (what the model sees past a sequence's end)."""
+        tok = self.tokenizer
+        return tok["pad_token_id"] if tok["pad_token_id"] is not None else tok["eos_token_id"]
+
+    def table(self, dataset: str, split: str) -> pa.Table | None:
+        """Every shard of `dataset`'s `split` as one table; None when there are no rows."""
+        fs, root = fsspec.core.url_to_fs(f"{self.uri.rstrip('/')}/{dataset}")
+        files = sorted(fs.glob(f"{root.rstrip('/')}/{split}-*.parquet"))
+        if not files:
+            return None
+        table = pa.concat_tables([pq.read_table(f, filesystem=fs) for f in files])
+        return table if table.num_rows else None
+
+    def require(self, dataset: str, split: str = "train") -> pa.Table:
+        table = self.table(dataset, split)
+        if table is None:
+            raise FileNotFoundError(f"{self.uri}/{dataset} has no {split} rows: run prep with data.{dataset} set")
+        return table
+
+
+def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, offsets) of a list column: row i is values[offsets[i]:offsets[i + 1]]."""
+    column = table.column(name).combine_chunks()
+    if isinstance(column, pa.ChunkedArray):  # an empty table
+        column = pa.array([], type=column.type)
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.to_numpy(zero_copy_only=False)
+    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
