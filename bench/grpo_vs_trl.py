@@ -16,11 +16,11 @@ Each side runs in a fresh process (peak RSS, VmHWM, is its own); WARMUP steps ar
 first and left out, then STEPS steps are timed.
 - step time: one GRPO step, from the batch's prompts to after the optimizer step (generate
   the group completions, decode and score, reference log-probs, forward/backward, clip,
-  step). Ours: `GRPOTrainer.train_step` inside the engine's loop; TRL: on_step_begin ->
+  step). Ours: `alignflow.stages.grpo.step` on the engine's run; TRL: on_step_begin ->
   on_step_end (its `training_step`, which generates in `_prepare_inputs`, then clip and
   optimizer step).
 - generated tok/s: completion tokens / seconds of the rollout generation call only. Ours:
-  `alignflow.generation.generate` inside train_step (its generation_tokens_per_s metric),
+  `alignflow.generation.generate` inside the step (its generation_tokens_per_s metric),
   with EOS disabled (Sampling.eos_id = -1) so every row runs max_new_tokens; TRL: its
   `_generate_single_turn` (left padding, `model.generate`, cut at EOS), with
   generation_kwargs={"min_new_tokens": 32} so EOS is masked until the limit.
@@ -72,56 +72,51 @@ def prepare(work: Path) -> None:
     convert.run(cfg, {}, str(work / "model"))
 
 
-def grpo_cfg(demo: Path):
-    from omegaconf import OmegaConf
+def grpo_cfg(work: Path):
+    """The job config of a grpo stage with the settings above, typed as a job gets it."""
+    from alignflow.worker import typed
 
-    from alignflow.config.schema import GRPOConfig, ModelConfig
-
-    base = OmegaConf.structured(GRPOConfig)
-    base.optim.min_lr = LR  # constant lr, as TRL's "constant" schedule (the default is an interpolation)
-    section = OmegaConf.merge(base, {
-        "num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS, "generation_batch_size": PROMPTS * GENERATIONS,
-        "micro_batch_size": PROMPTS * GENERATIONS, "global_batch_size": PROMPTS * GENERATIONS, "num_optimizer_steps_per_batch": 1,
-        "max_new_tokens": NEW_TOKENS, "generation_temperature": 1.0, "generation_top_p": 1.0, "generation_top_k": None,
-        "ref_policy_kl_penalty": KL, "precision": "fp32",
-        "trainer": {"max_steps": WARMUP + STEPS, "val_check_interval": 0, "log_every_n_steps": 1000, "seed": SEED},
-        "checkpoint": {"every_n_steps": 1000, "resume": False}, "optim": {"lr": LR, "warmup_steps": 0, "weight_decay": 0.01}})
-    model = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"source": str(demo / "tiny-llama"), "tokenizer": str(demo / "tokenizer")})
-    return tuple(OmegaConf.create(OmegaConf.to_container(c, enum_to_str=True)) for c in (section, model))  # as a stage gets them
+    demo = work / "demo"
+    return typed({
+        "grpo": {
+            "num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS, "generation_batch_size": PROMPTS * GENERATIONS,
+            "micro_batch_size": PROMPTS * GENERATIONS, "num_optimizer_steps_per_batch": 1, "max_new_tokens": NEW_TOKENS,
+            "generation_temperature": 1.0, "generation_top_p": 1.0, "generation_top_k": None, "loss": {"ref_policy_kl_penalty": KL},
+            "precision": "fp32", "trainer": {"max_steps": WARMUP + STEPS, "val_check_interval": 0, "log_every_n_steps": 1000, "seed": SEED},
+            "checkpoint": {"every_n_steps": 1000, "resume": False},
+            "optim": {"lr": LR, "min_lr": LR, "warmup_steps": 0, "weight_decay": 0.01},  # constant lr, as TRL's "constant"
+        },
+        "model": {"source": str(demo / "tiny-llama"), "tokenizer": str(demo / "tokenizer")},
+        "store": {"cache_dir": str(work / "cache")},
+    })
 
 
 def ours(work: Path) -> dict:
+    """The grpo stage's own step (`alignflow.stages.grpo.step`) on the engine, timed step by step."""
     import dataclasses
 
-    from alignflow.checkpoint import HF_DIR
-    from alignflow.losses.policy import GRPOLossConfig
-    from alignflow.stages.grpo import GRPOTrainer, grpo_objective, load_data
+    from alignflow.checkpoint import ModelOutput
+    from alignflow.data.prepared import Prepared
+    from alignflow.stages import grpo
+    from alignflow.train import engine
+    from alignflow.train.datasets import Prompts
 
-    section, model_cfg = grpo_cfg(work / "demo")
-    model_dir = work / "model"
-    hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
-    trainer = GRPOTrainer(section, model_cfg, hf_config, str(model_dir), load_data(str(work / "prep")),
-                          grpo_objective(GRPOLossConfig.from_stage(section)), str(work / "ours-grpo"), None, name="grpo",
-                          ref_model=str(model_dir))
+    cfg, model = grpo_cfg(work), str(work / "model")
+    data = Prepared(str(work / "prep"))
+    prompts = Prompts(data, "train")
     steps = []  # (step seconds, generated tokens, generation seconds)
-    step = trainer.train_step
-
-    def timed_step(indices):
-        started = time.perf_counter()
-        stats = step(indices)
-        seconds = time.perf_counter() - started
-        tokens = stats.metrics["response_length"] * len(indices) * GENERATIONS
-        steps.append((seconds, tokens, tokens / stats.metrics["generation_tokens_per_s"]))
-        return stats
-
-    trainer.train_step = timed_step
-    try:
-        trainer.setup()
+    with engine.training("grpo", cfg, {"model": model}, str(work / "ours-grpo"), len(prompts), PROMPTS) as run:
+        env = grpo.environment(run, cfg.grpo, data, ModelOutput(model), 128)
         # Never stop at EOS, as TRL's min_new_tokens: every completion is max_new_tokens long.
-        trainer.sampling = dataclasses.replace(trainer.sampling, eos_id=-1)
-        trainer.train()
-    finally:
-        trainer.cleanup()
+        env.sampling = dataclasses.replace(env.sampling, eos_id=-1)
+        objective = grpo.grpo_objective(cfg.grpo.loss)
+        while run.state.step < run.total_steps:
+            started = time.perf_counter()
+            stats, _ = grpo.step(run, prompts, env, objective)
+            seconds = time.perf_counter() - started
+            engine.advance(run, stats, seconds)
+            tokens = stats.metrics["response_length"] * PROMPTS * GENERATIONS
+            steps.append((seconds, tokens, tokens / stats.metrics["generation_tokens_per_s"]))
     return summarize(steps[WARMUP:])
 
 

@@ -73,12 +73,13 @@ def ours(kind: str, work: Path) -> dict:
     if kind == "ref":  # the stage writes the reference DPO reads; then its forward loop alone is timed, as TRL's
         from alignflow.megatron import runtime
         from alignflow.stages.eval import SINGLE_RANK, load_model
-        from alignflow.train.preference import load_pairs
+        from alignflow.data.prepared import Prepared
+        from alignflow.train.datasets import PreferencePairs
 
         ref_logprobs.run(stage_cfg("dpo", demo), inputs, str(work / "ours-ref"))
         runtime.init_parallel(SINGLE_RANK)
         model, _ = load_model(inputs["model"], 128)
-        pairs = load_pairs(inputs["data"], "train", SEQ, 0)
+        pairs = PreferencePairs(Prepared(inputs["data"]), "train")
         started = time.perf_counter()
         ref_logprobs.pair_logprobs([model], pairs, MICRO)
         return {"tokens_per_s": pairs.num_tokens(range(len(pairs))) / (time.perf_counter() - started)}

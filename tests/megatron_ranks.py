@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from alignflow.convert.sharding import hf_to_megatron
+from reference_convert import hf_to_megatron
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.megatron.model import build_gpt, load_megatron_state

@@ -10,7 +10,7 @@ from megatron_ranks import saved_state, tiny_hf_model
 
 from alignflow.convert.layout import merge_fc1, merge_qkv, split_fc1, split_qkv
 from alignflow.convert.llama import model_shape
-from alignflow.convert.sharding import (
+from reference_convert import (
     hf_to_megatron, megatron_to_hf, padded_vocab_size, shard, stage_layers, stage_params, unshard,
 )
 

@@ -14,7 +14,8 @@ from alignflow import PROJECT_ROOT
 from alignflow.config.schema import DPOLossConfig
 from alignflow.megatron import runtime
 from alignflow.stages import dpo, eval as eval_stage, prep, ref_logprobs, sft
-from alignflow.train.preference import load_pairs
+from alignflow.data.prepared import Prepared
+from alignflow.train.datasets import PreferencePairs
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -56,7 +57,7 @@ def dpo_cfg(demo_dir, tp=1, pp=1, **section) -> dict:
                                                                                      sft_loss_weight=0.5, sft_average_log_probs=True)],
                          ids=["sigmoid", "ipo-averaged+sft"])
 def test_precomputed_reference_equals_an_online_reference(inputs, loss_cfg):
-    pairs = load_pairs(inputs["data"], "val", SEQ, 0, inputs["ref_logprobs"])
+    pairs = PreferencePairs(Prepared(inputs["data"]), "val", inputs["ref_logprobs"])
     runtime.init_parallel(eval_stage.SINGLE_RANK)
     try:
         policy, _ = eval_stage.load_model(inputs["model"], 128)

@@ -65,8 +65,9 @@ def test_ref_logprobs_equal_eval_response_logps(outputs, tmp_path):
     """The stage's per-pair sums equal a direct forward of each response on the same model."""
     import pyarrow.parquet as pq
 
+    from alignflow.data.prepared import Prepared
     from alignflow.stages import ref_logprobs
-    from alignflow.train.data import read_split
+    from alignflow.train.datasets import PreferencePairs
 
     cfg, root = outputs
     cfg = OmegaConf.merge(cfg, {"ref_logprobs": {"micro_batch_size": 4, "parallel": eval_stage.SINGLE_RANK}})
@@ -74,15 +75,15 @@ def test_ref_logprobs_equal_eval_response_logps(outputs, tmp_path):
     metrics = ref_logprobs.run(cfg, {"data": str(root / "prep" / "p1"), "model": model}, str(tmp_path / "ref"))
     got = pq.read_table(tmp_path / "ref" / "val-00000.parquet").to_pydict()
     assert metrics["val.pairs"] == len(got["sample_id"]) == 200
-    pairs = read_split(str(root / "prep" / "p1" / "preference"), "val")
+    pairs = PreferencePairs(Prepared(str(root / "prep" / "p1")), "val")
     runtime.init_parallel(eval_stage.SINGLE_RANK)
     try:
         net, _ = eval_stage.load_model(model, 128)
         with torch.no_grad():
-            direct = {side: eval_stage.response_logps(net, pairs, side, 128, 0, 16) for side in ("chosen", "rejected")}
+            direct = {side: eval_stage.response_logps(net, pairs, side, 16) for side in ("chosen", "rejected")}
     finally:
         runtime.teardown()
-    assert got["sample_id"] == pairs.column("sample_id").to_pylist()
+    assert got["sample_id"] == pairs.sample_ids.tolist()
     for side in ("chosen", "rejected"):
         assert torch.tensor(got[f"{side}_logp"]) == pytest.approx(direct[side].double(), abs=1e-3)
         assert min(got[f"{side}_tokens"]) >= 1

@@ -158,3 +158,12 @@ def test_package_versions_are_part_of_identity(base_overrides):
     bumped = {**ident, "packages": {**ident["packages"], "torch": "9.9.9"}}
     assert fingerprint(bumped) != fingerprint(ident)
     assert differences(bumped, ident) == [f"package torch: {ident['packages']['torch']} -> 9.9.9"]
+
+
+def test_an_instance_override_changes_that_instance_and_its_downstream_only(base_overrides):
+    before = {p.stage: p.fingerprint for p in plan(Pipeline.build(compose("iterative_dpo", base_overrides)))}
+    after = {p.stage: p.fingerprint for p in plan(Pipeline.build(compose("iterative_dpo", [*base_overrides, "pipeline.stages.dpo_round2.loss.beta=0.3"])))}
+    assert before["dpo_round1"] != before["dpo_round2"] and before["ref_round1"] != before["ref_round2"]
+    assert {s for s in before if before[s] != after[s]} == {"dpo_round2", "eval", "export"}
+    pipeline = Pipeline.build(compose("iterative_dpo", [*base_overrides, "pipeline.stages.dpo_round2.loss.beta=0.3"]))
+    assert (pipeline["dpo_round1"].section.loss.beta, pipeline["dpo_round2"].section.loss.beta) == (0.1, 0.3)

@@ -91,3 +91,14 @@ def test_sft_grpo_pipeline_publishes_per_step_rewards(base_overrides):
     assert {"reward_mean", "reward_std", "accuracy", "kl", "clip_fraction", "response_length", "truncation_rate", "tokens_per_s"} <= set(rows[0])
     assert asyncio.run(artifact("steps-sft")) is not None
     assert asyncio.run(artifact("progress-grpo")).data == 100.0  # moved with the job's step lines
+
+
+def test_iterative_dpo_runs_two_rounds_and_evaluates_every_model(base_overrides):
+    dpo_fast = ["dpo.trainer.max_steps=2", "dpo.optim.warmup_steps=1", "dpo.trainer.val_check_interval=1", "dpo.trainer.limit_val_batches=1",
+                "data.preference.dev_choose_samples=64"]
+    results = align(pipeline="iterative_dpo", overrides=[*base_overrides, *dpo_fast])
+    assert list(results) == ["prep", "convert", "sft", "ref_round1", "dpo_round1", "ref_round2", "dpo_round2", "eval", "export"]
+    assert results["dpo_round1"].fingerprint != results["dpo_round2"].fingerprint
+    assert results["dpo_round2"].uri.rstrip("/").split("/")[-2] == "dpo_round2"  # the store folder is the instance's
+    for model in ("convert", "sft", "dpo_round1", "dpo_round2"):
+        assert {f"{model}.accuracy", f"{model}.preference_accuracy", f"{model}.val_loss"} <= set(results["eval"].metrics), model

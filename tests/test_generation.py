@@ -5,7 +5,7 @@ import pytest
 import torch
 from megatron_ranks import CASES, greedy_mismatches, saved_state, tiny_hf_model
 
-from alignflow.convert.sharding import hf_to_megatron
+from reference_convert import hf_to_megatron
 from alignflow.generation import Sampling, generate, sample
 from alignflow.megatron.model import build_gpt, load_megatron_state
 

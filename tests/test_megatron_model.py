@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, parallel_cfg, saved_state, tiny_hf_model, tokens
 
 from alignflow import PROJECT_ROOT
-from alignflow.convert.sharding import hf_to_megatron, megatron_to_hf
+from reference_convert import hf_to_megatron, megatron_to_hf
 from alignflow.megatron import runtime
 from alignflow.megatron.model import build_gpt, checkpoint_names, load_megatron_state, megatron_state
 from alignflow.stages.sft import sft_forward

@@ -40,13 +40,13 @@ def test_an_input_model_is_downloaded_once_per_commit(s3_endpoint, tmp_path, mon
     for name in ("model/.metadata", "hf/config.json", "tokenizer/tokenizer.json", "checkpoints/step-00000001/complete"):
         fs.pipe(f"{root}/{name}", b"v1")
     fs.pipe(f"{root}/_SUCCESS.json", b'{"committed_at": 1}')
-    first = local_model(f"s3://{root}", cache)
+    first = Path(local_model(f"s3://{root}", cache).uri)
     assert first.parent == cache / "inputs" / "s3" / root
     assert sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file()) == ["hf/config.json", "model/.metadata", "tokenizer/tokenizer.json"]
     fs.pipe(f"{root}/model/.metadata", b"v2")
-    assert local_model(f"s3://{root}", cache) == first and (first / "model" / ".metadata").read_bytes() == b"v1"
+    assert Path(local_model(f"s3://{root}", cache).uri) == first and (first / "model" / ".metadata").read_bytes() == b"v1"
     fs.pipe(f"{root}/_SUCCESS.json", b'{"committed_at": 2}')  # e.g. a forced re-run committed again
-    second = local_model(f"s3://{root}", cache)
+    second = Path(local_model(f"s3://{root}", cache).uri)
     assert second != first and (second / "model" / ".metadata").read_bytes() == b"v2"
     assert not list(second.parent.glob(".tmp-*"))
 
@@ -158,19 +158,19 @@ def test_demo_pipeline_with_everything_on_s3(s3_endpoint, demo_dir, base_overrid
 JOB = """
 import json, sys, time
 
-from alignflow.train.engine import Trainer
+from alignflow.train import engine
 from alignflow.worker import run_stage_job
 
 
 def pause_after_checkpoints(seconds):
-    save = Trainer.save_checkpoint
+    save = engine.save_checkpoint
 
-    def paused(self):
-        save(self)
+    def paused(run):
+        save(run)
         print("checkpoint saved and uploaded", flush=True)
         time.sleep(seconds)
 
-    Trainer.save_checkpoint = paused
+    engine.save_checkpoint = paused
 
 
 if __name__ == "__main__":
@@ -187,7 +187,6 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
     ends with weights bit-identical to an uninterrupted run on a local output, and the same
     metrics (dropout on, so the RNG states must travel too). A half-uploaded later checkpoint
     and a metrics line logged after the checkpoint are left in the store, as a kill leaves them."""
-    from omegaconf import OmegaConf
 
     from alignflow.stages import sft
 
@@ -208,7 +207,7 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
     script.write_text(JOB)
 
     def job(node: str, pause: float) -> subprocess.Popen:
-        spec = {"stage": "sft", "cfg": cfg | {"store": {"cache_dir": str(tmp_path / node)}}, "inputs": inputs, "out": out,
+        spec = {"kind": "sft", "cfg": cfg | {"store": {"cache_dir": str(tmp_path / node)}}, "inputs": inputs, "out": out,
                 "storage_options": options, "pause": pause}
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         return subprocess.Popen([sys.executable, str(script), json.dumps(spec)], cwd=PROJECT_ROOT, env=env | {"PYTHONPATH": str(PROJECT_ROOT)},

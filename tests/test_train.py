@@ -122,12 +122,13 @@ def test_prune_keeps_the_top_k_and_the_latest(tmp_path):
 def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
     """Every document's loss in a packed row equals its loss run alone (block-diagonal mask,
     positions restarting; RoPE is relative, so equal up to float rounding)."""
+    from alignflow.data.prepared import Prepared
     from alignflow.megatron import runtime
     from alignflow.megatron.model import build_gpt
     from alignflow.stages.sft import load_data, sft_forward
     from train_ranks import sft_cfg
 
-    data = load_data(str(prep_demo(demo_dir, tmp_path / "data")))
+    data = load_data(Prepared(str(prep_demo(demo_dir, tmp_path / "data"))))
     hf_config = json.loads((demo_dir / "tiny-llama" / "config.json").read_text())
     parallel = sft_cfg(demo_dir)["sft"]["parallel"]
     rows = [i for i in range(len(data.train)) if len(data.train.row(i)[2]) >= 4][:2]  # rows with >= 3 documents

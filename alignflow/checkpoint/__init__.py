@@ -1,12 +1,43 @@
 """Checkpoint files: streaming HF safetensors (`safetensors_io`) and Megatron torch_dist
-(`dist_io`), plus the layout every model-producing stage's output shares:
+(`dist_io`), plus the layout every model-producing stage's output shares, and its reader:
 
     {out}/model/       the torch_dist checkpoint (global tensors, any TP/PP loads it)
     {out}/hf/          config.json and generation_config.json of the HF model it came from
     {out}/tokenizer/   the tokenizer files
 """
 
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import fsspec
+
 MODEL_DIR = "model"
 HF_DIR = "hf"
 TOKENIZER_DIR = "tokenizer"
 HF_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """A model stage output by URI (a local folder for what needs a filesystem: see
+    `alignflow.train.workspace.local_model`)."""
+
+    uri: str
+
+    @property
+    def weights(self) -> str:
+        return f"{self.uri.rstrip('/')}/{MODEL_DIR}"
+
+    @property
+    def hf(self) -> str:
+        return f"{self.uri.rstrip('/')}/{HF_DIR}"
+
+    @property
+    def tokenizer(self) -> str:
+        return f"{self.uri.rstrip('/')}/{TOKENIZER_DIR}"
+
+    @cached_property
+    def hf_config(self) -> dict:
+        with fsspec.open(f"{self.hf}/config.json", "r") as f:
+            return json.load(f)

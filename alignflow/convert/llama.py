@@ -10,7 +10,7 @@ per-layer sliding windows. Each of these would otherwise convert into a differen
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;
 `alignflow.megatron.model` maps them onto a local-spec module. `{layer}` is the layer number:
-global on the HF side, local to a pipeline stage on the Megatron side (see `sharding`).
+global on the HF side, local to a pipeline stage on the Megatron side.
 
 Imports no torch, so config validation can call `model_shape`.
 """

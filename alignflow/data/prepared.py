@@ -82,12 +82,20 @@ class Prepared:
 
     def table(self, dataset: str, split: str) -> pa.Table | None:
         """Every shard of `dataset`'s `split` as one table; None when there are no rows."""
-        fs, root = fsspec.core.url_to_fs(f"{self.uri.rstrip('/')}/{dataset}")
-        files = sorted(fs.glob(f"{root.rstrip('/')}/{split}-*.parquet"))
+        fs, files = self._shards(dataset, split)
         if not files:
             return None
         table = pa.concat_tables([pq.read_table(f, filesystem=fs) for f in files])
         return table if table.num_rows else None
+
+    def rows(self, dataset: str, split: str) -> int:
+        """How many rows `dataset`'s `split` has (from the Parquet footers only)."""
+        fs, files = self._shards(dataset, split)
+        return sum(pq.ParquetFile(fs.open(f, "rb")).metadata.num_rows for f in files)
+
+    def _shards(self, dataset: str, split: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+        fs, root = fsspec.core.url_to_fs(f"{self.uri.rstrip('/')}/{dataset}")
+        return fs, sorted(fs.glob(f"{root.rstrip('/')}/{split}-*.parquet"))
 
     def require(self, dataset: str, split: str = "train") -> pa.Table:
         table = self.table(dataset, split)

@@ -13,16 +13,15 @@ rejected_reward, reward_margin, preference_loss, sft_loss.
 Output: the final policy in the `alignflow.checkpoint` layout, and metrics.jsonl.
 """
 
-import json
-
-import fsspec
 import torch
 
 from alignflow.config.schema import DPOLossConfig
+from alignflow.data.prepared import SIDES, Prepared
 from alignflow.losses.preference import PreferenceLoss, preference_loss
 from alignflow.stages.sft import sft_forward
-from alignflow.train.engine import LossTerms, Objective, TrainData, run_training_stage
-from alignflow.train.preference import load_pairs
+from alignflow.train.datasets import PreferencePairs, optional
+from alignflow.train.engine import LossTerms, Objective, finish, training
+from alignflow.train.loop import Supervised, supervised
 
 METRICS = tuple(name for name in PreferenceLoss.__dataclass_fields__ if name != "loss")
 
@@ -44,29 +43,24 @@ def pair_loss(cfg: DPOLossConfig, per_token: torch.Tensor, batch: dict) -> Prefe
     sums = -(per_token.float() * mask).sum(-1)
     tokens = mask.sum(-1).clamp(min=1)
     policy = sums / tokens if cfg.preference_average_log_probs else sums
-    ref = {side: batch[f"ref_{side}_logp"].to(sums.dtype) for side in ("chosen", "rejected")}
+    ref = {side: batch[f"ref_{side}_logp"].to(sums.dtype) for side in SIDES}
     if cfg.preference_average_log_probs:
         ref = {side: ref[side] / batch[f"ref_{side}_tokens"].clamp(min=1).to(sums.dtype) for side in ref}
     chosen_nll = -(sums[:n] / tokens[:n] if cfg.sft_average_log_probs else sums[:n])
     return preference_loss(cfg, policy[:n], policy[n:], ref["chosen"], ref["rejected"], chosen_nll)
 
 
-def load_data(data_uri: str, reference_uri: str) -> TrainData:
-    with fsspec.open(f"{data_uri.rstrip('/')}/metadata.json") as f:
-        meta = json.load(f)
-    tok = meta["tokenizer"]
-    pad_id = tok["pad_token_id"] if tok["pad_token_id"] is not None else tok["eos_token_id"]
-    train = load_pairs(data_uri, "train", meta["seq_length"], pad_id, reference_uri)
-    if train is None:
-        raise FileNotFoundError(f"{data_uri}/preference has no train-*.parquet: run prep with data.preference set")
-    val = load_pairs(data_uri, "val", meta["seq_length"], pad_id, reference_uri)
+def load_data(data: Prepared, reference_uri: str) -> Supervised:
+    train, val = PreferencePairs(data, "train", reference_uri), optional(PreferencePairs, data, "val", reference_uri)
     length = max(train.seq_length, val.seq_length if val is not None else 0)
     for pairs in (train, val):
         if pairs is not None:
             pairs.seq_length = length  # one length for every micro batch: pipeline buffers have one shape
-    return TrainData(train=train, val=val, seq_length=length, rows_per_item=2)
+    return Supervised(train=train, val=val, seq_length=length, rows_per_item=2)
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    objective = dpo_objective(cfg.dpo.loss)
-    return run_training_stage("dpo", cfg, inputs, load_data(inputs["data"], inputs["ref_logprobs"]), objective, out)
+    data = load_data(Prepared(inputs["data"]), inputs["ref_logprobs"])
+    with training("dpo", cfg, inputs, out, len(data.train), cfg.dpo.global_batch_size) as run:
+        result = supervised(run, data, dpo_objective(cfg.dpo.loss))
+    return finish(run, result)

@@ -23,13 +23,14 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.data.prepared import SIDES, Prepared
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match
-from alignflow.stages.sft import PackedSFT, sft_forward, sft_loss
-from alignflow.train.data import list_column, packed_rows, read_split
+from alignflow.stages.sft import sft_forward, sft_loss
+from alignflow.train.data import packed_rows
+from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.eval")
@@ -38,17 +39,14 @@ SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    data = inputs["data"].rstrip("/")
-    meta = json.loads(fsspec.open(f"{data}/metadata.json").open().read())
-    tokenizer = meta["tokenizer"]
-    pad_id = tokenizer["pad_token_id"] if tokenizer["pad_token_id"] is not None else tokenizer["eos_token_id"]
+    data = Prepared(inputs["data"])
     runtime.init_parallel(SINGLE_RANK, seed=0)
     models = {_stage_name(uri): uri for uri in [inputs["model"], *inputs["baselines"]]}
     metrics, samples = {}, {}
     try:
         for name, uri in models.items():
             model, decode = load_model(uri, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
-            results, samples[name] = evaluate(model, decode, data, meta["seq_length"], pad_id, tokenizer, cfg.eval)
+            results, samples[name] = evaluate(model, decode, data, cfg.eval)
             metrics |= {f"{name}.{k}": v for k, v in results.items()}
             log.info("%s: %s", name, results)
     finally:
@@ -66,26 +64,22 @@ def _stage_name(uri: str) -> str:
 
 def load_model(uri: str, divisible_by: int, cache: Path | None = None):
     """The model of a stage output (`alignflow.checkpoint` layout) and its tokenizer's decode."""
-    root = local_model(uri, cache or cache_dir())
-    hf_config = json.loads((root / HF_DIR / "config.json").read_text())
-    model = build_gpt(hf_config, SINGLE_RANK, make_vocab_size_divisible_by=divisible_by)
-    checkpoint.load([model], str(root / MODEL_DIR))
-    tokenizer = AutoTokenizer.from_pretrained(root / TOKENIZER_DIR)
+    output = local_model(uri, cache or cache_dir())
+    model = build_gpt(output.hf_config, SINGLE_RANK, make_vocab_size_divisible_by=divisible_by)
+    checkpoint.load([model], output.weights)
+    tokenizer = AutoTokenizer.from_pretrained(output.tokenizer)
     return model.eval(), lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @torch.no_grad()
-def evaluate(model, decode, data: str, seq_length: int, pad_id: int, tokenizer: dict, cfg) -> tuple[dict, list]:
+def evaluate(model, decode, data: Prepared, cfg) -> tuple[dict, list]:
     results, samples = {}, []
-    val = read_split(f"{data}/sft", "val")
-    if val is not None and val.num_rows:
-        results |= sft_val_loss(model, PackedSFT(val, seq_length, pad_id), cfg.micro_batch_size, cfg.limit_batches)
-    pairs = read_split(f"{data}/preference", "val")
-    if pairs is not None and pairs.num_rows:
-        results["preference_accuracy"] = preference_accuracy(model, pairs, seq_length, pad_id, cfg.micro_batch_size)
-    prompts = read_split(f"{data}/prompts", "val")
-    if prompts is not None and prompts.num_rows:
-        results["accuracy"], samples = task_accuracy(model, decode, prompts, tokenizer, cfg)
+    if val := optional(PackedSFT, data, "val"):
+        results |= sft_val_loss(model, val, cfg.micro_batch_size, cfg.limit_batches)
+    if pairs := optional(PreferencePairs, data, "val"):
+        results["preference_accuracy"] = preference_accuracy(model, pairs, cfg.micro_batch_size)
+    if prompts := optional(Prompts, data, "val"):
+        results["accuracy"], samples = task_accuracy(model, decode, prompts, data.tokenizer, cfg)
     return results, samples
 
 
@@ -99,33 +93,28 @@ def sft_val_loss(model, dataset: PackedSFT, micro_batch_size: int, limit_batches
     return {"val_loss": loss, "perplexity": float(np.exp(loss))}
 
 
-def preference_accuracy(model, pairs, seq_length: int, pad_id: int, micro_batch_size: int) -> float:
+def preference_accuracy(model, pairs: PreferencePairs, micro_batch_size: int) -> float:
     """Share of pairs where sum log p(chosen response) > sum log p(rejected response)."""
-    logps = {side: response_logps(model, pairs, side, seq_length, pad_id, micro_batch_size) for side in ("chosen", "rejected")}
+    logps = {side: response_logps(model, pairs, side, micro_batch_size) for side in SIDES}
     return float((logps["chosen"] > logps["rejected"]).float().mean())
 
 
-def response_logps(model, table, side: str, seq_length: int, pad_id: int, micro_batch_size: int) -> torch.Tensor:
-    ids, off = list_column(table, f"{side}_input_ids")
-    mask, _ = list_column(table, f"{side}_loss_mask")
+def response_logps(model, pairs: PreferencePairs, side: str, micro_batch_size: int) -> torch.Tensor:
     out = []
-    for start in range(0, table.num_rows, micro_batch_size):
-        rows = [(ids[off[i] : off[i + 1]], mask[off[i] : off[i + 1]], [0, off[i + 1] - off[i]])
-                for i in range(start, min(start + micro_batch_size, table.num_rows))]
-        batch = vars(packed_rows(rows, seq_length, pad_id))
+    for start in range(0, len(pairs), micro_batch_size):
+        batch = vars(packed_rows(pairs.rows(side, range(start, min(start + micro_batch_size, len(pairs)))), pairs.seq_length, pairs.pad_id))
         per_token = sft_forward(model, batch)
         out.append(-(per_token * batch["loss_mask"]).sum(-1))
     return torch.cat(out)
 
 
-def task_accuracy(model, decode, prompts, tokenizer: dict, cfg) -> tuple[float, list]:
-    ids, off = list_column(prompts, "prompt_ids")
-    n = min(prompts.num_rows, cfg.num_generation_samples)
-    texts, answers = prompts.column("prompt").to_pylist(), prompts.column("answer").to_pylist()
+def task_accuracy(model, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[float, list]:
+    n = min(len(prompts), cfg.num_generation_samples)
     sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer["eos_token_id"], vocab_size=tokenizer["vocab_size"])
-    completions = generate(model, [ids[off[i] : off[i + 1]].tolist() for i in range(n)], sampling, cfg.micro_batch_size)
+    completions = generate(model, [prompts.tokens(i) for i in range(n)], sampling, cfg.micro_batch_size)
     scored = []
     for i, completion in enumerate(completions):
         text = decode(completion.tokens)
-        scored.append({"prompt": texts[i], "completion": text, "answer": answers[i], "correct": exact_match(texts[i], text, answers[i])})
+        scored.append({"prompt": prompts.text[i], "completion": text, "answer": prompts.answer[i],
+                       "correct": exact_match(prompts.text[i], text, prompts.answer[i])})
     return sum(s["correct"] for s in scored) / max(n, 1), scored[: cfg.num_examples_shown]

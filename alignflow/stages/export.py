@@ -21,7 +21,7 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.checkpoint import ModelOutput
 from alignflow.checkpoint.dist_io import DistCheckpointReader
 from alignflow.checkpoint.safetensors_io import write_sharded
 from alignflow.convert.llama import model_shape
@@ -35,14 +35,14 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "M
 
 def run(cfg, inputs: dict, out: str) -> dict:
     started = time.time()
-    model = inputs["model"].rstrip("/")
-    hf_config = json.loads(fsspec.open(f"{model}/{HF_DIR}/config.json").open().read())
+    model = ModelOutput(inputs["model"])
+    hf_config = model.hf_config
     shape = model_shape(hf_config)
     dtype_name = cfg.export.dtype
-    specs, tensors = dist_to_hf(DistCheckpointReader(f"{model}/{MODEL_DIR}"), shape, getattr(torch, dtype_name))
+    specs, tensors = dist_to_hf(DistCheckpointReader(model.weights), shape, getattr(torch, dtype_name))
     files = write_sharded(out, specs, tensors, parse_size(cfg.export.max_shard_size))
-    copy_files(f"{model}/{HF_DIR}", ("generation_config.json",), out)
-    copy_files(f"{model}/{TOKENIZER_DIR}", TOKENIZER_FILES, out)
+    copy_files(model.hf, ("generation_config.json",), out)
+    copy_files(model.tokenizer, TOKENIZER_FILES, out)
     dtype_key = "torch_dtype" if "torch_dtype" in hf_config and "dtype" not in hf_config else "dtype"
     fs, root = fsspec.core.url_to_fs(out)
     fs.pipe(f"{root.rstrip('/')}/config.json", json.dumps({**hf_config, dtype_key: dtype_name}, indent=2).encode())

@@ -33,8 +33,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -42,35 +41,24 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from transformers import AutoTokenizer
 
-from alignflow.checkpoint import MODEL_DIR, TOKENIZER_DIR
-from alignflow.config.validate import grpo_batch_problems
-from alignflow.generation import Completion, Sampling, generate
+from alignflow.checkpoint import ModelOutput
 from alignflow.config.schema import GRPOLossConfig
+from alignflow.config.validate import grpo_batch_problems
+from alignflow.data.prepared import Prepared
+from alignflow.generation import Completion, Sampling, generate
 from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match, resolve
 from alignflow.stages.sft import sft_forward
-from alignflow.train.data import list_column, packed_rows, read_split
-from alignflow.train.engine import LossTerms, Objective, StepStats, TrainData, Trainer, all_reduce_dp, device, run_training_stage
+from alignflow.train import engine
+from alignflow.train.data import packed_rows
+from alignflow.train.datasets import Prompts
+from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, device, every, finish, training
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.grpo")
 LOSS_METRICS = ("kl", "clip_fraction", "ratio")
-
-
-class Prompts:
-    """Prep's prompts: token ids, rendered text and ground-truth answer per row."""
-
-    def __init__(self, table):
-        self.ids, self.off = list_column(table, "prompt_ids")
-        self.text, self.answer = table.column("prompt").to_pylist(), table.column("answer").to_pylist()
-
-    def __len__(self) -> int:
-        return len(self.text)
-
-    def tokens(self, i: int) -> list[int]:
-        return self.ids[self.off[i] : self.off[i + 1]].tolist()
 
 
 class Rollouts:
@@ -150,103 +138,112 @@ class RolloutStats:
                 "accuracy": correct / n, "response_length": tokens / n, "truncation_rate": truncated / n}
 
 
-class GRPOTrainer(Trainer):
-    """The engine's loop with a GRPO step: roll out, score, then optimize on the rollouts."""
+@dataclass
+class Environment:
+    """What a GRPO step needs besides the run: how to sample, score and refer."""
 
-    def __init__(self, *args, ref_model: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ref_model = ref_model
-        self.last_rollout: dict[str, float] = {}
+    tokenizer: Any
+    pad_id: int
+    sampling: Sampling
+    rewards: list  # (reward function, its kwargs)
+    ref_chunks: list | None  # the reference model (None without a KL term)
 
-    def rows_per_step(self) -> int:
-        return self.cfg.num_prompts_per_step
 
-    def check_batch_sizes(self) -> None:
-        if problems := grpo_batch_problems(self.cfg, self.dp_size):
-            raise ValueError("; ".join(problems))
+def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutput, divisible_by: int) -> Environment:
+    tokenizer = AutoTokenizer.from_pretrained(run.init.tokenizer)
+    sampling = Sampling(max_new_tokens=section.max_new_tokens, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
+                        temperature=section.generation_temperature, top_p=section.generation_top_p, top_k=section.generation_top_k)
+    ref_chunks = None
+    if section.loss.ref_policy_kl_penalty > 0:
+        built = build_gpt(ref_model.hf_config, section.parallel, params_dtype=run.dtype, make_vocab_size_divisible_by=divisible_by)
+        ref_chunks = built if isinstance(built, list) else [built]
+        megatron_checkpoint.load(ref_chunks, ref_model.weights)
+    return Environment(tokenizer, prompts.pad_id, sampling, [(resolve(r.name), dict(r.kwargs or {})) for r in section.environment], ref_chunks)
 
-    def setup(self) -> None:
-        super().setup()
-        cfg = self.cfg
-        tokenizer_dir = Path(self.init_model) / TOKENIZER_DIR
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=self.tokenizer.eos_token_id, vocab_size=len(self.tokenizer),
-                                 temperature=cfg.generation_temperature, top_p=cfg.generation_top_p, top_k=cfg.generation_top_k)
-        self.rewards = [(resolve(r.name), dict(r.kwargs or {})) for r in cfg.environment]
-        self.ref_chunks = None
-        if cfg.loss.ref_policy_kl_penalty > 0:
-            built = build_gpt(self.hf_config, cfg.parallel, params_dtype=self.dtype,
-                              make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by)
-            self.ref_chunks = built if isinstance(built, list) else [built]
-            megatron_checkpoint.load(self.ref_chunks, f"{self.ref_model.rstrip('/')}/{MODEL_DIR}")
 
-    def train_step(self, indices: np.ndarray) -> StepStats:
-        cfg, step = self.cfg, self.state.step
+def train(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> TrainResult:
+    """GRPO's loop: each step rolls out, scores and optimizes (`step`); logs and checkpoints as SFT's."""
+    cfg, state = run.cfg, run.state
+    first_tokens, window_seconds, window_tokens, rollout = state.tokens, 0.0, 0, {}
+    while state.step < run.total_steps:
         started = time.perf_counter()
-        share = len(indices) // self.dp_size
-        mine = indices[self.dp_rank * share : (self.dp_rank + 1) * share]
-        prompts = [self.data.train.tokens(int(i)) for i in mine for _ in range(cfg.num_generations_per_prompt)]
-        seed = int(np.random.SeedSequence([cfg.trainer.seed, step, self.dp_rank]).generate_state(1)[0])
-        completions = generate(self.chunks, prompts, self.sampling, cfg.generation_batch_size, seed=seed)
-        generation_s = time.perf_counter() - started
-        rollouts, stats = self.score(mine, prompts, completions)
-        samples = np.arange(len(rollouts))
-        micro = [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
-        if self.ref_chunks is not None:
-            rollouts.store("ref_logp", micro, self.per_token_logps(self.ref_chunks, micro, rollouts, rollouts.seq_length))
-        if cfg.num_optimizer_steps_per_batch > 1:
-            rollouts.store("old_logp", micro, self.per_token_logps(self.chunks, micro, rollouts, rollouts.seq_length))
-        lr = self.next_lr()
-        per_update = len(micro) // cfg.num_optimizer_steps_per_batch
-        updates = [self.optimizer_step(micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length, lr)
-                   for k in range(cfg.num_optimizer_steps_per_batch)]
-        generated = all_reduce_dp(float(stats.response_tokens.sum()))
-        self.last_rollout = stats.global_metrics()
-        metrics = self.last_rollout | {name: float(np.mean([u.metrics[name] for u in updates])) for name in LOSS_METRICS}
-        metrics["generation_tokens_per_s"] = generated / max(all_reduce_dp(generation_s, dist.ReduceOp.MAX), 1e-9)
-        return StepStats(loss=float(np.mean([u.loss for u in updates])), grad_norm=updates[-1].grad_norm, lr=lr,
-                         tokens=all_reduce_dp(rollouts.num_tokens(samples)), metrics=metrics)
-
-    def score(self, mine: np.ndarray, prompts: list[list[int]], completions: list[Completion]) -> tuple[Rollouts, RolloutStats]:
-        """Rewards, advantages and the rollout batch of this rank's samples."""
-        g = self.cfg.num_generations_per_prompt
-        texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
-        prompt_text = [self.data.train.text[int(i)] for i in mine for _ in range(g)]
-        answers = [self.data.train.answer[int(i)] for i in mine for _ in range(g)]
-        rewards = torch.tensor([sum(fn(p, t, a, **kwargs) for fn, kwargs in self.rewards)
-                                for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64)
-        advantages = group_advantages(rewards.view(-1, g), self.cfg.use_rloo, self.cfg.normalize_rewards).flatten()
-        truncated = torch.tensor([c.truncated for c in completions])
-        trained = ~truncated if self.cfg.overlong_filtering else torch.ones_like(truncated)
-        stats = RolloutStats(rewards=rewards, correct=torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)]),
-                             response_tokens=torch.tensor([len(c.tokens) for c in completions]), truncated=truncated)
-        return Rollouts(prompts, completions, advantages, trained, self.pad_id), stats
-
-    def summary(self) -> dict:
-        """The mean reward of the first and of the last tenth of the logged steps (one step's
-        reward is noisy: the trend is what shows learning), and the last step's rollouts."""
-        if self.metrics is None or not self.metrics.path.exists():  # rank 0 reports the result
-            return {}
-        rewards = [json.loads(line)["reward_mean"] for line in self.metrics.path.read_text().splitlines() if line.strip()]
-        tenth = max(len(rewards) // 10, 1)
-        return {"reward_first_tenth": float(np.mean(rewards[:tenth])), "reward_last_tenth": float(np.mean(rewards[-tenth:])),
-                **{k: self.last_rollout[k] for k in ("reward_mean", "accuracy") if k in self.last_rollout}}
-
-    def cleanup(self) -> None:
-        self.ref_chunks = None
-        super().cleanup()
+        stats, rollout = step(run, prompts, env, objective)
+        seconds = time.perf_counter() - started
+        engine.advance(run, stats, seconds)
+        window_seconds, window_tokens = window_seconds + seconds, window_tokens + stats.tokens
+        last = state.step == run.total_steps
+        if last or state.step == 1 or every(state.step, cfg.trainer.log_every_n_steps):
+            engine.log_step(run, {"step": state.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                                  "tokens": state.tokens, "tokens_per_s": window_tokens / max(window_seconds, 1e-9), **stats.metrics})
+            window_seconds, window_tokens = 0.0, 0
+        if last or every(state.step, cfg.checkpoint.every_n_steps):
+            engine.save_checkpoint(run)
+    return engine.result(run, first_tokens, summary(run, rollout))
 
 
-def load_data(data_uri: str) -> TrainData:
-    table = read_split(f"{data_uri.rstrip('/')}/prompts", "train")
-    if table is None or not table.num_rows:
-        raise FileNotFoundError(f"{data_uri}/prompts has no train-*.parquet rows: run prep with data.prompts set")
-    return TrainData(train=Prompts(table), val=None, seq_length=0)
+def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> tuple[StepStats, dict]:
+    """Roll out this rank's share of the step's prompts, score them, and take
+    num_optimizer_steps_per_batch optimizer steps on equal slices of the rollouts."""
+    cfg, started = run.cfg, time.perf_counter()
+    indices = run.batches.indices(run.state.position)
+    share = len(indices) // run.dp_size
+    mine = indices[run.dp_rank * share : (run.dp_rank + 1) * share]
+    tokens = [prompts.tokens(int(i)) for i in mine for _ in range(cfg.num_generations_per_prompt)]
+    seed = int(np.random.SeedSequence([cfg.trainer.seed, run.state.step, run.dp_rank]).generate_state(1)[0])
+    completions = generate(run.chunks, tokens, env.sampling, cfg.generation_batch_size, seed=seed)
+    generation_s = time.perf_counter() - started
+    rollouts, stats = score(cfg, prompts, mine, tokens, completions, env)
+    samples = np.arange(len(rollouts))
+    micro = [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
+    if env.ref_chunks is not None:
+        rollouts.store("ref_logp", micro, engine.per_token_logps(run, env.ref_chunks, objective.forward, micro, rollouts, rollouts.seq_length))
+    if cfg.num_optimizer_steps_per_batch > 1:
+        rollouts.store("old_logp", micro, engine.per_token_logps(run, run.chunks, objective.forward, micro, rollouts, rollouts.seq_length))
+    per_update = len(micro) // cfg.num_optimizer_steps_per_batch
+    updates = [engine.optimizer_step(run, objective, micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length)
+               for k in range(cfg.num_optimizer_steps_per_batch)]
+    generated = all_reduce_dp(float(stats.response_tokens.sum()))
+    rollout = stats.global_metrics()
+    metrics = rollout | {name: float(np.mean([u.metrics[name] for u in updates])) for name in LOSS_METRICS}
+    metrics["generation_tokens_per_s"] = generated / max(all_reduce_dp(generation_s, dist.ReduceOp.MAX), 1e-9)
+    return StepStats(loss=float(np.mean([u.loss for u in updates])), grad_norm=updates[-1].grad_norm, lr=updates[-1].lr,
+                     tokens=all_reduce_dp(rollouts.num_tokens(samples)), metrics=metrics), rollout
+
+
+def score(cfg: Any, prompts: Prompts, mine: np.ndarray, tokens: list[list[int]], completions: list[Completion],
+          env: Environment) -> tuple[Rollouts, RolloutStats]:
+    """Rewards, advantages and the rollout batch of this rank's samples."""
+    g = cfg.num_generations_per_prompt
+    texts = [env.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+    prompt_text = [prompts.text[int(i)] for i in mine for _ in range(g)]
+    answers = [prompts.answer[int(i)] for i in mine for _ in range(g)]
+    rewards = torch.tensor([sum(fn(p, t, a, **kwargs) for fn, kwargs in env.rewards)
+                            for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64)
+    advantages = group_advantages(rewards.view(-1, g), cfg.use_rloo, cfg.normalize_rewards).flatten()
+    truncated = torch.tensor([c.truncated for c in completions])
+    trained = ~truncated if cfg.overlong_filtering else torch.ones_like(truncated)
+    stats = RolloutStats(rewards=rewards, correct=torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)]),
+                         response_tokens=torch.tensor([len(c.tokens) for c in completions]), truncated=truncated)
+    return Rollouts(tokens, completions, advantages, trained, env.pad_id), stats
+
+
+def summary(run: Run, rollout: dict) -> dict:
+    """The mean reward of the first and of the last tenth of the logged steps (one step's
+    reward is noisy: the trend is what shows learning), and the last step's rollouts."""
+    if run.metrics is None or not run.metrics.path.exists():  # rank 0 reports the result
+        return {}
+    rewards = [json.loads(line)["reward_mean"] for line in run.metrics.path.read_text().splitlines() if line.strip()]
+    tenth = max(len(rewards) // 10, 1)
+    return {"reward_first_tenth": float(np.mean(rewards[:tenth])), "reward_last_tenth": float(np.mean(rewards[-tenth:])),
+            **{k: rollout[k] for k in ("reward_mean", "accuracy") if k in rollout}}
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    objective = grpo_objective(cfg.grpo.loss)
-    ref_model = local_model(inputs["ref_model"], cache_dir(cfg))
-    return run_training_stage("grpo", cfg, inputs, load_data(inputs["data"]), objective, out,
-                              trainer_class=GRPOTrainer, ref_model=str(ref_model))
+    section, data = cfg.grpo, Prepared(inputs["data"])
+    prompts, ref_model = Prompts(data, "train"), local_model(inputs["ref_model"], cache_dir(cfg))
+    with training("grpo", cfg, inputs, out, len(prompts), section.num_prompts_per_step) as run:
+        if problems := grpo_batch_problems(section, run.dp_size):
+            raise ValueError("; ".join(problems))
+        env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by)
+        result = train(run, prompts, env, grpo_objective(section.loss))
+    return finish(run, result)

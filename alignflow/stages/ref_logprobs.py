@@ -6,52 +6,45 @@ the result instead of holding a second model. Supported: any model in the
 `alignflow.checkpoint` layout at the configured TP/PP/DP (`ref_logprobs.parallel`,
 `ref_logprobs.resources`); the chosen and rejected sequences of a pair share a micro batch.
 
-Output: `{split}-{dp_rank:05d}.parquet` for the train and val splits of prep's preference
-data, with `sample_id` int64, `chosen_logp` and `rejected_logp` float64 (sums over response
-tokens, fp32 forward), `chosen_tokens` and `rejected_tokens` int32 (the token counts, so a
-consumer can average).
+Output: the format of `alignflow.data.logprobs`, one shard per DP rank, for the train and
+val splits of prep's preference data (sums over response tokens, fp32 forward, and the token
+counts, so a consumer can average).
 """
 
-import json
 import logging
 
-import fsspec
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR
+from alignflow.data import logprobs
+from alignflow.data.prepared import SIDES, Prepared
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
-from alignflow.train.preference import SIDES, PreferencePairs, load_pairs
+from alignflow.train.datasets import PreferencePairs, optional
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.ref_logprobs")
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    section, data = cfg.ref_logprobs, inputs["data"].rstrip("/")
-    model_dir = local_model(inputs["model"], cache_dir(cfg))
-    meta = json.loads(fsspec.open(f"{data}/metadata.json").open().read())
-    pad_id = meta["tokenizer"]["pad_token_id"] if meta["tokenizer"]["pad_token_id"] is not None else meta["tokenizer"]["eos_token_id"]
+    section, data = cfg.ref_logprobs, Prepared(inputs["data"])
+    model = local_model(inputs["model"], cache_dir(cfg))
     runtime.init_parallel(section.parallel, seed=0)
     try:
-        hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
-        built = build_gpt(hf_config, section.parallel, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        built = build_gpt(model.hf_config, section.parallel, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
         chunks = [c.eval() for c in (built if isinstance(built, list) else [built])]
-        checkpoint.load(chunks, str(model_dir / MODEL_DIR))
+        checkpoint.load(chunks, model.weights)
         metrics = {}
         for split in ("train", "val"):
-            pairs = load_pairs(data, split, meta["seq_length"], pad_id)
+            pairs = optional(PreferencePairs, data, split)
             if pairs is None:
                 continue
             result = pair_logprobs(chunks, pairs, section.micro_batch_size)
             if result is not None:
-                write(result, out, split)
+                logprobs.write(result, out, split, parallel_state.get_data_parallel_rank())
                 metrics |= {f"{split}.pairs": len(result["sample_id"]), f"{split}.mean_chosen_logp": float(np.mean(result["chosen_logp"]))}
         dist.barrier()
     finally:
@@ -91,15 +84,3 @@ def _forward_step(data_iterator, model):
     schedule hands the outputs back as they are."""
     batch = next(data_iterator)
     return model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]), None
-
-
-def write(columns: dict, out: str, split: str) -> None:
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
-    table = pa.table({
-        "sample_id": pa.array(columns["sample_id"], pa.int64()),
-        **{f"{s}_logp": pa.array(columns[f"{s}_logp"], pa.float64()) for s in SIDES},
-        **{f"{s}_tokens": pa.array(columns[f"{s}_tokens"], pa.int32()) for s in SIDES},
-    })
-    with fs.open(f"{root.rstrip('/')}/{split}-{parallel_state.get_data_parallel_rank():05d}.parquet", "wb") as f:
-        pq.write_table(table, f)

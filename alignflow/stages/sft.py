@@ -31,39 +31,13 @@ Simplified:
   synced with `out` (`alignflow.train.workspace`); the data is read from any fsspec URI.
 """
 
-import json
-from typing import Sequence
-
-import fsspec
 import torch
 
+from alignflow.data.prepared import Prepared
 from alignflow.megatron.model import packed_thd, thd_params
-from alignflow.train.data import list_column, packed_rows, read_split
-from alignflow.train.engine import LossTerms, Objective, TrainData, run_training_stage
-
-
-class PackedSFT:
-    """Prep's SFT rows as micro batches of packed documents (see `alignflow.train.data`)."""
-
-    def __init__(self, table, seq_length: int, pad_id: int):
-        self.ids, self.ids_off = list_column(table, "input_ids")
-        self.mask, _ = list_column(table, "loss_mask")
-        self.cu, self.cu_off = list_column(table, "cu_seqlens")
-        self.seq_length, self.pad_id = seq_length, pad_id
-
-    def __len__(self) -> int:
-        return len(self.ids_off) - 1
-
-    def row(self, i: int):
-        a, b = self.ids_off[i], self.ids_off[i + 1]
-        return self.ids[a:b], self.mask[a:b], self.cu[self.cu_off[i] : self.cu_off[i + 1]]
-
-    def collate(self, indices: Sequence[int]) -> dict:
-        rows = packed_rows([self.row(int(i)) for i in indices], self.seq_length, self.pad_id)
-        return vars(rows)
-
-    def num_tokens(self, indices: Sequence[int]) -> int:
-        return int(sum(self.ids_off[i + 1] - self.ids_off[i] for i in indices))
+from alignflow.train.datasets import PackedSFT, optional
+from alignflow.train.engine import LossTerms, Objective, finish, training
+from alignflow.train.loop import Supervised, supervised
 
 
 def sft_forward(model, batch: dict) -> torch.Tensor:
@@ -85,21 +59,12 @@ def sft_loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
 SFT = Objective(forward=sft_forward, loss=sft_loss)
 
 
-def load_data(data_uri: str) -> TrainData:
-    with fsspec.open(f"{data_uri.rstrip('/')}/metadata.json") as f:
-        meta = json.load(f)
-    seq_length, tok = meta["seq_length"], meta["tokenizer"]
-    pad_id = tok["pad_token_id"] if tok["pad_token_id"] is not None else tok["eos_token_id"]
-    train = read_split(f"{data_uri}/sft", "train")
-    if train is None:
-        raise FileNotFoundError(f"{data_uri}/sft has no train-*.parquet: run prep with data.sft set")
-    val = read_split(f"{data_uri}/sft", "val")
-    return TrainData(
-        train=PackedSFT(train, seq_length, pad_id),
-        val=PackedSFT(val, seq_length, pad_id) if val is not None and val.num_rows else None,
-        seq_length=seq_length,
-    )
+def load_data(data: Prepared) -> Supervised:
+    return Supervised(train=PackedSFT(data, "train"), val=optional(PackedSFT, data, "val"), seq_length=data.seq_length)
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    return run_training_stage("sft", cfg, inputs, load_data(inputs["data"]), SFT, out)
+    data = load_data(Prepared(inputs["data"]))
+    with training("sft", cfg, inputs, out, len(data.train), cfg.sft.global_batch_size) as run:
+        result = supervised(run, data, SFT)
+    return finish(run, result)

@@ -1,7 +1,5 @@
 """Training data: Parquet token tables, a deterministic resumable global-batch order, DP shards.
 
-- `read_split(uri, split)`: every `{split}-*.parquet` shard of a prep output folder as one
-  Arrow table (columns stay Arrow lists; rows are sliced out on demand).
 - `GlobalBatches`: epoch `e` visits the rows in the order `permutation(seed, e)`, cut into
   global batches of `global_batch_size` rows (a last partial batch is dropped). A
   `DataPosition` (epoch, batch) says where training is, so a resumed run reads exactly the
@@ -12,16 +10,14 @@
   (cu_seqlens), padded to one length.
 
 A dataset the engine trains on is anything with `__len__`, `collate(indices) -> dict of
-tensors` (one micro batch) and `num_tokens(indices) -> int` (for throughput).
+tensors` (one micro batch) and `num_tokens(indices) -> int` (for throughput); prep's tables
+become datasets in `alignflow.train.datasets`.
 """
 
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-import fsspec
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 
@@ -31,25 +27,6 @@ class Dataset(Protocol):
     def collate(self, indices: Sequence[int]) -> dict: ...
 
     def num_tokens(self, indices: Sequence[int]) -> int: ...
-
-
-def read_split(uri: str, split: str) -> pa.Table | None:
-    """All `{split}-*.parquet` shards under `uri` (sorted) as one table; None if there are none."""
-    fs, root = fsspec.core.url_to_fs(uri)
-    files = sorted(fs.glob(f"{root.rstrip('/')}/{split}-*.parquet"))
-    if not files:
-        return None
-    return pa.concat_tables([pq.read_table(f, filesystem=fs) for f in files])
-
-
-def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(flat values, offsets) of a list column: row i is values[offsets[i]:offsets[i + 1]]."""
-    column = table.column(name).combine_chunks()
-    if isinstance(column, pa.ChunkedArray):  # an empty table
-        column = pa.array([], type=column.type)
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    values = column.values.to_numpy(zero_copy_only=False)
-    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
 
 
 @dataclass

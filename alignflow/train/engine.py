@@ -1,23 +1,26 @@
-"""The training engine shared by the training stages (SFT, DPO, GRPO).
+"""The training engine: plain functions the training stages' loops are written from.
 
-A stage gives the engine three things, none of them subclasses:
-- `data`: `TrainData(train, val, seq_length)`, datasets that turn row indices into micro
-  batches (dicts of tensors; see `alignflow.train.data.Dataset`);
-- `objective`: `Objective(forward, loss)`: `forward(model, batch)` runs one model chunk on a
-  micro batch (on pipeline stages other than the last it returns the hidden states), and
-  `loss(output, batch)` (last stage only) returns `LossTerms(total, count, metrics)`: the
-  summed loss, how many units (tokens, pairs, ...) it sums over, and optional per-unit sums
-  of the metrics `Objective.metric_names` lists (e.g. DPO's reward accuracy). The step's loss
-  and metrics are sum / sum(count) over the whole global batch (all micro batches, all DP ranks).
-- the stage's config section (`TrainStageBase` as plain data) and the model to start from.
+`setup` builds a `Run` in order (parallel groups, model, Megatron's DDP and optimizer, the
+data order, resume from the latest checkpoint or the input model, metrics), inside
+`training(...)`, which always tears the process groups down. A stage's loop then calls:
+- `optimizer_step(run, objective, micro, dataset, ...)`: forward/backward of this rank's
+  micro batches through Megatron's schedule and one optimizer step;
+- `per_token_logps(run, chunks, ...)`: log-probs under a model (the policy, a reference);
+- `validate(run, objective, val)`, `next_lr(run)`, `log_step(run, record)`,
+  `save_checkpoint(run)`, `advance(run, stats)`;
+and `finish(run, result)` publishes the final weights and returns the stage's metrics.
+`alignflow.train.loop.supervised` is the SFT/DPO loop; GRPO writes its own
+(`alignflow.stages.grpo`). A stage gives its loop a dataset (`alignflow.train.data.Dataset`)
+and an `Objective(forward, loss)`: `forward(model, batch)` runs one model chunk on a micro
+batch (on pipeline stages other than the last it returns the hidden states), and
+`loss(output, batch)` (last stage only) returns `LossTerms(total, count, metrics)`: the summed
+loss, how many units (tokens, pairs, ...) it sums over, and per-unit sums of the metrics
+`Objective.metric_names` lists. A step's loss and metrics are sum / sum(count) over the whole
+global batch (all micro batches, all DP ranks).
 
-`Trainer.setup()` builds everything in order (parallel groups, model, weights, optimizer,
-data order, resume, metrics); `Trainer.train()` is the loop; `save_checkpoint` / `cleanup`.
-It writes into `alignflow.train.workspace.Workspace.dir`: the output itself on a filesystem,
-a scratch folder whose checkpoints and outputs are uploaded when the output is on an object store.
-GRPO's step differs (roll out, score, then optimizer steps on the rollouts), so
-`alignflow.stages.grpo.GRPOTrainer` overrides `train_step` and reuses `optimizer_step` and
-`per_token_logps`; everything else (schedule, checkpoints, resume, metrics) is shared.
+The run writes into `alignflow.train.workspace.Workspace.dir`: the output itself on a
+filesystem, a scratch folder whose checkpoints and outputs are uploaded when the output is on
+an object store.
 
 Per step: the global batch's rows are cut into this DP rank's micro batches
 (num_micro = global / (micro * DP)), forwarded and backwarded through Megatron's
@@ -45,10 +48,8 @@ anyway); no context parallelism, and sequence parallelism only with Transformer 
 """
 
 import functools
-import json
 import logging
 import shutil
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
-
+from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR, ModelOutput
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import runtime
 from alignflow.megatron.model import build_gpt, packed_thd
@@ -75,7 +75,7 @@ from alignflow.train.checkpointing import TrainerState
 from alignflow.train.data import Dataset, GlobalBatches, dp_micro_batches
 from alignflow.train.metrics import MetricsLog
 from alignflow.train.schedule import lr_at
-from alignflow.train.workspace import CHECKPOINTS, cache_dir, local_model, workspace_for
+from alignflow.train.workspace import CHECKPOINTS, Workspace, cache_dir, local_model, workspace_for
 
 log = logging.getLogger("alignflow.train")
 
@@ -92,14 +92,6 @@ class Objective:
     forward: Callable[[Any, dict], Tensor]
     loss: Callable[[Tensor, dict], LossTerms]
     metric_names: tuple[str, ...] = ()  # every rank must know them: only the last stage computes them
-
-
-@dataclass
-class TrainData:
-    train: Dataset
-    val: Optional[Dataset]
-    seq_length: int  # every micro batch is padded to it (pipeline buffers have one shape)
-    rows_per_item: int = 1  # model rows per dataset item: 2 for preference pairs (chosen, rejected)
 
 
 @dataclass
@@ -138,233 +130,262 @@ def resolve_precision(precision: str) -> torch.dtype:
     return PRECISIONS[("bf16" if torch.cuda.is_available() else "fp32") if precision == "auto" else precision]
 
 
-class Trainer:
-    def __init__(self, cfg: Any, model_cfg: Any, hf_config: dict, init_model: str, data: TrainData, objective: Objective,
-                 out: str, wandb_cfg: Any = None, name: str = "train", cache: Optional[Path] = None):
-        """`init_model`: a local folder; `out`: the stage's output URI, on an object store worked
-        on in a scratch folder of `cache` (see `alignflow.train.workspace`)."""
-        self.cfg, self.model_cfg, self.hf_config, self.init_model = cfg, model_cfg, hf_config, init_model
-        self.data, self.objective, self.name, self.wandb_cfg = data, objective, name, wandb_cfg
-        self.workspace = workspace_for(out, cache or cache_dir())
-        self.out = self.workspace.dir
-        self.checkpoints = self.out / CHECKPOINTS
+@dataclass
+class Run:
+    """One training job's pieces, as `setup` builds them."""
 
-    # ------------------------------------------------------------------ setup
+    kind: str
+    cfg: Any  # the stage's typed section
+    init: ModelOutput  # the model it starts from (a local folder)
+    workspace: Workspace
+    dtype: torch.dtype
+    rank: int
+    dp_rank: int
+    dp_size: int
+    chunks: list  # the GPTModel chunks: weights, checkpoints, generation
+    model: list  # the DDP-wrapped chunks the training schedule runs
+    optimizer: MegatronOptimizer
+    batches: GlobalBatches
+    total_steps: int
+    state: TrainerState = field(default_factory=TrainerState)
+    metrics: Optional[MetricsLog] = None
+    last_val_metrics: dict = field(default_factory=dict)
+    step_seconds: float = 0.0  # time in training steps (validation and checkpoints are I/O)
 
-    def setup(self) -> None:
-        cfg = self.cfg
-        check_supported(cfg.parallel)
-        self.dtype = resolve_precision(cfg.precision)
-        runtime.init_parallel(cfg.parallel, seed=cfg.trainer.seed)
-        self.rank = dist.get_rank()
-        self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        self.check_batch_sizes()
-        built = build_gpt(self.hf_config, cfg.parallel, params_dtype=self.dtype,
-                          make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by,
-                          hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-                          calculate_per_token_loss=True, **recompute_settings(cfg))
-        self.chunks = built if isinstance(built, list) else [built]  # the GPTModels: weights, checkpoints, generation
-        self.model = wrap_ddp(self.chunks, ddp_config(cfg.parallel))  # what the training schedule runs
-        self.optimizer = build_optimizer(self.model, cfg, self.dtype)
-        self.batches = GlobalBatches(len(self.data.train), self.rows_per_step(), cfg.trainer.seed)
-        self.total_steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else cfg.trainer.max_epochs * self.batches.per_epoch
-        self.state = self.resume_or_start()
-        self.metrics = MetricsLog(self.out, self.checkpoints, self.state.step, self.wandb_cfg, self.name) if self.rank == 0 else None
+    @property
+    def out(self) -> Path:
+        return self.workspace.dir
 
-    def rows_per_step(self) -> int:
-        """Dataset items each step consumes."""
-        return self.cfg.global_batch_size
+    @property
+    def checkpoints(self) -> Path:
+        return self.workspace.dir / CHECKPOINTS
 
-    def check_batch_sizes(self) -> None:
-        cfg = self.cfg
-        if cfg.global_batch_size % (cfg.micro_batch_size * self.dp_size):
-            raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * DP "
-                             f"({cfg.micro_batch_size} * {self.dp_size})")
 
-    def resume_or_start(self) -> TrainerState:
-        """The latest complete checkpoint, or the input model (with resume off, old checkpoints are removed)."""
-        if self.rank == 0:
-            self.workspace.restore(self.cfg.checkpoint.resume)
-        dist.barrier()
-        self.workspace.check_shared()
-        steps = checkpointing.complete_steps(self.checkpoints)
-        if steps:
-            path = checkpointing.step_dir(self.checkpoints, steps[-1])
-            state = checkpointing.load(path, self.chunks, self.optimizer)
-            if self.rank == 0:
-                log.info("resumed from %s (step %d of %d)", path, state.step, self.total_steps)
-            return state
-        megatron_checkpoint.load(self.chunks, f"{self.init_model.rstrip('/')}/model")
-        self.optimizer.reload_model_params()  # fp32 main weights from the loaded ones
-        if self.rank == 0:
-            log.info("starting from %s: %d steps of %d rows", self.init_model, self.total_steps, self.cfg.global_batch_size)
-        return TrainerState()
-
-    # ------------------------------------------------------------------ the loop
-
-    def train(self) -> TrainResult:
-        cfg, state = self.cfg.trainer, self.state
-        # Throughput counts the time of training steps only: validation and checkpoints are I/O.
-        step_seconds, window_seconds, window_tokens, first_tokens = 0.0, 0.0, 0, state.tokens
-        for chunk in self.chunks:
-            chunk.train()
-        while state.step < self.total_steps and not state.stopped_early:
-            step_started = time.perf_counter()
-            stats = self.train_step(self.batches.indices(state.position))
-            step_seconds += time.perf_counter() - step_started
-            window_seconds += time.perf_counter() - step_started
-            state.step += 1
-            state.position = self.batches.next(state.position)
-            state.tokens += stats.tokens
-            state.last_loss = stats.loss
-            window_tokens += stats.tokens
-            last = state.step == self.total_steps
-            val_loss = None
-            if self.data.val is not None and (last or _every(state.step, cfg.val_check_interval)):
-                val_loss = self.validate()
-                self.track_early_stopping(val_loss)
-            if val_loss is not None or last or state.step == 1 or _every(state.step, cfg.log_every_n_steps):
-                record = {"step": state.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                          "tokens": state.tokens, "tokens_per_s": window_tokens / max(window_seconds, 1e-9)}
-                record |= stats.metrics
-                if val_loss is not None:
-                    record |= {"val_loss": val_loss, **self.last_val_metrics}
-                if self.metrics is not None:
-                    self.metrics.write(record, self.total_steps)
-                window_seconds, window_tokens = 0.0, 0
-            if last or state.stopped_early or _every(state.step, self.cfg.checkpoint.every_n_steps):
-                self.save_checkpoint()
-        final = checkpointing.complete_steps(self.checkpoints)
-        if not final or final[-1] != state.step:  # e.g. zero steps ran: nothing to resume from yet
-            self.save_checkpoint()
-        return TrainResult(
-            steps=state.step, train_loss=state.last_loss, val_loss=state.last_val_loss, tokens=state.tokens,
-            tokens_per_s=(state.tokens - first_tokens) / max(step_seconds, 1e-9),
-            stopped_early=state.stopped_early, checkpoint=checkpointing.step_dir(self.checkpoints, state.step),
-            summary=self.summary(),
-        )
-
-    def summary(self) -> dict:
-        """Stage-specific headline metrics of the finished run (none for the supervised stages)."""
-        return {}
-
-    def train_step(self, indices: np.ndarray) -> StepStats:
-        micro = dp_micro_batches(indices, self.cfg.micro_batch_size, self.dp_rank, self.dp_size)
-        stats = self.optimizer_step(micro, self.data.train, self.data.seq_length, self.next_lr())
-        stats.tokens = all_reduce_dp(sum(self.data.train.num_tokens(m) for m in micro))
-        return stats
-
-    def next_lr(self) -> float:
-        """The learning rate of the step about to run."""
-        optim = self.cfg.optim
-        return lr_at(self.state.step + 1, lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
-                     total_steps=self.total_steps, schedule=optim.schedule)
-
-    def optimizer_step(self, micro: list[np.ndarray], dataset: Dataset, seq_length: int, lr: float) -> StepStats:
-        """One optimizer step on this rank's micro batches of a global batch (tokens left at 0).
-        The schedule leaves the gradients reduced and divided by the global count (see top)."""
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        total, count, metrics = self.run_micro_batches(micro, dataset, forward_only=False, seq_length=seq_length)
-        set_lr(self.optimizer, lr, self.cfg.optim.weight_decay)
-        _, grad_norm, _ = self.optimizer.step()  # no loss scaler (bf16 / fp32): a step always applies
-        return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=0,
-                         metrics={k: v / max(count, 1.0) for k, v in metrics.items()})
-
-    def run_micro_batches(self, micro: list[np.ndarray], dataset: Optional[Dataset] = None,
-                          forward_only: bool = False, seq_length: Optional[int] = None) -> tuple[float, float, dict[str, float]]:
-        """Forward (and backward) `micro`; returns the global (loss sum, count, metric sums) on every rank."""
-        outputs = self.schedule(self.model, self._forward_step, micro, dataset or self.data.train, forward_only, seq_length)
-        names = self.objective.metric_names
-        sums = torch.zeros(2 + len(names), dtype=torch.float64, device=device())
-        for out in outputs:
-            sums += out["terms"].double()
-        dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage has it
-        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        return sums[0].item(), sums[1].item(), {name: sums[2 + i].item() for i, name in enumerate(names)}
-
-    def schedule(self, chunks: list, forward_step, micro: list[np.ndarray], dataset: Dataset, forward_only: bool,
-                 seq_length: Optional[int] = None) -> list:
-        """Megatron's pipeline schedule over `micro`; the loss functions' outputs (last stage only).
-        THD attention runs a micro batch as one flat sequence, so its stages pass [b * s, 1, h]."""
-        batches = [to_device(dataset.collate(m)) for m in micro]
-        rows, length = self.cfg.micro_batch_size * self.data.rows_per_item, seq_length or self.data.seq_length
-        if packed_thd():
-            rows, length = 1, rows * length
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
-            seq_length=length, micro_batch_size=rows, forward_only=forward_only,
-        )
-
-    @torch.no_grad()
-    def per_token_logps(self, chunks: list, micro: list[np.ndarray], dataset: Dataset, seq_length: int) -> list[Tensor]:
-        """log p(label) per position [micro, s] of each micro batch under `chunks` (e.g. a reference
-        model); on the last pipeline stage only (an empty list elsewhere)."""
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            return self.objective.forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1), {"logp": -nll.detach().float()})
-
-        with eval_mode(chunks):
-            outputs = self.schedule(chunks, forward_step, micro, dataset, forward_only=True, seq_length=seq_length)
-        return [out["logp"] for out in outputs]
-
-    def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
-        return self.objective.forward(model, batch), functools.partial(self._loss, batch)
-
-    def _loss(self, batch: dict, output: Tensor):
-        terms = self.objective.loss(output, batch)
-        extra = [terms.metrics[name].detach().float() for name in self.objective.metric_names]
-        reported = torch.stack([terms.total.detach().float(), terms.count.detach().float(), *extra])
-        return terms.total, terms.count.to(torch.int), {"terms": reported}
-
-    # ------------------------------------------------------------------ validation, early stopping
-
-    def validate(self) -> Optional[float]:
-        """Mean loss over the first limit_val_batches x micro_batch_size rows of the val split,
-        shared among the DP ranks, so every layout validates on the same rows."""
-        micro_size = self.cfg.micro_batch_size
-        rows = min(self.cfg.trainer.limit_val_batches * micro_size, len(self.data.val))
-        rows -= rows % (micro_size * self.dp_size)
-        if rows <= 0:
-            return None
-        micro = dp_micro_batches(np.arange(rows), micro_size, self.dp_rank, self.dp_size)
-        with eval_mode(self.chunks), torch.no_grad():
-            total, count, metrics = self.run_micro_batches(micro, self.data.val, forward_only=True)
-        self.state.last_val_loss = total / max(count, 1.0)
-        self.last_val_metrics = {f"val_{k}": v / max(count, 1.0) for k, v in metrics.items()}
-        return self.state.last_val_loss
-
-    def track_early_stopping(self, val_loss: Optional[float]) -> None:
-        patience, state = self.cfg.trainer.early_stopping_patience, self.state
-        if val_loss is None:
-            return
-        if state.best_val_loss is None or val_loss < state.best_val_loss - self.cfg.trainer.early_stopping_min_delta:
-            state.best_val_loss, state.bad_validations = val_loss, 0
-            return
-        state.bad_validations += 1
-        if patience is not None and state.bad_validations >= patience:
-            state.stopped_early = True
-            log.info("early stopping at step %d: val_loss has not improved for %d validations", state.step, patience)
-
-    # ------------------------------------------------------------------ checkpoint, cleanup
-
-    def save_checkpoint(self) -> None:
-        gather_weights(self.model)
-        path = checkpointing.save(self.checkpoints, self.chunks, self.optimizer, self.state)
-        if self.rank == 0:
-            ckpt = self.cfg.checkpoint
-            deleted = checkpointing.prune(self.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
-            log.info("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
-            self.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
-        dist.barrier()
-
-    def cleanup(self) -> None:
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.close()
+@contextmanager
+def training(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int) -> Iterator[Run]:
+    """A run of the `kind` section of `cfg` from `inputs["model"]` into `out`, over `num_rows`
+    dataset items taken `rows_per_step` per step; the process groups are torn down after it."""
+    run = None
+    try:
+        run = setup(kind, cfg, inputs, out, num_rows, rows_per_step)
+        yield run
+    finally:
+        if run is not None and run.metrics is not None:
+            run.metrics.close()
         runtime.teardown()
+
+
+def setup(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int) -> Run:
+    section, cache = cfg[kind], cache_dir(cfg)
+    check_supported(section.parallel)
+    dtype = resolve_precision(section.precision)
+    init = local_model(inputs["model"], cache)
+    runtime.init_parallel(section.parallel, seed=section.trainer.seed)
+    built = build_gpt(init.hf_config, section.parallel, params_dtype=dtype,
+                      make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                      hidden_dropout=section.hidden_dropout, attention_dropout=section.attention_dropout,
+                      calculate_per_token_loss=True, **recompute_settings(section))
+    chunks = built if isinstance(built, list) else [built]
+    model = wrap_ddp(chunks, ddp_config(section.parallel))
+    batches = GlobalBatches(num_rows, rows_per_step, section.trainer.seed)
+    trainer = section.trainer
+    run = Run(kind, section, init, workspace_for(out, cache), dtype, dist.get_rank(), parallel_state.get_data_parallel_rank(),
+              parallel_state.get_data_parallel_world_size(), chunks, model, build_optimizer(model, section, dtype), batches,
+              trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * batches.per_epoch)
+    run.state = resume_or_start(run)
+    if run.rank == 0:
+        run.metrics = MetricsLog(run.out, run.checkpoints, run.state.step, OmegaConf.select(cfg, "logging.wandb"), kind)
+    return run
+
+
+def resume_or_start(run: Run) -> TrainerState:
+    """The latest complete checkpoint, or the input model (with resume off, old checkpoints are removed)."""
+    if run.rank == 0:
+        run.workspace.restore(run.cfg.checkpoint.resume)
+    dist.barrier()
+    run.workspace.check_shared()
+    steps = checkpointing.complete_steps(run.checkpoints)
+    if steps:
+        path = checkpointing.step_dir(run.checkpoints, steps[-1])
+        state = checkpointing.load(path, run.chunks, run.optimizer)
+        if run.rank == 0:
+            log.info("resumed from %s (step %d of %d)", path, state.step, run.total_steps)
+        return state
+    megatron_checkpoint.load(run.chunks, run.init.weights)
+    run.optimizer.reload_model_params()  # fp32 main weights from the loaded ones
+    if run.rank == 0:
+        log.info("starting from %s: %d steps of %d rows", run.init.uri, run.total_steps, run.batches.size)
+    return TrainerState()
+
+
+def next_lr(run: Run) -> float:
+    """The learning rate of the step about to run."""
+    optim = run.cfg.optim
+    return lr_at(run.state.step + 1, lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
+                 total_steps=run.total_steps, schedule=optim.schedule)
+
+
+def optimizer_step(run: Run, objective: Objective, micro: list[np.ndarray], dataset: Dataset, seq_length: int,
+                   rows_per_item: int = 1) -> StepStats:
+    """One optimizer step on this rank's micro batches of a global batch (tokens left at 0).
+    The schedule leaves the gradients reduced and divided by the global count (see top)."""
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    total, count, metrics = forward_backward(run, objective, micro, dataset, seq_length, rows_per_item, forward_only=False)
+    lr = next_lr(run)
+    set_lr(run.optimizer, lr, run.cfg.optim.weight_decay)
+    _, grad_norm, _ = run.optimizer.step()  # no loss scaler (bf16 / fp32): a step always applies
+    return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=0,
+                     metrics={k: v / max(count, 1.0) for k, v in metrics.items()})
+
+
+def forward_backward(run: Run, objective: Objective, micro: list[np.ndarray], dataset: Dataset, seq_length: int,
+                     rows_per_item: int, forward_only: bool) -> tuple[float, float, dict[str, float]]:
+    """Forward (and backward) `micro`; the global (loss sum, count, metric sums) on every rank."""
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return objective.forward(model, batch), functools.partial(_reported_loss, objective, batch)
+
+    outputs = schedule(run, run.model, forward_step, micro, dataset, seq_length, rows_per_item, forward_only)
+    names = objective.metric_names
+    sums = torch.zeros(2 + len(names), dtype=torch.float64, device=device())
+    for out in outputs:
+        sums += out["terms"].double()
+    dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage has it
+    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+    return sums[0].item(), sums[1].item(), {name: sums[2 + i].item() for i, name in enumerate(names)}
+
+
+def _reported_loss(objective: Objective, batch: dict, output: Tensor):
+    terms = objective.loss(output, batch)
+    extra = [terms.metrics[name].detach().float() for name in objective.metric_names]
+    reported = torch.stack([terms.total.detach().float(), terms.count.detach().float(), *extra])
+    return terms.total, terms.count.to(torch.int), {"terms": reported}
+
+
+def schedule(run: Run, chunks: list, forward_step, micro: list[np.ndarray], dataset: Dataset, seq_length: int,
+             rows_per_item: int, forward_only: bool) -> list:
+    """Megatron's pipeline schedule over `micro`; the loss functions' outputs (last stage only).
+    THD attention runs a micro batch as one flat sequence, so its stages pass [b * s, 1, h]."""
+    batches = [to_device(dataset.collate(m)) for m in micro]
+    rows, length = run.cfg.micro_batch_size * rows_per_item, seq_length
+    if packed_thd():
+        rows, length = 1, rows * length
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
+        seq_length=length, micro_batch_size=rows, forward_only=forward_only,
+    )
+
+
+@torch.no_grad()
+def per_token_logps(run: Run, chunks: list, forward: Callable, micro: list[np.ndarray], dataset: Dataset, seq_length: int) -> list[Tensor]:
+    """log p(label) per position [micro, s] of each micro batch under `chunks` (the policy, a
+    reference model); on the last pipeline stage only (an empty list elsewhere)."""
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1), {"logp": -nll.detach().float()})
+
+    with eval_mode(chunks):
+        outputs = schedule(run, chunks, forward_step, micro, dataset, seq_length, 1, forward_only=True)
+    return [out["logp"] for out in outputs]
+
+
+def validate(run: Run, objective: Objective, val: Dataset, seq_length: int, rows_per_item: int = 1) -> Optional[float]:
+    """Mean loss over the first limit_val_batches x micro_batch_size rows of the val split,
+    shared among the DP ranks, so every layout validates on the same rows."""
+    micro_size = run.cfg.micro_batch_size
+    rows = min(run.cfg.trainer.limit_val_batches * micro_size, len(val))
+    rows -= rows % (micro_size * run.dp_size)
+    if rows <= 0:
+        return None
+    micro = dp_micro_batches(np.arange(rows), micro_size, run.dp_rank, run.dp_size)
+    with eval_mode(run.chunks), torch.no_grad():
+        total, count, metrics = forward_backward(run, objective, micro, val, seq_length, rows_per_item, forward_only=True)
+    run.state.last_val_loss = total / max(count, 1.0)
+    run.last_val_metrics = {f"val_{k}": v / max(count, 1.0) for k, v in metrics.items()}
+    track_early_stopping(run, run.state.last_val_loss)
+    return run.state.last_val_loss
+
+
+def track_early_stopping(run: Run, val_loss: float) -> None:
+    patience, state = run.cfg.trainer.early_stopping_patience, run.state
+    if state.best_val_loss is None or val_loss < state.best_val_loss - run.cfg.trainer.early_stopping_min_delta:
+        state.best_val_loss, state.bad_validations = val_loss, 0
+        return
+    state.bad_validations += 1
+    if patience is not None and state.bad_validations >= patience:
+        state.stopped_early = True
+        log.info("early stopping at step %d: val_loss has not improved for %d validations", state.step, patience)
+
+
+def advance(run: Run, stats: StepStats, seconds: float) -> None:
+    """The run's state after a step: its count, data position, tokens and loss."""
+    state = run.state
+    state.step += 1
+    state.position = run.batches.next(state.position)
+    state.tokens += stats.tokens
+    state.last_loss = stats.loss
+    run.step_seconds += seconds
+
+
+def log_step(run: Run, record: dict) -> None:
+    """metrics.jsonl, wandb and a progress line in the job log (rank 0)."""
+    if run.metrics is not None:
+        run.metrics.write(record, run.total_steps)
+
+
+def save_checkpoint(run: Run) -> None:
+    gather_weights(run.model)
+    path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state)
+    if run.rank == 0:
+        ckpt = run.cfg.checkpoint
+        deleted = checkpointing.prune(run.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
+        log.info("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
+        run.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
+    dist.barrier()
+
+
+def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> TrainResult:
+    """The run's result after its loop; saves a last checkpoint unless the loop just did."""
+    final = checkpointing.complete_steps(run.checkpoints)
+    if not final or final[-1] != run.state.step:  # e.g. zero steps ran: nothing to resume from yet
+        save_checkpoint(run)
+    state = run.state
+    return TrainResult(
+        steps=state.step, train_loss=state.last_loss, val_loss=state.last_val_loss, tokens=state.tokens,
+        tokens_per_s=(state.tokens - first_tokens) / max(run.step_seconds, 1e-9), stopped_early=state.stopped_early,
+        checkpoint=checkpointing.step_dir(run.checkpoints, state.step), summary=summary or {},
+    )
+
+
+def finish(run: Run, result: TrainResult) -> dict:
+    """After `training`: publish the final weights as `{out}/model` beside the input model's hf/
+    and tokenizer/ (uploaded with the outputs on an object store); the stage's metrics."""
+    if run.rank == 0:
+        publish(result.checkpoint, run.init, run.out)
+        run.workspace.push_outputs()
+    return result.summary | {
+        "train_loss": result.train_loss,
+        "val_loss": result.val_loss,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "stopped_early": result.stopped_early,
+    }
+
+
+def publish(checkpoint: Path, init: ModelOutput, out: Path) -> None:
+    """The final checkpoint's weights as `{out}/model`, with the input model's hf/ and tokenizer/."""
+    for name, source in ((MODEL_DIR, checkpoint / "model"), (HF_DIR, Path(init.hf)), (TOKENIZER_DIR, Path(init.tokenizer))):
+        tmp = out / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if source.exists():
+            shutil.copytree(source, tmp)
+            shutil.rmtree(out / name, ignore_errors=True)
+            tmp.rename(out / name)
+    log.info("final model at %s", out / MODEL_DIR)
 
 
 # ---------------------------------------------------------------------- shared pieces
@@ -467,45 +488,5 @@ def to_device(batch: dict) -> dict:
     return {k: v.cuda(non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
 
 
-def _every(step: int, interval: int) -> bool:
+def every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
-
-
-def run_training_stage(name: str, cfg: Any, inputs: dict, data: TrainData, objective: Objective, out: str,
-                       trainer_class: type = Trainer, **trainer_args) -> dict:
-    """What a training stage's `run` does: train `cfg[name]` from `inputs["model"]`, then
-    publish the final weights as `{out}/model` beside the input model's hf/ and tokenizer/."""
-    cache = cache_dir(cfg)
-    model_dir = local_model(inputs["model"], cache)
-    hf_config = json.loads((model_dir / HF_DIR / "config.json").read_text())
-    trainer = trainer_class(cfg[name], cfg.model, hf_config, str(model_dir), data, objective, out,
-                            OmegaConf.select(cfg, "logging.wandb"), name=name, cache=cache, **trainer_args)
-    try:
-        trainer.setup()
-        result = trainer.train()
-        if trainer.rank == 0:
-            publish(result.checkpoint, model_dir, trainer.out)
-    finally:
-        trainer.cleanup()
-    if trainer.rank == 0:  # after cleanup, which finishes the wandb run's files
-        trainer.workspace.push_outputs()
-    return result.summary | {
-        "train_loss": result.train_loss,
-        "val_loss": result.val_loss,
-        "steps": result.steps,
-        "tokens": result.tokens,
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "stopped_early": result.stopped_early,
-    }
-
-
-def publish(checkpoint: Path, model_dir: Path, out: Path) -> None:
-    """The final checkpoint's weights as `{out}/model`, with the input model's hf/ and tokenizer/."""
-    for name, source in ((MODEL_DIR, checkpoint / "model"), (HF_DIR, model_dir / HF_DIR), (TOKENIZER_DIR, model_dir / TOKENIZER_DIR)):
-        tmp = out / f".tmp-{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        if source.exists():
-            shutil.copytree(source, tmp)
-            shutil.rmtree(out / name, ignore_errors=True)
-            tmp.rename(out / name)
-    log.info("final model at %s", out / MODEL_DIR)

@@ -36,7 +36,7 @@ import fsspec
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR, ModelOutput
 from alignflow.store import MANIFEST
 from alignflow.train.checkpointing import COMPLETE, WANDB_RUN_ID, pruned_steps, step_dir
 
@@ -57,11 +57,11 @@ def cache_dir(cfg: Any = None) -> Path:
     return Path(configured) if configured else Path(tempfile.gettempdir()) / "alignflow-cache"
 
 
-def local_model(uri: str, cache: Path) -> Path:
-    """A model stage output (`alignflow.checkpoint` layout) as a local folder: the folder
+def local_model(uri: str, cache: Path) -> ModelOutput:
+    """A model stage output (`alignflow.checkpoint` layout) in a local folder: the folder
     itself on a filesystem, else its model/, hf/ and tokenizer/ downloaded once into `cache`."""
     if is_local(uri):
-        return Path(uri.removeprefix("file://"))
+        return ModelOutput(uri.removeprefix("file://"))
     fs, root = fsspec.core.url_to_fs(uri)
     root = root.rstrip("/")
     dest = cache / "inputs" / _key(uri) / _version(fs, root)
@@ -73,7 +73,7 @@ def local_model(uri: str, cache: Path) -> Path:
                     fs.get(f"{root}/{part}/", f"{tmp}/{part}/", recursive=True)
             tmp.rename(dest)
             log.info("downloaded %s to %s", uri, dest)
-    return dest
+    return ModelOutput(str(dest))
 
 
 def workspace_for(out: str, cache: Path) -> "Workspace":

@@ -1,0 +1,169 @@
+"""The in-memory HF <-> Megatron converter, as a reference for the tests: TP slicing by
+parameter (`TP_SPLIT`), pipeline placement by Megatron-Core's own rule, and whole-state
+conversions (`hf_to_megatron`, `megatron_to_hf`). The stages convert by streaming
+(`alignflow.convert.streaming`) into global torch_dist tensors and never slice by rank.
+
+Tensor parallel (`TP_SPLIT`, by parameter name within a layer):
+- column (dim 0): qkv weight and bias (whole query groups, see `alignflow.convert.layout`), and
+  the vocab-parallel embedding and output layer (rows of the padded vocab);
+- row (dim 1): attention output projection, fc2;
+- gated (dim 0 of gate and of up separately): fc1, so each rank computes silu(gate_r) * up_r;
+- anything else (the norms) is replicated.
+"""
+
+import re
+from typing import Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from alignflow.convert.layout import fuse
+from alignflow.convert.llama import TIED_OUTPUT_COPY, ModelShape, Param, model_shape, params_for
+from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, VOCAB_PARAMS, padded_vocab_size, param_to_hf, stage_ends
+
+COLUMN, ROW, GATED = "column", "row", "gated"
+SPLIT_DIM = {COLUMN: 0, ROW: 1, GATED: 0}
+TP_SPLIT: dict[str, str] = {
+    "embedding.word_embeddings.weight": COLUMN,
+    "output_layer.weight": COLUMN,
+    "self_attention.linear_qkv.weight": COLUMN,
+    "self_attention.linear_qkv.bias": COLUMN,
+    "self_attention.linear_proj.weight": ROW,
+    "mlp.linear_fc1.weight": GATED,
+    "mlp.linear_fc2.weight": ROW,
+}
+
+# Non-layer parameters -> the pipeline end that holds them.
+PIPELINE_END = {
+    "embedding.word_embeddings.weight": "first",
+    "decoder.final_layernorm.weight": "last",
+    "output_layer.weight": "last",
+}
+
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+|\{layer\})\.")  # a number or the table's placeholder
+
+# (param, HF layer number, Megatron local layer number); layers are None for non-layer params.
+Placed = tuple[Param, Optional[int], Optional[int]]
+
+
+def tp_split(name: str) -> Optional[str]:
+    """How TP splits a Megatron parameter (COLUMN, ROW, GATED), or None if replicated."""
+    return TP_SPLIT.get(_LAYER_PREFIX.sub("", name))
+
+
+def shard(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+    """TP rank `tp_rank`'s slice of a full tensor; a slice is a copy, so saving it never writes the whole."""
+    split = tp_split(name)
+    if split is None or tp_size == 1:
+        return full
+    if split == GATED:
+        return torch.cat([_slice(half, 0, tp_rank, tp_size, name) for half in torch.chunk(full, 2, dim=0)])
+    return _slice(full, SPLIT_DIM[split], tp_rank, tp_size, name).clone()
+
+
+def unshard(name: str, shards: Sequence[Tensor]) -> Tensor:
+    """The full tensor from all TP ranks' slices, in rank order (inverse of `shard`)."""
+    split = tp_split(name)
+    if split is None:
+        return shards[0]
+    if split == GATED:
+        gates, ups = zip(*(torch.chunk(s, 2, dim=0) for s in shards))
+        return torch.cat([*gates, *ups])
+    return torch.cat(list(shards), dim=SPLIT_DIM[split])
+
+
+def check_tp(shape: ModelShape, tp_size: int) -> None:
+    """TP must split heads and query groups whole: a row count that merely divides could cut a group."""
+    for field in ("num_attention_heads", "num_query_groups"):
+        if getattr(shape, field) % tp_size:
+            raise ValueError(f"{field}={getattr(shape, field)} does not split over TP={tp_size}")
+
+
+def _slice(t: Tensor, dim: int, rank: int, size: int, name: str) -> Tensor:
+    if t.shape[dim] % size:
+        raise ValueError(f"{name}: dim {dim} of size {t.shape[dim]} does not split over TP={size}")
+    return torch.chunk(t, size, dim=dim)[rank]
+
+
+def pad_vocab(t: Tensor, padded: int) -> Tensor:
+    """Zero rows up to the padded vocab: padded logits stay constant and gain no gradient from data."""
+    return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]) if padded > t.shape[0] else t
+
+
+def stage_layers(shape: ModelShape, pp_rank: int, pp_size: int, vp_stage: Optional[int] = None, vp_size: Optional[int] = None) -> range:
+    """The global layer numbers a pipeline stage (virtual chunk) holds, by Megatron-Core's rule.
+
+    Megatron-Core is imported here, not at the top: the streaming converter uses this module
+    without pipeline placement, and megatron-core's imports cost a job ~110 MB of RSS."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vp_size,
+        pipeline_dtype=torch.float32,
+    )
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+
+
+def stage_params(shape: ModelShape, pp_rank: int = 0, pp_size: int = 1, vp_stage: Optional[int] = None, vp_size: Optional[int] = None) -> list[Placed]:
+    """The table entries a pipeline stage (virtual chunk) holds, with their layer numbers."""
+    pre, post = stage_ends(pp_rank, pp_size, vp_stage, vp_size)
+    holds = {"first": pre, "last": post}
+    params = params_for(shape)
+    placed: list[Placed] = [(p, None, None) for p in params if not p.per_layer and holds[PIPELINE_END[p.megatron]]]
+    if shape.tied_embeddings and post and not pre:
+        placed.append((TIED_OUTPUT_COPY, None, None))
+    for local, layer in enumerate(stage_layers(shape, pp_rank, pp_size, vp_stage, vp_size)):
+        placed += [(p, layer, local) for p in params if p.per_layer]
+    return placed
+
+
+def param_to_megatron(
+    param: Param, layer: Optional[int], hf_state: Mapping[str, Tensor], shape: ModelShape,
+    tp_rank: int, tp_size: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+) -> Tensor:
+    """One Megatron tensor (this TP rank's slice) from the HF tensors it is built from."""
+    check_tp(shape, tp_size)
+    full = fuse(param.fuse, [hf_state[name] for name in param.hf_names(layer)], shape)
+    if param.megatron in VOCAB_PARAMS:
+        full = pad_vocab(full, padded_vocab_size(shape.vocab_size, tp_size, divisible_by))
+    return shard(param.megatron, full, tp_rank, tp_size)
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, Tensor], hf_config: Mapping, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
+    *, vp_stage: Optional[int] = None, vp_size: Optional[int] = None,
+    make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+) -> dict[str, Tensor]:
+    """This rank's local Megatron state (checkpoint names, stage-local layer numbers).
+
+    With virtual pipeline parallelism, the state of one chunk (`vp_stage`)."""
+    shape = model_shape(hf_config)
+    return {
+        param.megatron_name(local): param_to_megatron(param, layer, hf_state, shape, tp_rank, tp_size, make_vocab_size_divisible_by)
+        for param, layer, local in stage_params(shape, pp_rank, pp_size, vp_stage, vp_size)
+    }
+
+
+def megatron_to_hf(full_megatron_state: Mapping[str, Tensor], hf_config: Mapping) -> dict[str, Tensor]:
+    """HF state from full (TP-gathered, globally numbered) Megatron tensors.
+
+    Raises on a Megatron tensor the table does not know, so nothing is dropped silently; the
+    tied output copy a last pipeline stage keeps is the only one ignored."""
+    shape = model_shape(hf_config)
+    placed = stage_params(shape)
+    known = {p.megatron_name(local) for p, _, local in placed}
+    ignored = {TIED_OUTPUT_COPY.megatron} if shape.tied_embeddings else set()
+    unknown = set(full_megatron_state) - known - ignored
+    if unknown:
+        raise ValueError(f"Megatron tensors not in the {shape.architecture} table: {sorted(unknown)}")
+    hf: dict[str, Tensor] = {}
+    for param, layer, local in placed:
+        hf.update(param_to_hf(param, layer, full_megatron_state[param.megatron_name(local)], shape))
+    return hf
