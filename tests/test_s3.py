@@ -187,7 +187,6 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
     ends with weights bit-identical to an uninterrupted run on a local output, and the same
     metrics (dropout on, so the RNG states must travel too). A half-uploaded later checkpoint
     and a metrics line logged after the checkpoint are left in the store, as a kill leaves them."""
-
     from alignflow.stages import sft
 
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
