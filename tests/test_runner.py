@@ -6,15 +6,24 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import cloudpickle
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from omegaconf import OmegaConf
 
 from alignflow.config.compose import compose
-from alignflow.launch import StageFailed
+from alignflow.config.schema import LauncherConfig
+from alignflow.launch import StageFailed, submit
 from alignflow.pipeline import Pipeline
 from alignflow.runner import run_stage
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import convert_demo, prep_demo, sft_cfg  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this file's functions by value
 
 RUN_PREP = """
 import json, sys
@@ -125,3 +134,40 @@ def test_killing_the_flow_process_leaves_no_orphan_and_the_rerun_resumes(base_ov
     assert "resumed from" in output and "step-00000003 (step 3 of 9)" in output, output[-3000:]
     committed = next((tmp_path / "store" / "sft").glob("*/metrics.jsonl"))
     assert [json.loads(line)["step"] for line in committed.read_text().splitlines()] == list(range(1, 10))
+
+
+def sleeping_after_a_checkpoint(*args):
+    """`run_stage_job`, asleep after its first checkpoint (so a test can kill it there)."""
+    from alignflow.train import checkpointing
+    from alignflow.worker import run_stage_job
+
+    save = checkpointing.save
+
+    def save_then_sleep(*a, **kw):
+        path = save(*a, **kw)
+        print("checkpoint saved", flush=True)
+        time.sleep(600)
+        return path
+
+    checkpointing.save = save_then_sleep
+    return run_stage_job(*args)
+
+
+@pytest.mark.slow
+def test_a_killed_job_leaves_none_of_its_processes_behind(demo_dir, tmp_path):
+    """SIGKILL of an SFT job after a checkpoint: every process it started (Megatron's
+    checkpoint writer, its watcher) is gone within seconds."""
+    inputs = {"data": str(prep_demo(demo_dir, tmp_path / "data")), "model": str(convert_demo(demo_dir, tmp_path / "model"))}
+    cfg = sft_cfg(demo_dir, trainer={"max_steps": 4}, checkpoint={"every_n_steps": 2})
+    launcher = OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs")})
+    job = submit(launcher, OmegaConf.create(cfg["sft"]), "sft", sleeping_after_a_checkpoint, "sft", cfg, inputs, str(tmp_path / "out"), {})
+    deadline = time.time() + 240
+    while "checkpoint saved" not in (job.paths.stdout.read_text() if job.paths.stdout.exists() else ""):
+        assert not job.done() and time.time() < deadline, job.stderr()
+        time.sleep(0.5)
+    rank = next(p for p in psutil.Process().children(recursive=True) if "submitit.core._submit" in " ".join(p.cmdline()))
+    started = rank.children(recursive=True)
+    assert started, "the job started no process: nothing to check"
+    rank.kill()
+    gone, alive_ = psutil.wait_procs(started, timeout=15)
+    assert alive(alive_) == [], alive(alive_)
