@@ -90,7 +90,10 @@ def test_task_data(assets):
         "sft_train.jsonl": 2000, "sft_val.jsonl": 200,
         "preference_train.jsonl": 1000, "preference_val.jsonl": 200,
         "prompts_train.jsonl": 4000, "prompts_val.jsonl": 200,
+        "sft_domain_train.jsonl": 1000, "sft_domain_val.jsonl": 102,  # the held-out problems that are subtractions
     }
+    for row in read_jsonl(data / "sft_domain_train.jsonl"):
+        assert " - " in row["messages"][0]["content"] and solve(row["messages"][0]["content"]) == row["messages"][1]["content"]
     for row in read_jsonl(data / "sft_train.jsonl")[:50]:
         user, reply = row["messages"]
         assert (user["role"], reply["role"]) == ("user", "assistant")
@@ -112,4 +115,5 @@ def test_no_kind_trains_on_a_held_out_problem(assets):
     stems = ("sft", "preference", "prompts")
     val = questions("sft", "val")
     assert all(questions(stem, "val") == val for stem in stems)
-    assert not any(questions(stem, "train") & val for stem in stems)
+    assert questions("sft_domain", "val") == {q for q in val if " - " in q}
+    assert not any(questions(stem, "train") & val for stem in (*stems, "sft_domain"))
