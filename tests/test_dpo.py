@@ -15,7 +15,7 @@ from alignflow.config.schema import DPOLossConfig
 from alignflow.megatron import runtime
 from alignflow.stages import dpo, eval as eval_stage, prep, ref_logprobs, sft
 from alignflow.data.prepared import Prepared
-from alignflow.train.datasets import PreferencePairs
+from alignflow.train.datasets import PreferencePairs, sequence_sums
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -69,8 +69,8 @@ def test_precomputed_reference_equals_an_online_reference(inputs, loss_cfg):
             per_token = dpo.sft_forward(policy, batch)
             precomputed = dpo.pair_loss(loss_cfg, per_token, batch)
             ref_tokens = dpo.sft_forward(reference, batch)
-            sums = -(ref_tokens.double() * batch["loss_mask"]).sum(-1)
-            counts = batch["loss_mask"].sum(-1).to(torch.int32)
+            sums = sequence_sums(-ref_tokens.double() * batch["loss_mask"], batch)
+            counts = sequence_sums(batch["loss_mask"].double(), batch).to(torch.int32)
             online = dict(batch, ref_chosen_logp=sums[:6], ref_rejected_logp=sums[6:], ref_chosen_tokens=counts[:6], ref_rejected_tokens=counts[6:])
             direct = dpo.pair_loss(loss_cfg, per_token, online)
     finally:

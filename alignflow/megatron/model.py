@@ -79,6 +79,10 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
         sequence_parallel=par["sequence_parallel"],
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
+        # Micro batches may differ in shape (packed preference pairs): stages exchange shapes first
+        # (Megatron refuses it beside its default MoE dispatcher, though this model has no experts).
+        variable_seq_lengths=par["pipeline_model_parallel_size"] > 1,
+        moe_token_dispatcher_type="alltoall",
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         **({} if torch.cuda.is_available() else CPU_SETTINGS),

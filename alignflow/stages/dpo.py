@@ -6,7 +6,9 @@ conservative DPO via `label_smoothing`), `sft_loss_weight`, `preference_loss_wei
 `alignflow.train` (TP/PP/DP, checkpoints and exact resume, as SFT). The reference model never
 runs here: `inputs["ref_logprobs"]` holds its per-pair log-prob sums and token counts,
 computed once by the ref_logprobs stage and joined on sample_id. The chosen and rejected
-sequences of a pair share a micro batch, so a pair's loss is computed where both are.
+sequences of a pair share a packed row (`alignflow.train.datasets.PreferencePairs`: pairs
+packed into rows, no padding to the data set's longest), so a pair's loss is computed where
+both are.
 Metrics per step (and per validation): loss, reward_accuracy, chosen_reward,
 rejected_reward, reward_margin, preference_loss, sft_loss.
 
@@ -19,7 +21,7 @@ from alignflow.config.schema import DPOLossConfig
 from alignflow.data.prepared import SIDES, Prepared
 from alignflow.losses.preference import PreferenceLoss, preference_loss
 from alignflow.stages.sft import sft_forward
-from alignflow.train.datasets import PreferencePairs, optional
+from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
 from alignflow.train.engine import LossTerms, Objective, finish, training
 from alignflow.train.loop import Supervised, supervised
 
@@ -29,7 +31,7 @@ METRICS = tuple(name for name in PreferenceLoss.__dataclass_fields__ if name != 
 def dpo_objective(cfg: DPOLossConfig) -> Objective:
     def loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
         out = pair_loss(cfg, per_token, batch)
-        n = batch["ref_chosen_logp"].shape[0]
+        n = batch["pairs"]
         sums = {name: getattr(out, name) * n for name in METRICS}
         return LossTerms(total=out.loss * n, count=torch.tensor(n, dtype=torch.int64), metrics=sums)
 
@@ -37,11 +39,10 @@ def dpo_objective(cfg: DPOLossConfig) -> Objective:
 
 
 def pair_loss(cfg: DPOLossConfig, per_token: torch.Tensor, batch: dict) -> PreferenceLoss:
-    """The preference loss of a micro batch (chosen rows, then rejected rows) from per-token NLL."""
-    mask = batch["loss_mask"]
-    n = batch["ref_chosen_logp"].shape[0]
-    sums = -(per_token.float() * mask).sum(-1)
-    tokens = mask.sum(-1).clamp(min=1)
+    """The preference loss of a micro batch of packed pairs from per-token NLL."""
+    n = batch["pairs"]
+    sums = sequence_sums(-per_token.float() * batch["loss_mask"], batch)  # chosen, then rejected
+    tokens = sequence_sums(batch["loss_mask"].float(), batch).clamp(min=1)
     policy = sums / tokens if cfg.preference_average_log_probs else sums
     ref = {side: batch[f"ref_{side}_logp"].to(sums.dtype) for side in SIDES}
     if cfg.preference_average_log_probs:
@@ -52,11 +53,11 @@ def pair_loss(cfg: DPOLossConfig, per_token: torch.Tensor, batch: dict) -> Prefe
 
 def load_data(data: Prepared, reference_uri: str) -> Supervised:
     train, val = PreferencePairs(data, "train", reference_uri), optional(PreferencePairs, data, "val", reference_uri)
-    length = max(train.seq_length, val.seq_length if val is not None else 0)
+    length = max(train.row_length, val.row_length if val is not None else 0)
     for pairs in (train, val):
         if pairs is not None:
-            pairs.seq_length = length  # one length for every micro batch: pipeline buffers have one shape
-    return Supervised(train=train, val=val, seq_length=length, rows_per_item=2)
+            pairs.row_length = length
+    return Supervised(train=train, val=val, seq_length=length)
 
 
 def run(cfg, inputs: dict, out: str) -> dict:

@@ -23,14 +23,13 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from alignflow.data.prepared import SIDES, Prepared
+from alignflow.data.prepared import Prepared
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match
 from alignflow.stages.sft import sft_forward, sft_loss
-from alignflow.train.data import packed_rows
-from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
+from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional, sequence_sums
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.eval")
@@ -95,17 +94,12 @@ def sft_val_loss(model, dataset: PackedSFT, micro_batch_size: int, limit_batches
 
 def preference_accuracy(model, pairs: PreferencePairs, micro_batch_size: int) -> float:
     """Share of pairs where sum log p(chosen response) > sum log p(rejected response)."""
-    logps = {side: response_logps(model, pairs, side, micro_batch_size) for side in SIDES}
-    return float((logps["chosen"] > logps["rejected"]).float().mean())
-
-
-def response_logps(model, pairs: PreferencePairs, side: str, micro_batch_size: int) -> torch.Tensor:
-    out = []
+    wins = 0
     for start in range(0, len(pairs), micro_batch_size):
-        batch = vars(packed_rows(pairs.rows(side, range(start, min(start + micro_batch_size, len(pairs)))), pairs.seq_length, pairs.pad_id))
-        per_token = sft_forward(model, batch)
-        out.append(-(per_token * batch["loss_mask"]).sum(-1))
-    return torch.cat(out)
+        batch = pairs.collate(range(start, min(start + micro_batch_size, len(pairs))))
+        logps = sequence_sums(-sft_forward(model, batch) * batch["loss_mask"], batch)
+        wins += int((logps[: batch["pairs"]] > logps[batch["pairs"] :]).sum())
+    return wins / len(pairs)
 
 
 def task_accuracy(model, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[float, list]:

@@ -38,7 +38,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.utils import get_attr_wrapped_model
 from transformers import AutoTokenizer
 
 from alignflow.checkpoint import ModelOutput
@@ -104,19 +105,37 @@ class Rollouts:
             setattr(self, name, full)
 
 
-def grpo_objective(cfg: GRPOLossConfig) -> Objective:
+def grpo_objective(cfg: GRPOLossConfig, temperature: float = 1.0) -> Objective:
+    """The clipped policy loss on micro batches of `Rollouts`; its units (tokens, or samples
+    with `token_level_loss: false`) weigh the loss and the metrics alike."""
     def loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
         logp = -per_token.float()
         old = batch.get("old_logp", logp.detach())
         ref = batch.get("ref_logp", logp.detach())
         mask = batch["loss_mask"]
         out = policy_loss(cfg, logp, old, ref, batch["advantages"], mask, batch["generation_logp"])
-        tokens = mask.sum()
-        units = tokens if cfg.token_level_loss else (mask.sum(-1) > 0).sum()
-        metrics = {name: getattr(out, name) * tokens for name in LOSS_METRICS}  # token averages, summed
+        units = mask.sum() if cfg.token_level_loss else (mask.sum(-1) > 0).sum()
+        metrics = {name: getattr(out, name) * units for name in LOSS_METRICS}
         return LossTerms(total=out.loss * units, count=units.to(torch.int64), metrics=metrics)
 
-    return Objective(forward=sft_forward, loss=loss, metric_names=LOSS_METRICS)
+    return Objective(forward=tempered_forward(temperature), loss=loss, metric_names=LOSS_METRICS)
+
+
+def tempered_forward(temperature: float):
+    """Per-token -log p(label) under softmax(logits / T), the distribution the rollouts were
+    sampled from (NeMo-RL divides the training logits by the generation temperature; greedy,
+    T = 0, counts as T = 1). On pipeline stages other than the last: the hidden states."""
+    if temperature in (0.0, 1.0):
+        return sft_forward
+
+    def forward(model, batch: dict) -> torch.Tensor:
+        out = sft_forward(model, dict(batch, labels=None))  # logits, vocab-parallel under TP
+        if not get_attr_wrapped_model(model, "post_process"):
+            return out
+        logits = out.reshape(*batch["labels"].shape, out.shape[-1]).float() / temperature
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, batch["labels"])
+
+    return forward
 
 
 @dataclass
@@ -245,5 +264,5 @@ def run(cfg, inputs: dict, out: str) -> dict:
         if problems := grpo_batch_problems(section, run.dp_size):
             raise ValueError("; ".join(problems))
         env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by)
-        result = train(run, prompts, env, grpo_objective(section.loss))
+        result = train(run, prompts, env, grpo_objective(section.loss, section.generation_temperature))
     return finish(run, result)

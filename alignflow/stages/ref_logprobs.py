@@ -4,7 +4,8 @@ NeMo-RL and NeMo-Aligner run the reference model beside the policy at every DPO 
 it runs forward only, once per (reference model, data) fingerprint, and the DPO stage reads
 the result instead of holding a second model. Supported: any model in the
 `alignflow.checkpoint` layout at the configured TP/PP/DP (`ref_logprobs.parallel`,
-`ref_logprobs.resources`); the chosen and rejected sequences of a pair share a micro batch.
+`ref_logprobs.resources`); pairs are packed into rows as DPO packs them, no padding to the
+data set's longest, and the chosen and rejected sequences of a pair share a row.
 
 Output: the format of `alignflow.data.logprobs`, one shard per DP rank, for the train and
 val splits of prep's preference data (sums over response tokens, fp32 forward, and the token
@@ -23,7 +24,7 @@ from alignflow.data import logprobs
 from alignflow.data.prepared import SIDES, Prepared
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
-from alignflow.train.datasets import PreferencePairs, optional
+from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.ref_logprobs")
@@ -53,7 +54,9 @@ def run(cfg, inputs: dict, out: str) -> dict:
 
 
 def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -> dict | None:
-    """This DP rank's share of the pairs through the model; the columns on the rank that writes them."""
+    """This DP rank's share of the pairs through the model, `micro_batch_size` pairs per packed
+    micro batch (the last may hold fewer: pipeline stages exchange each one's shape); the
+    columns on the rank that writes them."""
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     share = np.array_split(np.arange(len(pairs)), dp_size)[dp_rank]
     micro = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
@@ -62,15 +65,15 @@ def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -
         outputs = get_forward_backward_func()(
             forward_step_func=_forward_step,
             data_iterator=[iter(batches) for _ in chunks], model=chunks, num_microbatches=len(batches),
-            seq_length=pairs.seq_length, micro_batch_size=2 * micro_batch_size, forward_only=True,
+            seq_length=pairs.row_length, micro_batch_size=micro_batch_size, forward_only=True,
         )
     writes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if not writes:
         return None
     columns: dict[str, list] = {"sample_id": [], **{f"{s}_{k}": [] for s in SIDES for k in ("logp", "tokens")}}
     for m, batch, per_token in zip(micro, batches, outputs):
-        logps = -(per_token.double() * batch["loss_mask"]).sum(-1)
-        tokens = batch["loss_mask"].sum(-1).to(torch.int32)
+        logps = sequence_sums(-per_token.double() * batch["loss_mask"], batch)
+        tokens = sequence_sums(batch["loss_mask"].double(), batch).to(torch.int32)
         n = len(m)
         columns["sample_id"] += pairs.sample_ids[m].tolist()
         for k, side in enumerate(SIDES):

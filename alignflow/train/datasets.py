@@ -5,10 +5,9 @@ format) and implements `alignflow.train.data.Dataset`: `__len__`, `collate(indic
 `num_tokens(indices)`.
 
 - `PackedSFT`: packed SFT rows (several documents per row, attention kept inside each).
-- `PreferencePairs`: pairs as micro batches of their chosen rows, then their rejected rows,
-  padded to the longest sequence of the data set rounded up to a multiple of 8 (one length
-  for every micro batch keeps pipeline buffers a fixed shape); with reference log-probs
-  (`alignflow.data.logprobs`) each micro batch also carries the reference's per-pair sums.
+- `PreferencePairs`: pairs packed into rows, no padding to the data set's longest sequence;
+  with reference log-probs (`alignflow.data.logprobs`) each micro batch also carries the
+  reference's per-pair sums.
 - `Prompts`: RL prompts with their rendered text and ground-truth answer (not collated: GRPO
   generates from them).
 """
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from alignflow.data import logprobs
+from alignflow.data.packing import pack_bfd
 from alignflow.data.prepared import SIDES, Prepared, list_column
 from alignflow.train.data import packed_rows
 
@@ -50,33 +50,67 @@ class PackedSFT:
 
 
 class PreferencePairs:
+    """Pairs packed into rows: a micro batch's pairs go into as few rows of `row_length` tokens
+    as best-fit-decreasing allows, each pair's chosen and rejected sequences side by side, every
+    sequence its own document (attention never crosses one). `row_length` is the longest pair
+    of the data (rounded up to 8), so any pair fits a row and no micro batch pads to the data's
+    longest sequence. `batch["sequence"]` names each position's sequence (chosen of pair j: j,
+    rejected: n + j; padding: -1), which `sequence_sums` sums over."""
+
     KIND = "preference"
 
     def __init__(self, prepared: Prepared, split: str, reference_uri: str | None = None):
         table = prepared.require(self.KIND, split)
         self.sample_ids = table.column("sample_id").to_numpy()
         self.columns = {side: (list_column(table, f"{side}_input_ids"), list_column(table, f"{side}_loss_mask")) for side in SIDES}
-        longest = max(int(np.diff(off).max(initial=1)) for (_, off), _ in self.columns.values())
-        self.seq_length = min(prepared.seq_length, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+        self.lengths = sum(np.diff(off) for (_, off), _ in self.columns.values())  # chosen + rejected tokens of each pair
+        self.row_length = -(-int(self.lengths.max(initial=1)) // PAD_MULTIPLE) * PAD_MULTIPLE
         self.pad_id = prepared.pad_id
         self.reference = logprobs.read(reference_uri, split, self.sample_ids) if reference_uri else None
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
-    def rows(self, side: str, indices: Sequence[int]) -> list:
+    def sequence(self, side: str, i: int) -> tuple[np.ndarray, np.ndarray]:
         (ids, off), (mask, _) = self.columns[side]
-        return [(ids[off[i] : off[i + 1]], mask[off[i] : off[i + 1]], [0, int(off[i + 1] - off[i])]) for i in indices]
+        return ids[off[i] : off[i + 1]], mask[off[i] : off[i + 1]]
+
+    def rows(self, side: str, indices: Sequence[int]) -> list:
+        """One side's sequences as unpacked rows (input_ids, loss_mask, cu_seqlens)."""
+        return [(*seq, [0, len(seq[0])]) for seq in (self.sequence(side, int(i)) for i in indices)]
 
     def collate(self, indices: Sequence[int]) -> dict:
         indices = [int(i) for i in indices]
-        batch = vars(packed_rows([*self.rows("chosen", indices), *self.rows("rejected", indices)], self.seq_length, self.pad_id))
+        n, rows, sequence_ids = len(indices), [], []
+        for row in pack_bfd([int(self.lengths[i]) for i in indices], self.row_length):
+            parts = [(self.sequence(side, indices[j]), j + k * n) for j in row for k, side in enumerate(SIDES)]
+            rows.append((np.concatenate([ids for (ids, _), _ in parts]), np.concatenate([mask for (_, mask), _ in parts]),
+                         np.cumsum([0] + [len(ids) for (ids, _), _ in parts])))
+            sequence_ids.append([seq for _, seq in parts])
+        batch = vars(packed_rows(rows, self.row_length, self.pad_id))
+        batch["sequence"] = _sequence_map(rows, sequence_ids, self.row_length)
+        batch["pairs"] = n
         if self.reference is not None:
             batch |= {f"ref_{name}": torch.from_numpy(values[indices]) for name, values in self.reference.items()}
         return batch
 
     def num_tokens(self, indices: Sequence[int]) -> int:
-        return sum(int(off[i + 1] - off[i]) for (_, off), _ in self.columns.values() for i in indices)
+        return int(sum(self.lengths[int(i)] for i in indices))
+
+
+def _sequence_map(rows: list, sequence_ids: list[list[int]], length: int) -> torch.Tensor:
+    """[rows, length]: the sequence id of each position, -1 past a row's documents."""
+    out = np.full((len(rows), length), -1, dtype=np.int64)
+    for r, ((_, _, cu), ids) in enumerate(zip(rows, sequence_ids)):
+        out[r, : cu[-1]] = np.repeat(ids, np.diff(cu))
+    return torch.from_numpy(out)
+
+
+def sequence_sums(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Per-sequence sums [2 * pairs] of per-position `values` [rows, length] (chosen, then rejected)."""
+    sequence = batch["sequence"].to(values.device).flatten()
+    keep = sequence >= 0
+    return values.new_zeros(2 * batch["pairs"]).index_add_(0, sequence[keep], values.flatten()[keep])
 
 
 class Prompts:

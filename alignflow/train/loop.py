@@ -17,8 +17,8 @@ from alignflow.train.engine import Objective, Run, TrainResult, every
 
 @dataclass
 class Supervised:
-    """What the loop trains on: datasets of items, each `rows_per_item` model rows (2 for a
-    preference pair), every micro batch padded to `seq_length` (pipeline buffers have one shape)."""
+    """What the loop trains on: datasets of items, each `rows_per_item` model rows, micro
+    batches of rows of `seq_length` tokens."""
 
     train: Dataset
     val: Optional[Dataset]
