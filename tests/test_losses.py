@@ -1,7 +1,7 @@
-"""The DPO-family losses equal a direct computation of their formulas on random log-probs."""
+"""The DPO-family losses against TRL 1.16's on the same pairs and models, and worked examples."""
 
+import json
 import math
-import random
 
 import pytest
 import torch
@@ -10,52 +10,78 @@ from alignflow.config.schema import DPOLossConfig
 from alignflow.losses.preference import preference_loss, sequence_logps
 
 
-def log_sigmoid(x: float) -> float:
-    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+@pytest.fixture(scope="module")
+def trl_batch(demo_dir, tmp_path_factory):
+    """TRL 1.16's DPOTrainer on the demo pairs, a policy that has moved off its reference, and
+    one of its training batches."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir / "tokenizer")
+    reference = AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", dtype=torch.float64).eval()
+    policy = AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", dtype=torch.float64).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    rows = [json.loads(line) for line in (demo_dir / "data" / "preference_train.jsonl").read_text().splitlines()[:8]]
+    rows = [dict(row, chosen=row["chosen"] + " is the answer" * (i % 3)) for i, row in enumerate(rows)]  # unequal lengths
+
+    def trainer(loss_type: str, beta: float) -> DPOTrainer:
+        args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), beta=beta, loss_type=[loss_type], use_cpu=True, report_to=[],
+                         per_device_train_batch_size=8, bf16=False, precompute_ref_log_probs=False)
+        return DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+
+    batch = next(iter(trainer("sigmoid", 0.1).get_train_dataloader()))
+    return trainer, policy, reference, batch
 
 
-def direct(cfg: DPOLossConfig, pc, pr, rc, rr, nll) -> dict:
-    """The formulas, pair by pair, in plain Python floats."""
-    losses, rewards = [], []
-    for a, b, c, d in zip(pc, pr, rc, rr):
-        h = (a - b) - (c - d)
-        if cfg.loss_type == "sigmoid":
-            losses.append(-(1 - cfg.label_smoothing) * log_sigmoid(cfg.beta * h) - cfg.label_smoothing * log_sigmoid(-cfg.beta * h))
-        else:
-            losses.append((h - 1 / (2 * cfg.beta)) ** 2)
-        rewards.append((cfg.beta * (a - c), cfg.beta * (b - d)))
-    n = len(losses)
-    preference, sft = sum(losses) / n, sum(nll) / n
-    return {
-        "loss": cfg.preference_loss_weight * preference + cfg.sft_loss_weight * sft,
-        "preference_loss": preference,
-        "sft_loss": sft,
-        "reward_accuracy": sum(c > r for c, r in rewards) / n,
-        "chosen_reward": sum(c for c, _ in rewards) / n,
-        "rejected_reward": sum(r for _, r in rewards) / n,
-        "reward_margin": sum(c - r for c, r in rewards) / n,
-    }
+def sequence_log_probs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums of the completion tokens' log-probs, and their counts, of every row (chosen rows, then rejected)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    per_token = logits.log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    mask = batch["completion_mask"][:, 1:].to(per_token.dtype)
+    return (per_token * mask).sum(-1), mask.sum(-1)
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        DPOLossConfig(loss_type="sigmoid", beta=0.1),
-        DPOLossConfig(loss_type="sigmoid", beta=0.5, label_smoothing=0.2),
-        DPOLossConfig(loss_type="ipo", beta=0.3),
-        DPOLossConfig(loss_type="sigmoid", beta=0.2, sft_loss_weight=0.7, preference_loss_weight=0.5),
-        DPOLossConfig(loss_type="ipo", beta=1.0, sft_loss_weight=1.0),
-    ],
-    ids=["dpo", "cdpo", "ipo", "dpo+sft", "ipo+sft"],
-)
-def test_losses_and_metrics_equal_direct_formulas(cfg):
-    rng = random.Random(0)
-    values = [[rng.uniform(-60, -5) for _ in range(16)] for _ in range(4)]
-    nll = [rng.uniform(0.5, 40) for _ in range(16)]
-    tensors = [torch.tensor(v, dtype=torch.float64) for v in values]
-    got = preference_loss(cfg, *tensors, chosen_nll=torch.tensor(nll, dtype=torch.float64)).metrics()
-    expected = direct(cfg, *values, nll)
-    assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
+@pytest.mark.parametrize("loss_type, beta, average", [("sigmoid", 0.1, False), ("sigmoid", 0.5, False), ("ipo", 0.3, True)])
+def test_preference_losses_equal_trls(trl_batch, loss_type, beta, average):
+    """Our DPO and IPO losses equal TRL 1.16's on the same pairs and models (TRL's IPO averages
+    each sequence's log-probs over its tokens: ours with preference_average_log_probs)."""
+    trainer, policy, reference, batch = trl_batch
+    theirs = trainer(loss_type, beta).compute_loss(policy, batch).item()
+    (policy_sums, tokens), (reference_sums, _) = sequence_log_probs(policy, batch), sequence_log_probs(reference, batch)
+    n = len(tokens) // 2
+    cfg = DPOLossConfig(loss_type=loss_type, beta=beta, preference_average_log_probs=average)
+    pc, pr, rc, rr = policy_sums[:n], policy_sums[n:], reference_sums[:n], reference_sums[n:]
+    if average:
+        pc, pr, rc, rr = pc / tokens[:n], pr / tokens[n:], rc / tokens[:n], rr / tokens[n:]
+    ours = preference_loss(cfg, pc, pr, rc, rr).preference_loss.item()
+    assert ours == pytest.approx(theirs, rel=1e-6)  # TRL computes its loss in float32
+    assert abs(ours - (math.log(2) if loss_type == "sigmoid" else 1 / (4 * beta * beta))) > 1e-4  # the policy really moved
+
+
+def test_conservative_dpo_on_a_worked_example():
+    """cDPO (Mitchell, "A note on DPO with noisy preferences"): (1 - e) * -log s(beta h) + e * -log s(-beta h).
+    TRL 1.16 has no cDPO loss type (its label_smoothing serves robust/EXO/AOT), so: h = (-10 - -14) - (-12 - -13) = 3,
+    beta h = 0.3, -log s(0.3) = 0.554355, -log s(-0.3) = 0.854355; e = 0.2: 0.8 * 0.554355 + 0.2 * 0.854355 = 0.614355."""
+    t = lambda v: torch.tensor([v], dtype=torch.float64)  # noqa: E731
+    out = preference_loss(DPOLossConfig(beta=0.1, label_smoothing=0.2), t(-10.0), t(-14.0), t(-12.0), t(-13.0))
+    assert out.preference_loss.item() == pytest.approx(0.8 * math.log1p(math.exp(-0.3)) + 0.2 * math.log1p(math.exp(0.3)), rel=1e-12)
+    assert out.preference_loss.item() == pytest.approx(0.614355, abs=1e-6)
+
+
+def test_sft_term_and_metrics_on_a_worked_example():
+    """NeMo-RL's DPO: loss = preference_loss_weight * preference + sft_loss_weight * sft (the chosen NLL);
+    rewards beta * (policy - reference): chosen 0.1 * 2 = 0.2, rejected 0.1 * -1 = -0.1, margin 0.3, accuracy 1."""
+    t = lambda v: torch.tensor([v], dtype=torch.float64)  # noqa: E731
+    cfg = DPOLossConfig(beta=0.1, sft_loss_weight=0.5, preference_loss_weight=2.0)
+    out = preference_loss(cfg, t(-10.0), t(-14.0), t(-12.0), t(-13.0), chosen_nll=t(10.0))
+    assert out.metrics() == pytest.approx({"loss": 2 * math.log1p(math.exp(-0.3)) + 0.5 * 10.0, "preference_loss": math.log1p(math.exp(-0.3)),
+                                           "sft_loss": 10.0, "reward_accuracy": 1.0, "chosen_reward": 0.2, "rejected_reward": -0.1,
+                                           "reward_margin": 0.3})
 
 
 def test_gradient_pushes_chosen_up_and_rejected_down():
