@@ -11,13 +11,14 @@ from transformers import AutoModelForCausalLM
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.stages import convert, eval as eval_stage, prep
+from alignflow.worker import typed
 
 
 def prep_cfg(demo_dir):
     data = {kind: {"train": str(demo_dir / "data" / f"{kind}_train.jsonl"), "val": str(demo_dir / "data" / f"{kind}_val.jsonl"),
                    "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None, "answer_key": "answer"}
             for kind in ("sft", "preference", "prompts")}
-    return OmegaConf.create({
+    return typed({
         "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
         "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True, "seed": 0, **data},
         "model": {"source": str(demo_dir / "tiny-llama"), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
@@ -86,3 +87,40 @@ def test_ref_logprobs_equal_hf_log_probs_of_each_response(outputs, demo_dir, tmp
                 logp = hf(ids[None]).logits[0, :-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
             assert got[f"{side}_logp"][i] == pytest.approx(float((logp * mask[1:]).sum()), abs=1e-3)
             assert got[f"{side}_tokens"][i] == int(mask[1:].sum())
+
+
+def val_logprobs(out) -> dict[str, list]:
+    """A ref_logprobs output's val shards (one per DP rank) as columns, in shard order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pa.concat_tables([pq.read_table(f) for f in sorted(out.glob("val-*.parquet"))]).to_pydict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
+def test_eval_and_ref_logprobs_on_two_ranks_equal_one_rank(outputs, tmp_path, tp, pp):
+    """200 val pairs and 24 prompts in micro batches of 7: every layout has an uneven last micro
+    batch (and DP2 uneven shares); the metrics and per-pair log-probs equal one rank's."""
+    from alignflow.stages import ref_logprobs
+    from train_ranks import torchrun
+
+    cfg, root = outputs
+    parallel = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    layout = {"micro_batch_size": 7, "resources": {"tasks_per_node": 2}, "parallel": parallel}
+    two = OmegaConf.to_container(OmegaConf.merge(cfg, {"eval": {**layout, "limit_batches": 5}, "ref_logprobs": layout}))
+    one = typed(OmegaConf.merge(two, {stage: {"resources": {"tasks_per_node": 1}, "parallel": eval_stage.SINGLE_RANK}
+                                      for stage in ("eval", "ref_logprobs")}))
+    inputs = {"data": str(root / "prep" / "p1"), "model": str(root / "convert" / "c1")}
+
+    expected = eval_stage.run(one, {**inputs, "baselines": []}, str(tmp_path / "eval-1"))
+    torchrun(2, two, inputs, tmp_path / "eval-2", "--stage", "eval")
+    got = json.loads((tmp_path / "eval-2" / "result.json").read_text())
+    assert got.keys() == expected.keys() and got["convert.accuracy"] == expected["convert.accuracy"]
+    assert got == pytest.approx(expected, abs=1e-4)
+
+    ref_logprobs.run(one, inputs, str(tmp_path / "ref-1"))
+    torchrun(2, two, inputs, tmp_path / "ref-2", "--stage", "ref_logprobs")
+    a, b = val_logprobs(tmp_path / "ref-1"), val_logprobs(tmp_path / "ref-2")
+    assert a["sample_id"] == b["sample_id"]
+    assert b["chosen_logp"] == pytest.approx(a["chosen_logp"], abs=1e-4) and b["rejected_logp"] == pytest.approx(a["rejected_logp"], abs=1e-4)

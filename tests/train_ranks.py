@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT [--stage dpo --ref-logprobs REF]
     torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage grpo --ref-model REF
+    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage eval (or ref_logprobs)
     python tests/train_ranks.py CFG.json DATA MODEL OUT --pause-after-checkpoint 2
 
 Each rank calls `alignflow.stages.<stage>.run(cfg, {"data": DATA, "model": MODEL, ...}, OUT)`; rank 0
@@ -146,12 +147,12 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--pause-after-checkpoint", type=float, default=0.0)
-    parser.add_argument("--stage", default="sft", choices=["sft", "dpo", "grpo"])
+    parser.add_argument("--stage", default="sft", choices=["sft", "dpo", "grpo", "eval", "ref_logprobs"])
     parser.add_argument("--ref-logprobs", default=None)
     parser.add_argument("--ref-model", default=None)
     args = parser.parse_args()
 
-    from alignflow.stages import dpo, grpo, sft
+    from alignflow.stages import dpo, eval as eval_stage, grpo, ref_logprobs, sft
     from alignflow.train import checkpointing
 
     if args.pause_after_checkpoint:
@@ -166,7 +167,8 @@ def main() -> int:
         checkpointing.save = slow_save
     inputs = {"data": args.data, "model": args.model}
     inputs |= {role: path for role, path in (("ref_logprobs", args.ref_logprobs), ("ref_model", args.ref_model)) if path}
-    stage = {"sft": sft, "dpo": dpo, "grpo": grpo}[args.stage]
+    inputs |= {"baselines": []} if args.stage == "eval" else {}
+    stage = {"sft": sft, "dpo": dpo, "grpo": grpo, "eval": eval_stage, "ref_logprobs": ref_logprobs}[args.stage]
     metrics = stage.run(typed(json.loads(Path(args.cfg).read_text())), inputs, args.out)
     if int(os.environ.get("RANK", 0)) == 0:
         (Path(args.out) / "result.json").write_text(json.dumps(metrics))

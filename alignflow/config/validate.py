@@ -76,8 +76,6 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
             problems.append(f"{key}.loss.label_smoothing: must be in [0, 0.5), got {section.loss.label_smoothing}")
     if kind == "grpo":
         problems += _check_grpo(key, section)
-    if kind == "eval" and (world != 1 or section.parallel.tensor_model_parallel_size * section.parallel.pipeline_model_parallel_size != 1):
-        problems.append(f"{key}.resources / {key}.parallel: eval runs on one rank (TP1, PP1); generation at TP/PP > 1 is not built")
     return problems
 
 

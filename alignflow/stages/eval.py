@@ -9,18 +9,22 @@ the converted base model and the SFT model), on prep's validation splits:
   first `eval.num_generation_samples` prompts, scored by exact numeric match with the answer;
   `eval.num_examples_shown` generations are kept as samples.
 Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
-`eval.json` holds them and the samples. Runs on one rank (TP1/PP1): generation at TP/PP > 1
-is not built here, and the model is small enough for evaluation to need neither.
-Greedy decoding is `alignflow.generation`'s (KV-cached, prompts of equal length batched).
+`eval.json` holds them and the samples. Runs at any layout (`eval.parallel`,
+`eval.resources`): TP and PP through Megatron's schedule and `alignflow.generation`, the
+rows, pairs and prompts shared among the DP ranks (the last micro batch may be smaller) and
+the results gathered, so every layout scores the same rows (tests/test_eval.py).
 """
 
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 import fsspec
 import numpy as np
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from transformers import AutoTokenizer
 
 from alignflow.data.prepared import Prepared
@@ -28,8 +32,10 @@ from alignflow.generation import Sampling, generate
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match
-from alignflow.stages.sft import sft_forward, sft_loss
-from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional, sequence_sums
+from alignflow.stages.ref_logprobs import pair_logprobs
+from alignflow.stages.sft import SFT
+from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
+from alignflow.train.engine import device, loss_sums
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.eval")
@@ -38,18 +44,22 @@ SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    data = Prepared(inputs["data"])
-    runtime.init_parallel(SINGLE_RANK, seed=0)
+    data, section = Prepared(inputs["data"]), cfg.eval
+    runtime.init_parallel(section.parallel, seed=0)
     models = {_stage_name(uri): uri for uri in [inputs["model"], *inputs["baselines"]]}
     metrics, samples = {}, {}
     try:
         for name, uri in models.items():
-            model, decode = load_model(uri, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
-            results, samples[name] = evaluate(model, decode, data, cfg.eval)
+            chunks, decode = load_chunks(uri, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
+            results, samples[name] = evaluate(chunks, decode, data, section)
             metrics |= {f"{name}.{k}": v for k, v in results.items()}
-            log.info("%s: %s", name, results)
+            if dist.get_rank() == 0:
+                log.info("%s: %s", name, results)
+        dist.barrier()
     finally:
         runtime.teardown()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return metrics
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     fs.pipe(f"{root.rstrip('/')}/eval.json", json.dumps({"metrics": metrics, "samples": samples}, indent=2).encode())
@@ -61,54 +71,83 @@ def _stage_name(uri: str) -> str:
     return uri.rstrip("/").split("/")[-2]
 
 
-def load_model(uri: str, divisible_by: int, cache: Path | None = None):
-    """The model of a stage output (`alignflow.checkpoint` layout) and its tokenizer's decode."""
+def load_chunks(uri: str, parallel, divisible_by: int, cache: Path | None = None) -> tuple[list, Callable]:
+    """This rank's chunks of the model of a stage output (`alignflow.checkpoint` layout, read at
+    any layout) in eval mode, and its tokenizer's decode."""
     output = local_model(uri, cache or cache_dir())
-    model = build_gpt(output.hf_config, SINGLE_RANK, make_vocab_size_divisible_by=divisible_by)
-    checkpoint.load([model], output.weights)
+    built = build_gpt(output.hf_config, parallel, make_vocab_size_divisible_by=divisible_by)
+    chunks = built if isinstance(built, list) else [built]
+    checkpoint.load(chunks, output.weights)
     tokenizer = AutoTokenizer.from_pretrained(output.tokenizer)
-    return model.eval(), lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return [c.eval() for c in chunks], lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_model(uri: str, divisible_by: int, cache: Path | None = None):
+    """The model on one rank (`SINGLE_RANK`) and its tokenizer's decode."""
+    chunks, decode = load_chunks(uri, SINGLE_RANK, divisible_by, cache)
+    return chunks[0], decode
 
 
 @torch.no_grad()
-def evaluate(model, decode, data: Prepared, cfg) -> tuple[dict, list]:
+def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list]:
+    """The metrics of one model, the same on every rank, at any TP/PP/DP layout: the data are
+    shared among the DP ranks (the last share may be smaller) and the sums gathered."""
     results, samples = {}, []
     if val := optional(PackedSFT, data, "val"):
-        results |= sft_val_loss(model, val, cfg.micro_batch_size, cfg.limit_batches)
+        results |= sft_val_loss(chunks, val, cfg.micro_batch_size, cfg.limit_batches)
     if pairs := optional(PreferencePairs, data, "val"):
-        results["preference_accuracy"] = preference_accuracy(model, pairs, cfg.micro_batch_size)
+        results["preference_accuracy"] = preference_accuracy(chunks, pairs, cfg.micro_batch_size)
     if prompts := optional(Prompts, data, "val"):
-        results["accuracy"], samples = task_accuracy(model, decode, prompts, data.tokenizer, cfg)
+        results["accuracy"], samples = task_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
     return results, samples
 
 
-def sft_val_loss(model, dataset: PackedSFT, micro_batch_size: int, limit_batches: int) -> dict:
-    total, count = 0.0, 0
-    for start in range(0, min(len(dataset), micro_batch_size * limit_batches), micro_batch_size):
-        batch = dataset.collate(range(start, min(start + micro_batch_size, len(dataset))))
-        terms = sft_loss(sft_forward(model, batch), batch)
-        total, count = total + terms.total.item(), count + int(terms.count)
+def _my_share(n: int) -> np.ndarray:
+    """This DP rank's contiguous share of n items (shares differ by at most one)."""
+    return np.array_split(np.arange(n), parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
+
+
+def _micro_batches(indices: np.ndarray, size: int) -> list[np.ndarray]:
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
+def sft_val_loss(chunks: list, dataset: PackedSFT, micro_batch_size: int, limit_batches: int) -> dict:
+    """Mean loss over the loss tokens of the first limit_batches x micro_batch_size rows."""
+    share = _my_share(min(len(dataset), micro_batch_size * limit_batches))
+    batches = [dataset.collate(m) for m in _micro_batches(share, micro_batch_size)]
+    total, count, _ = loss_sums(chunks, SFT, batches, dataset.seq_length, micro_batch_size, forward_only=True)
     loss = total / max(count, 1)
     return {"val_loss": loss, "perplexity": float(np.exp(loss))}
 
 
-def preference_accuracy(model, pairs: PreferencePairs, micro_batch_size: int) -> float:
+def preference_accuracy(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -> float:
     """Share of pairs where sum log p(chosen response) > sum log p(rejected response)."""
-    wins = 0
-    for start in range(0, len(pairs), micro_batch_size):
-        batch = pairs.collate(range(start, min(start + micro_batch_size, len(pairs))))
-        logps = sequence_sums(-sft_forward(model, batch) * batch["loss_mask"], batch)
-        wins += int((logps[: batch["pairs"]] > logps[batch["pairs"] :]).sum())
-    return wins / len(pairs)
+    columns = pair_logprobs(chunks, pairs, micro_batch_size)  # on the rank of each DP share that writes
+    wins = torch.zeros(2, dtype=torch.float64, device=device())
+    if columns is not None:
+        wins += torch.tensor([sum(c > r for c, r in zip(columns["chosen_logp"], columns["rejected_logp"])), len(columns["sample_id"])],
+                             dtype=torch.float64, device=device())
+    dist.all_reduce(wins)
+    return float(wins[0] / wins[1])
 
 
-def task_accuracy(model, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[float, list]:
-    n = min(len(prompts), cfg.num_generation_samples)
+def task_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[float, list]:
+    """Greedy completions of the first num_generation_samples prompts, scored by exact match."""
+    share = _my_share(min(len(prompts), cfg.num_generation_samples))
     sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer["eos_token_id"], vocab_size=tokenizer["vocab_size"])
-    completions = generate(model, [prompts.tokens(i) for i in range(n)], sampling, cfg.micro_batch_size)
-    scored = []
-    for i, completion in enumerate(completions):
-        text = decode(completion.tokens)
-        scored.append({"prompt": prompts.text[i], "completion": text, "answer": prompts.answer[i],
-                       "correct": exact_match(prompts.text[i], text, prompts.answer[i])})
-    return sum(s["correct"] for s in scored) / max(n, 1), scored[: cfg.num_examples_shown]
+    completions = generate(chunks, [prompts.tokens(int(i)) for i in share], sampling, cfg.micro_batch_size)
+    mine = []
+    for i, completion in zip(share, completions):
+        text, i = decode(completion.tokens), int(i)
+        mine.append({"prompt": prompts.text[i], "completion": text, "answer": prompts.answer[i],
+                     "correct": exact_match(prompts.text[i], text, prompts.answer[i])})
+    scored = [row for part in _gather_dp(mine) for row in part]
+    return sum(s["correct"] for s in scored) / max(len(scored), 1), scored[: cfg.num_examples_shown]
+
+
+def _gather_dp(obj) -> list:
+    """Every DP rank's `obj`, in DP rank order."""
+    group = parallel_state.get_data_parallel_group()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

@@ -18,13 +18,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from alignflow.data import logprobs
 from alignflow.data.prepared import SIDES, Prepared
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
 from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
+from alignflow.train.engine import schedule
 from alignflow.train.workspace import cache_dir, local_model
 
 log = logging.getLogger("alignflow.ref_logprobs")
@@ -62,11 +62,7 @@ def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -
     micro = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
     batches = [pairs.collate(m) for m in micro]
     with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=_forward_step,
-            data_iterator=[iter(batches) for _ in chunks], model=chunks, num_microbatches=len(batches),
-            seq_length=pairs.row_length, micro_batch_size=micro_batch_size, forward_only=True,
-        )
+        outputs = schedule(chunks, _forward_step, batches, pairs.row_length, micro_batch_size, forward_only=True)
     writes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if not writes:
         return None

@@ -242,12 +242,21 @@ def optimizer_step(run: Run, objective: Objective, micro: list[np.ndarray], data
 
 def forward_backward(run: Run, objective: Objective, micro: list[np.ndarray], dataset: Dataset, seq_length: int,
                      rows_per_item: int, forward_only: bool) -> tuple[float, float, dict[str, float]]:
-    """Forward (and backward) `micro`; the global (loss sum, count, metric sums) on every rank."""
+    """Forward (and backward) this rank's micro batches `micro` of `dataset`; the global (loss
+    sum, count, metric sums) on every rank."""
+    batches = [dataset.collate(m) for m in micro]
+    return loss_sums(run.model, objective, batches, seq_length, run.cfg.micro_batch_size * rows_per_item, forward_only)
+
+
+def loss_sums(chunks: list, objective: Objective, batches: list[dict], seq_length: int, rows: int,
+              forward_only: bool) -> tuple[float, float, dict[str, float]]:
+    """`objective` over collated micro batches through Megatron's schedule; the (loss sum,
+    count, metric sums) over every micro batch of every DP rank, on every rank."""
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         return objective.forward(model, batch), functools.partial(_reported_loss, objective, batch)
 
-    outputs = schedule(run, run.model, forward_step, micro, dataset, seq_length, rows_per_item, forward_only)
+    outputs = schedule(chunks, forward_step, batches, seq_length, rows, forward_only)
     names = objective.metric_names
     sums = torch.zeros(2 + len(names), dtype=torch.float64, device=device())
     for out in outputs:
@@ -264,14 +273,15 @@ def _reported_loss(objective: Objective, batch: dict, output: Tensor):
     return terms.total, terms.count.to(torch.int), {"terms": reported}
 
 
-def schedule(run: Run, chunks: list, forward_step, micro: list[np.ndarray], dataset: Dataset, seq_length: int,
-             rows_per_item: int, forward_only: bool) -> list:
-    """Megatron's pipeline schedule over `micro`; the loss functions' outputs (last stage only).
-    THD attention runs a micro batch as one flat sequence, so its stages pass [b * s, 1, h]."""
-    batches = [to_device(dataset.collate(m)) for m in micro]
-    rows, length = run.cfg.micro_batch_size * rows_per_item, seq_length
+def schedule(chunks: list, forward_step, batches: list[dict], seq_length: int, rows: int, forward_only: bool) -> list:
+    """Megatron's pipeline schedule over collated micro batches of `rows` x `seq_length` (with
+    PP > 1 the stages exchange each micro batch's shape, so packed ones may differ); the loss
+    functions' outputs (last stage only). THD attention runs a micro batch as one flat
+    sequence, so its stages pass [b * s, 1, h]."""
+    length = seq_length
     if packed_thd():
         rows, length = 1, rows * length
+    batches = [to_device(b) for b in batches]
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
@@ -288,7 +298,7 @@ def per_token_logps(run: Run, chunks: list, forward: Callable, micro: list[np.nd
         return forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1), {"logp": -nll.detach().float()})
 
     with eval_mode(chunks):
-        outputs = schedule(run, chunks, forward_step, micro, dataset, seq_length, 1, forward_only=True)
+        outputs = schedule(chunks, forward_step, [dataset.collate(m) for m in micro], seq_length, run.cfg.micro_batch_size, forward_only=True)
     return [out["logp"] for out in outputs]
 
 
