@@ -1,15 +1,18 @@
-"""Our SFT, DPO and reference log-prob pass against TRL's, on one tiny model, CPU, fp32.
+"""Our SFT, DPO and reference log-prob pass against TRL 1.16's, CPU, fp32, on two shapes.
 
-Same model (the demo's tiny Llama), same data (the demo's arithmetic task through the same
-chat template), same effective batch (micro 4 x accumulation 4 = 16 rows per step, packed
-to 256 tokens for SFT), same number of steps. Each measurement runs in a fresh process so
-its peak RSS (VmHWM) is its own; throughput counts real (non-pad) tokens per second of the
-training loop (the reference pass: of the forward loop over the training pairs).
-- ours: `alignflow.stages.sft.run` and `dpo.run` (reading the precomputed reference
-  log-probs) as the pipeline runs them (checkpoints included), and the forward loop of the
-  ref_logprobs stage (`pair_logprobs`);
+Shapes (same model weights, data, chat template, batch and steps on both sides):
+- demo: the demo's tiny Llama (158k parameters) on the demo arithmetic task (short, even
+  lengths), micro batch 4, 16 rows per step, packed to 256 tokens for SFT;
+- longtail: a ~1M-parameter Llama (4 layers, hidden 128, 4 heads / 2 KV heads) on generated
+  chat data whose lengths are long-tailed (lognormal, 15 to 250 tokens), micro batch 8, 32
+  rows per step, packed to 512 tokens for SFT.
+Throughput counts real (non-pad) tokens per second of the training loop (the reference pass:
+of the forward loop over the training pairs). Each measurement runs in a fresh process.
+- ours: `alignflow.stages.sft.run` and `dpo.run` (reading the precomputed reference log-probs)
+  as the pipeline runs them (checkpoints included), and the ref_logprobs stage's forward loop;
 - TRL: `SFTTrainer` (packing, bfd), `DPOTrainer` with `precompute_ref_log_probs=True`
   (training only), and TRL's precompute loop (`compute_ref_log_probs` over its dataloader).
+Last line: `ratio: sft <a> dpo <b> ref <c>`, each the minimum over the shapes of ours / TRL.
 
 Run: .venv/bin/python bench/train_vs_trl.py   (needs the bench extra: trl, datasets)
 """
@@ -22,99 +25,116 @@ import tempfile
 import time
 from pathlib import Path
 
-SEQ, MICRO, GLOBAL, STEPS = 256, 4, 16, 30
+import numpy as np
+
+SHAPES = {  # name: (micro batch, rows per step, SFT / max length, steps)
+    "demo": (4, 16, 256, 30),
+    "longtail": (8, 32, 512, 20),
+}
+LONGTAIL_MODEL = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "intermediate_size": 352, "head_dim": 32}
 
 
 def peak_rss_mb() -> float:
     return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
 
 
-def stage_cfg(stage: str, demo: Path) -> dict:
-    from omegaconf import OmegaConf
-
-    from alignflow.config.schema import DPOConfig, ModelConfig, SFTConfig
-
-    section = OmegaConf.merge(OmegaConf.structured({"sft": SFTConfig, "dpo": DPOConfig}[stage]), {
-        "micro_batch_size": MICRO, "global_batch_size": GLOBAL, "trainer": {"max_steps": STEPS, "val_check_interval": STEPS},
-        "checkpoint": {"every_n_steps": STEPS}, "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 0}})
-    model = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"source": str(demo / "tiny-llama"), "tokenizer": str(demo / "tokenizer")})
-    return OmegaConf.create({stage: OmegaConf.to_container(section, enum_to_str=True), "model": OmegaConf.to_container(model),
-                             "ref_logprobs": {"micro_batch_size": MICRO, "parallel": {"tensor_model_parallel_size": 1,
-                              "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-                              "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}}})
-
-
-def prepare(work: Path) -> None:
-    """Demo assets, prep (no val split: nothing but training is timed) and the converted model."""
-    from omegaconf import OmegaConf
+def longtail_files(assets: Path, work: Path) -> tuple[Path, Path]:
+    """A ~1M-parameter Llama and long-tailed chat and preference data, made offline."""
+    from safetensors.numpy import save_file
 
     from alignflow import demo
-    from alignflow.stages import convert, prep
 
-    assets = demo.build(work / "demo")
-    spec = {k: {"train": str(assets / "data" / f"{k}_train.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto",
-                "dev_choose_samples": None, "answer_key": "answer"} for k in ("sft", "preference")}
-    cfg = OmegaConf.create({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-                            "data": {**spec, "prompts": None, "seq_length": SEQ, "max_prompt_length": 64, "truncation": "keep_start",
-                                     "packing": True, "seed": 0},
-                            "model": {"source": str(assets / "tiny-llama"), "hf_config": None, "tokenizer": str(assets / "tokenizer"),
-                                      "chat_template": None, "make_vocab_size_divisible_by": 128},
-                            "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}}})
+    model = work / "model-hf"
+    model.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((assets / "tiny-llama" / "config.json").read_text()) | LONGTAIL_MODEL
+    (model / "config.json").write_text(json.dumps(cfg))
+    save_file(demo.init_weights(cfg), str(model / "model.safetensors"), metadata={"format": "pt"})
+    words = " ".join(demo.SENTENCES).replace(".", "").replace(",", "").replace(";", "").split()
+    rng = np.random.default_rng(0)
+    text = lambda: " ".join(rng.choice(words, size=int(np.clip(rng.lognormal(3.2, 0.8), 6, 200))))  # noqa: E731
+    data = work / "data"
+    data.mkdir(exist_ok=True)
+    (data / "sft.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": text()[:60]},
+                                                                     {"role": "assistant", "content": text()}]}) + "\n" for _ in range(2000)))
+    (data / "preference.jsonl").write_text("".join(json.dumps({"prompt": text()[:60], "chosen": text(), "rejected": text()}) + "\n"
+                                                   for _ in range(1000)))
+    return model, data
+
+
+def prepare(shape: str, work: Path) -> None:
+    """Assets, prep (no val split: nothing but training is timed) and the converted model."""
+    from alignflow import demo
+    from alignflow.stages import convert, prep
+    from alignflow.worker import typed
+
+    assets = demo.build(work.parent / "demo")
+    model, data = (assets / "tiny-llama", assets / "data") if shape == "demo" else longtail_files(assets, work)
+    files = {"sft": "sft_train.jsonl", "preference": "preference_train.jsonl"} if shape == "demo" else {"sft": "sft.jsonl", "preference": "preference.jsonl"}
+    cfg = typed({"data": {kind: {"train": str(data / name)} for kind, name in files.items()} | {"prompts": None, "seq_length": SHAPES[shape][2]},
+                 "model": {"source": str(model), "tokenizer": str(assets / "tokenizer")}})
     prep.run(cfg, {}, str(work / "prep"))
     convert.run(cfg, {}, str(work / "model"))
+    (work / "shape.json").write_text(json.dumps({"hf": str(model), "tokenizer": str(assets / "tokenizer"), "data": {k: str(data / v) for k, v in files.items()}}))
 
 
-def ours(kind: str, work: Path) -> dict:
+def ours(kind: str, shape: str, work: Path) -> dict:
     from alignflow.stages import dpo, ref_logprobs, sft
+    from alignflow.worker import typed
 
-    demo, inputs = work / "demo", {"data": str(work / "prep"), "model": str(work / "model")}
+    micro, rows, _, steps = SHAPES[shape]
+    section = {"micro_batch_size": micro, "global_batch_size": rows, "precision": "fp32", "trainer": {"max_steps": steps, "val_check_interval": steps},
+               "checkpoint": {"every_n_steps": steps}, "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 0}}
+    cfg = typed({"sft": section, "dpo": section, "ref_logprobs": {"micro_batch_size": micro}, "model": {"source": str(work / "model")}})
+    inputs = {"data": str(work / "prep"), "model": str(work / "model")}
     if kind == "sft":
-        return {"tokens_per_s": sft.run(stage_cfg("sft", demo), inputs, str(work / "ours-sft"))["tokens_per_s"]}
+        return {"tokens_per_s": sft.run(cfg, inputs, str(work / "ours-sft"))["tokens_per_s"]}
     if kind == "ref":  # the stage writes the reference DPO reads; then its forward loop alone is timed, as TRL's
+        from alignflow.data.prepared import Prepared
         from alignflow.megatron import runtime
         from alignflow.stages.eval import SINGLE_RANK, load_model
-        from alignflow.data.prepared import Prepared
         from alignflow.train.datasets import PreferencePairs
 
-        ref_logprobs.run(stage_cfg("dpo", demo), inputs, str(work / "ours-ref"))
+        ref_logprobs.run(cfg, inputs, str(work / "ours-ref"))
         runtime.init_parallel(SINGLE_RANK)
         model, _ = load_model(inputs["model"], 128)
         pairs = PreferencePairs(Prepared(inputs["data"]), "train")
         started = time.perf_counter()
-        ref_logprobs.pair_logprobs([model], pairs, MICRO)
+        ref_logprobs.pair_logprobs([model], pairs, micro)
         return {"tokens_per_s": pairs.num_tokens(range(len(pairs))) / (time.perf_counter() - started)}
-    return {"tokens_per_s": dpo.run(stage_cfg("dpo", demo), {**inputs, "ref_logprobs": str(work / "ours-ref")}, str(work / "ours-dpo"))["tokens_per_s"]}
+    return {"tokens_per_s": dpo.run(cfg, {**inputs, "ref_logprobs": str(work / "ours-ref")}, str(work / "ours-dpo"))["tokens_per_s"]}
 
 
-def trl(kind: str, work: Path) -> dict:
+def trl(kind: str, shape: str, work: Path) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-    demo = work / "demo"
-    model = AutoModelForCausalLM.from_pretrained(demo / "tiny-llama", dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(demo / "tokenizer")
-    common = dict(output_dir=str(work / f"trl-{kind}"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=GLOBAL // MICRO,
-                  max_steps=STEPS, learning_rate=1e-4, use_cpu=True, report_to=[], save_strategy="no", logging_steps=STEPS, seed=0)
-    rows = [json.loads(line) for line in (demo / "data" / f"{'sft' if kind == 'sft' else 'preference'}_train.jsonl").read_text().splitlines()]
+    micro, rows, length, steps = SHAPES[shape]
+    files = json.loads((work / "shape.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(files["hf"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(files["tokenizer"])
+    common = dict(output_dir=str(work / f"trl-{kind}"), per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
+                  max_steps=steps, learning_rate=1e-4, use_cpu=True, report_to=[], save_strategy="no", logging_steps=steps, seed=0)
+    data = [json.loads(line) for line in Path(files["data"]["sft" if kind == "sft" else "preference"]).read_text().splitlines()]
     if kind == "sft":
-        trainer = SFTTrainer(model=model, args=SFTConfig(**common, packing=True, max_length=SEQ), train_dataset=Dataset.from_list(rows),
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common, packing=True, max_length=length), train_dataset=Dataset.from_list(data),
                              processing_class=tokenizer)
         lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
         seconds = trainer.train().metrics["train_runtime"]
-        return {"tokens_per_s": sum(lengths) / len(lengths) * GLOBAL * STEPS / seconds}
+        return {"tokens_per_s": sum(lengths) / len(lengths) * rows * steps / seconds}
     pairs = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
-    trainer = DPOTrainer(model=model, args=DPOConfig(**common, precompute_ref_log_probs=kind == "dpo", max_length=SEQ, beta=0.1),
+                                "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in data])
+    trainer = DPOTrainer(model=model, args=DPOConfig(**common, precompute_ref_log_probs=kind == "dpo", max_length=length, beta=0.1),
                          train_dataset=pairs, processing_class=tokenizer)
-    data = trainer.train_dataset
-    per_pair = [len(p) * 2 + len(c) + len(r) for p, c, r in zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"])] \
-        if "prompt_ids" in data.column_names else [len(c) + len(r) for c, r in zip(data["chosen_input_ids"], data["rejected_input_ids"])]
+    prepared = trainer.train_dataset
+    per_pair = [len(p) * 2 + len(c) + len(r) for p, c, r in zip(prepared["prompt_ids"], prepared["chosen_ids"], prepared["rejected_ids"])] \
+        if "prompt_ids" in prepared.column_names else [len(c) + len(r) for c, r in zip(prepared["chosen_input_ids"], prepared["rejected_input_ids"])]
     if kind == "dpo":
         seconds = trainer.train().metrics["train_runtime"]
-        return {"tokens_per_s": sum(per_pair) / len(per_pair) * GLOBAL * STEPS / seconds}
-    loader = torch.utils.data.DataLoader(data, batch_size=MICRO, collate_fn=trainer.data_collator, shuffle=False)
+        return {"tokens_per_s": sum(per_pair) / len(per_pair) * rows * steps / seconds}
+    loader = torch.utils.data.DataLoader(prepared, batch_size=micro, collate_fn=trainer.data_collator, shuffle=False)
     started = time.perf_counter()
     with torch.no_grad():
         for batch in loader:
@@ -122,25 +142,31 @@ def trl(kind: str, work: Path) -> dict:
     return {"tokens_per_s": sum(per_pair) / (time.perf_counter() - started)}
 
 
-def measure(who: str, kind: str, work: Path) -> dict:
-    out = subprocess.run([sys.executable, __file__, who, kind, str(work)], capture_output=True, text=True)
+def measure(who: str, kind: str, shape: str, work: Path) -> dict:
+    out = subprocess.run([sys.executable, __file__, who, kind, shape, str(work)], capture_output=True, text=True)
     if out.returncode:
         return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:160]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-if __name__ == "__main__" and len(sys.argv) == 4:  # a measurement in its own process
-    who, kind, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    result = (ours if who == "ours" else trl)(kind, work)
+if __name__ == "__main__" and len(sys.argv) == 5:  # a measurement in its own process
+    who, kind, shape, work = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+    result = (ours if who == "ours" else trl)(kind, shape, work)
     print(json.dumps({**result, "peak_rss_mb": peak_rss_mb()}))
 elif __name__ == "__main__":
-    work = Path(tempfile.mkdtemp(prefix="alignflow-bench-train-"))
-    prepare(work)
-    print(f"tiny Llama, {GLOBAL} rows/step (micro {MICRO}), {STEPS} steps, seq {SEQ}, fp32 CPU; tokens/s of real tokens")
-    print(f"{'':<26}{'ours tok/s':>12}{'TRL tok/s':>12}{'ours MB':>10}{'TRL MB':>10}")
-    for kind, label in (("sft", "SFT"), ("ref", "reference log-probs"), ("dpo", "DPO (precomputed ref)")):
-        a, b = measure("ours", kind, work), measure("trl", kind, work)
-        if "error" in a or "error" in b:
-            print(f"{label:<26} ours: {a.get('error', 'ok')}  TRL: {b.get('error', 'ok')}")
-            continue
-        print(f"{label:<26}{a['tokens_per_s']:>12.0f}{b['tokens_per_s']:>12.0f}{a['peak_rss_mb']:>10.0f}{b['peak_rss_mb']:>10.0f}")
+    root, ratios = Path(tempfile.mkdtemp(prefix="alignflow-bench-train-")), {"sft": [], "dpo": [], "ref": []}
+    for shape, (micro, rows, length, steps) in SHAPES.items():
+        work = root / shape
+        prepare(shape, work)
+        print(f"\n{shape}: micro {micro}, {rows} rows/step, {steps} steps, length {length}, fp32 CPU; tokens/s of real tokens")
+        print(f"{'':<26}{'ours tok/s':>12}{'TRL tok/s':>12}{'ours/TRL':>10}{'ours MB':>10}{'TRL MB':>10}")
+        for kind, label in (("sft", "SFT"), ("ref", "reference log-probs"), ("dpo", "DPO (precomputed ref)")):
+            a, b = measure("ours", kind, shape, work), measure("trl", kind, shape, work)
+            if "error" in a or "error" in b:
+                print(f"{label:<26} ours: {a.get('error', 'ok')}  TRL: {b.get('error', 'ok')}")
+                ratios[kind].append(float("nan"))
+                continue
+            ratios[kind].append(a["tokens_per_s"] / b["tokens_per_s"])
+            print(f"{label:<26}{a['tokens_per_s']:>12.0f}{b['tokens_per_s']:>12.0f}{ratios[kind][-1]:>10.2f}"
+                  f"{a['peak_rss_mb']:>10.0f}{b['peak_rss_mb']:>10.0f}")
+    print(f"ratio: sft {min(ratios['sft']):.2f} dpo {min(ratios['dpo']):.2f} ref {min(ratios['ref']):.2f}")

@@ -91,11 +91,15 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
 
 
 class DocumentWindowAttention(DotProductAttention):
-    """Megatron's local attention with the sliding window applied on top of the mask it is given.
+    """Megatron's local attention with the sliding window applied on top of the mask it is
+    given, computed by torch's fused `scaled_dot_product_attention` (fp32, or without gradients)
+    where no dropout applies.
 
     Megatron's softmax swaps a given mask for the window mask when the model has a window, so
     the documents of a packed row would see each other; here a given mask (documents, causal)
-    is narrowed by the window, and without one (KV-cached decoding) the window alone applies."""
+    is narrowed by the window, and without one (KV-cached decoding) the window alone applies.
+    Megatron's own path (scores, fp32 softmax, dropout under the TP RNG tracker) runs with
+    attention dropout and for bf16 training, so those stay bit-reproducible across resumes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -105,7 +109,17 @@ class DocumentWindowAttention(DotProductAttention):
         if self.window_size is not None:  # query [sq, b, heads, dim], key [sk, ...]; True = masked
             window = transformer_utils.get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size)
             attention_mask = window if attention_mask is None else attention_mask | window
-        return super().forward(query, key, value, attention_mask, *args, **kwargs)
+        dropout = self.training and self.attention_dropout.p > 0
+        bf16_backward = torch.is_grad_enabled() and query.dtype != torch.float32  # its CPU kernel is not bit-reproducible
+        if dropout or bf16_backward or self.softmax_offset is not None or (attention_mask is None and query.shape[0] > 1):
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        allowed = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [sq, b, heads * dim]
 
 
 def packed_thd() -> bool:

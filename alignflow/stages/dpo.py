@@ -53,11 +53,7 @@ def pair_loss(cfg: DPOLossConfig, per_token: torch.Tensor, batch: dict) -> Prefe
 
 def load_data(data: Prepared, reference_uri: str) -> Supervised:
     train, val = PreferencePairs(data, "train", reference_uri), optional(PreferencePairs, data, "val", reference_uri)
-    length = max(train.row_length, val.row_length if val is not None else 0)
-    for pairs in (train, val):
-        if pairs is not None:
-            pairs.row_length = length
-    return Supervised(train=train, val=val, seq_length=length)
+    return Supervised(train=train, val=val, seq_length=train.row_length)  # nominal: each micro batch has its own shape
 
 
 def run(cfg, inputs: dict, out: str) -> dict:

@@ -50,12 +50,13 @@ class PackedSFT:
 
 
 class PreferencePairs:
-    """Pairs packed into rows: a micro batch's pairs go into as few rows of `row_length` tokens
-    as best-fit-decreasing allows, each pair's chosen and rejected sequences side by side, every
-    sequence its own document (attention never crosses one). `row_length` is the longest pair
-    of the data (rounded up to 8), so any pair fits a row and no micro batch pads to the data's
-    longest sequence. `batch["sequence"]` names each position's sequence (chosen of pair j: j,
-    rejected: n + j; padding: -1), which `sequence_sums` sums over."""
+    """Pairs packed into rows: a micro batch's pairs go into as few rows as best-fit-decreasing
+    allows, each row as long as the micro batch's longest pair (rounded up to 8: attention
+    costs rows x length^2, so rows no longer than needed), each pair's chosen and rejected
+    sequences side by side, every sequence its own document (attention never crosses one).
+    Micro batches thus differ in shape (pipeline stages exchange shapes). `batch["sequence"]`
+    names each position's sequence (chosen of pair j: j, rejected: n + j; padding: -1), which
+    `sequence_sums` sums over."""
 
     KIND = "preference"
 
@@ -64,7 +65,7 @@ class PreferencePairs:
         self.sample_ids = table.column("sample_id").to_numpy()
         self.columns = {side: (list_column(table, f"{side}_input_ids"), list_column(table, f"{side}_loss_mask")) for side in SIDES}
         self.lengths = sum(np.diff(off) for (_, off), _ in self.columns.values())  # chosen + rejected tokens of each pair
-        self.row_length = -(-int(self.lengths.max(initial=1)) // PAD_MULTIPLE) * PAD_MULTIPLE
+        self.row_length = _padded(int(self.lengths.max(initial=1)))  # the longest a micro batch's rows can be
         self.pad_id = prepared.pad_id
         self.reference = logprobs.read(reference_uri, split, self.sample_ids) if reference_uri else None
 
@@ -82,13 +83,14 @@ class PreferencePairs:
     def collate(self, indices: Sequence[int]) -> dict:
         indices = [int(i) for i in indices]
         n, rows, sequence_ids = len(indices), [], []
-        for row in pack_bfd([int(self.lengths[i]) for i in indices], self.row_length):
+        length = _padded(max(int(self.lengths[i]) for i in indices))  # this micro batch's longest pair
+        for row in pack_bfd([int(self.lengths[i]) for i in indices], length):
             parts = [(self.sequence(side, indices[j]), j + k * n) for j in row for k, side in enumerate(SIDES)]
             rows.append((np.concatenate([ids for (ids, _), _ in parts]), np.concatenate([mask for (_, mask), _ in parts]),
                          np.cumsum([0] + [len(ids) for (ids, _), _ in parts])))
             sequence_ids.append([seq for _, seq in parts])
-        batch = vars(packed_rows(rows, self.row_length, self.pad_id))
-        batch["sequence"] = _sequence_map(rows, sequence_ids, self.row_length)
+        batch = vars(packed_rows(rows, length, self.pad_id))
+        batch["sequence"] = _sequence_map(rows, sequence_ids, length)
         batch["pairs"] = n
         if self.reference is not None:
             batch |= {f"ref_{name}": torch.from_numpy(values[indices]) for name, values in self.reference.items()}
@@ -96,6 +98,10 @@ class PreferencePairs:
 
     def num_tokens(self, indices: Sequence[int]) -> int:
         return int(sum(self.lengths[int(i)] for i in indices))
+
+
+def _padded(length: int) -> int:
+    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
 def _sequence_map(rows: list, sequence_ids: list[list[int]], length: int) -> torch.Tensor:
