@@ -12,7 +12,10 @@ with more than one rank the default process group is initialised here: gloo on C
 import importlib
 import logging
 import os
+import re
+import shutil
 import sys
+import traceback
 import warnings
 
 import fsspec
@@ -58,9 +61,43 @@ def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options:
     config = typed(cfg)
     module = importlib.import_module(worker_module(kind))
     logging.getLogger("alignflow.worker").info("stage %s -> %s", kind, out)
-    metrics = module.run(config, inputs, out)
+    try:
+        metrics = module.run(config, inputs, out)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        raise StageError(_cause_first(err, out)) from err
     sys.stdout.flush()
     return metrics
+
+
+class StageError(RuntimeError):
+    """The stage's failure as an `Exception` (submitit records only those as a job's result),
+    its first line the real cause."""
+
+
+def _cause_first(err: BaseException, out: str) -> str:
+    """The innermost exception line first (what a person must fix), then the exception itself;
+    a full disk is said as such, with the path (torch reports one as "unexpected pos ...")."""
+    text = "".join(traceback.format_exception_only(err)).strip()
+    lines = [line.strip() for line in text.splitlines() if _EXCEPTION_LINE.match(line.strip())]
+    cause = lines[-1] if lines else text.splitlines()[0]
+    if (full := _full_disk(out)) is not None:
+        cause = f"no space left on the device of {full}: " + cause
+    return cause if cause == text else f"{cause}\n{text}"
+
+
+_EXCEPTION_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception|Exit|Interrupt)\b(: .*)?$")
+
+
+def _full_disk(out: str, reserve: int = 16 << 20) -> str | None:
+    """The local folder whose filesystem has (almost) no space left, if `out` is on one."""
+    if fsspec.core.split_protocol(out)[0] not in (None, "file", "local"):
+        return None
+    path = out.removeprefix("file://")
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path if path and shutil.disk_usage(path).free < reserve else None
 
 
 def typed(cfg: dict) -> DictConfig:

@@ -25,6 +25,7 @@ for _key, _value in {
 
 import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from alignflow import __version__  # noqa: E402
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ConfigError as err:
-        console.print(f"[red]error:[/] {err}", markup=True, highlight=False)
+        console.print(f"[red]error:[/] {escape(str(err))}", markup=True, highlight=False)  # '[a, b]' in a message is text
         return 2
 
 

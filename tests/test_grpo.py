@@ -158,3 +158,14 @@ def test_grpo_learns_to_earn_its_reward(demo_dir, inputs, tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert last > first + 0.2, rewards
+
+
+def nan_reward(prompt: str, completion: str, answer: str, **_) -> float:
+    return float("nan")
+
+
+def test_a_reward_that_is_not_a_number_stops_the_stage_naming_it(demo_dir, inputs, tmp_path):
+    cfg = grpo_cfg(demo_dir, environment=[{"name": "test_grpo:nan_reward"}], trainer={"max_steps": 2})
+    with pytest.raises(ValueError, match=r"grpo.environment: test_grpo.nan_reward returned nan \(not a finite number\) for prompt"):
+        run_grpo(cfg, inputs, tmp_path / "out")
+    assert not list((tmp_path / "out").glob("checkpoints/step-*/complete"))  # it stopped before its first step ended

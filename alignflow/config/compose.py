@@ -8,12 +8,13 @@ read-only: nothing mutates it after validation. Overrides of a pipeline's stages
 that key (Hydra's `++`); a misspelled key is refused by the pipeline's own checks.
 """
 
+import difflib
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -37,20 +38,27 @@ def compose(pipeline: str | None = None, overrides: list[str] | None = None, che
     overrides = [f"++{o}" if o.startswith("pipeline.stages.") else o for o in overrides or []]
     if pipeline:
         overrides = [f"pipeline={pipeline}", *overrides]
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
+        cfg = _hydra(overrides)
         OmegaConf.to_container(cfg, resolve=True)  # surface interpolation errors now, with their key
+    except MissingConfigException as err:
+        raise ConfigError(_missing_choice(err)) from None
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err)) from None
-    except AssertionError as err:  # Hydra asserts when an override sets a key under a null section
-        raise ConfigError(f"cannot apply overrides {overrides}: {err} (does one set a key under a section that is null?)") from None
-    finally:
-        GlobalHydra.instance().clear()
+    except AssertionError:  # Hydra asserts when an override sets a key under a null section
+        raise ConfigError(_under_null_section(overrides)) from None
     validate(cfg, check_paths=check_paths)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _hydra(overrides: list[str]) -> DictConfig:
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose(config_name="config", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def _explain(err: Exception) -> str:
@@ -60,3 +68,29 @@ def _explain(err: Exception) -> str:
     if cause is not None and str(cause).strip() and str(cause).strip() not in msg:
         msg = f"{msg}\n{str(cause).strip()}"
     return msg
+
+
+def _missing_choice(err: MissingConfigException) -> str:
+    """A misspelled group choice (`pipeline=sftdpo`): say which and list the ones there are."""
+    group, _, name = (err.missing_cfg_file or "").partition("/")
+    if not err.options:
+        return str(err).splitlines()[0]
+    close = difflib.get_close_matches(name, err.options, n=1)
+    hint = f"did you mean '{group}={close[0]}'? " if close else ""
+    return f"{group}={name}: there is no such {group}; {hint}choose one of: {', '.join(err.options)}"
+
+
+def _under_null_section(overrides: list[str]) -> str:
+    """Which override sets a key under a section the chosen config leaves null, said plainly."""
+    choices = [o for o in overrides if "=" in o and "." not in o.split("=", 1)[0].lstrip("+~")]  # group choices: pipeline=..., data=...
+    base = _hydra(choices)
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        parts = key.split(".")
+        for depth in range(1, len(parts)):
+            section = ".".join(parts[:depth])
+            if OmegaConf.select(base, section, default="<absent>") is None:
+                return (f"{key}: {section} is null in this config (the pipeline does not use it), so '{override}' has nothing "
+                        f"to set a key in; give the whole section instead, e.g. '{section}={{{'.'.join(parts[depth:])}: "
+                        f"{override.split('=', 1)[-1]}}}', or choose a pipeline that uses it")
+    return f"cannot apply overrides {overrides}: one sets a key under a section that is null"

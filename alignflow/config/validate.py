@@ -5,12 +5,19 @@ a config in one round trip instead of one GPU-hour at a time.
 """
 
 import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from omegaconf import DictConfig, OmegaConf
 
 from alignflow.config.schema import RecomputeGranularity, RecomputeMethod
 from alignflow.convert.llama import ModelShape, model_shape
+from alignflow.data.formats import FORMATS
 from alignflow.pipeline import Pipeline, PipelineError, Stage
 from alignflow.rewards import resolve
 from alignflow.store import options_for
@@ -34,6 +41,10 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         problems += _check_stage(stage, key, shape)
         if stage.kind == "prep":
             problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
+        if stage.kind == "convert" and check_paths:
+            problems += _check_safetensors(stage.cfg)
+    if check_paths:
+        problems += _check_store(cfg) + _check_launcher(cfg)
     if problems:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in dict.fromkeys(problems)))
     return pipeline
@@ -200,11 +211,71 @@ def _check_data(cfg: DictConfig, instance_key: str, check_paths: bool) -> list[s
         spec = data[kind]
         if not 0 <= spec.val_fraction < 1:
             problems.append(f"{at}.{kind}.val_fraction: must be in [0, 1)")
+        if spec.format != "auto" and spec.format not in FORMATS[kind]:
+            problems.append(f"{at}.{kind}.format: {spec.format} is not a {kind} format; use auto or one of {', '.join(FORMATS[kind])}")
         for split in ("train", "val"):
-            uri = spec[split]
-            if check_paths and uri is not None and not _exists(uri, cfg):
-                problems.append(f"{at}.{kind}.{split}: {uri} does not exist")
+            if check_paths and spec[split] is not None and (problem := _data_problem(spec[split], cfg)):
+                problems.append(f"{at}.{kind}.{split}: {spec[split]} {problem}")
     return problems
+
+
+def _data_problem(uri: str, cfg: DictConfig) -> str | None:
+    """Why a data source cannot be read, or None: missing, an empty folder, an empty file."""
+    fs, path = fsspec.core.url_to_fs(uri, **options_for(uri, cfg))
+    if any(c in path for c in "*?["):
+        files = fs.glob(path)
+        return None if files else "matches no file"
+    if not fs.exists(path):
+        return "does not exist"
+    if fs.isdir(path):
+        return None if any(fs.info(f)["size"] for f in fs.find(path)) else "is a folder with no data file in it"
+    return None if fs.info(path)["size"] else "is an empty file"
+
+
+def _check_safetensors(cfg: DictConfig) -> list[str]:
+    """Every safetensors file of `model.source` as long as its header says (a cut-short copy or
+    download fails here, not half-way through a conversion)."""
+    fs, path = fsspec.core.url_to_fs(cfg.model.source, **options_for(cfg.model.source, cfg))
+    problems = []
+    for file in fs.glob(f"{path.rstrip('/')}/*.safetensors") if fs.isdir(path) else []:
+        with fs.open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        expected = 8 + size + max((meta["data_offsets"][1] for meta in header.values()), default=0)
+        if (actual := fs.info(file)["size"]) < expected:
+            problems.append(f"model.source: {cfg.model.source.rstrip('/')}/{file.rsplit('/', 1)[-1]} is truncated: {actual} of the "
+                            f"{expected} bytes its header describes")
+    return problems
+
+
+def _check_store(cfg: DictConfig) -> list[str]:
+    """The store must be writable (local) or reachable with this environment's credentials."""
+    root = cfg.store.root
+    fs, path = fsspec.core.url_to_fs(root, **options_for(root, cfg))
+    if isinstance(fs, LocalFileSystem):
+        existing = Path(path)
+        while not existing.exists():
+            existing = existing.parent
+        try:  # a real write: permission bits say nothing to root, nor of read-only mounts
+            fd, probe = tempfile.mkstemp(dir=existing, prefix=".alignflow-write-check-")
+            os.close(fd)
+            os.remove(probe)
+        except OSError as err:
+            return [f"store.root: {root} is not writable: {existing}: {err.strerror}"]
+        return []
+    try:
+        fs.ls(path.split("/")[0])  # the bucket
+    except Exception as err:  # noqa: BLE001 - every failure to reach the store is the same problem to the user
+        return [f"store.root: {root} cannot be reached: {type(err).__name__}: {err} (credentials come from the environment, "
+                "e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; the endpoint from store.storage_options)"]
+    return []
+
+
+def _check_launcher(cfg: DictConfig) -> list[str]:
+    if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
+        return ["launcher=slurm: sbatch is not on this machine's PATH (run the flow where Slurm's client is, or use launcher=local)"]
+    return []
 
 
 def _exists(uri: str, cfg: DictConfig) -> bool:

@@ -31,6 +31,8 @@ of the model in the same layout and dtype.
 
 import json
 import logging
+import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -236,14 +238,26 @@ def score(cfg: Any, prompts: Prompts, mine: np.ndarray, tokens: list[list[int]],
     texts = [env.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     prompt_text = [prompts.text[int(i)] for i in mine for _ in range(g)]
     answers = [prompts.answer[int(i)] for i in mine for _ in range(g)]
-    rewards = torch.tensor([sum(fn(p, t, a, **kwargs) for fn, kwargs in env.rewards)
-                            for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64)
+    rewards = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64)
     advantages = group_advantages(rewards.view(-1, g), cfg.use_rloo, cfg.normalize_rewards).flatten()
     truncated = torch.tensor([c.truncated for c in completions])
     trained = ~truncated if cfg.overlong_filtering else torch.ones_like(truncated)
     stats = RolloutStats(rewards=rewards, correct=torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)]),
                          response_tokens=torch.tensor([len(c.tokens) for c in completions]), truncated=truncated)
     return Rollouts(tokens, completions, advantages, trained, env.pad_id), stats
+
+
+def reward(env: Environment, prompt: str, completion: str, answer: str) -> float:
+    """The summed rewards of one sample; a reward that is not a finite number stops the stage,
+    naming the function and the sample (it would poison every advantage of its group)."""
+    total = 0.0
+    for fn, kwargs in env.rewards:
+        value = fn(prompt, completion, answer, **kwargs)
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"grpo.environment: {fn.__module__}.{fn.__name__} returned {value!r} (not a finite number) for "
+                             f"prompt {prompt!r}, completion {completion!r}, answer {answer!r}")
+        total += value
+    return total
 
 
 def summary(run: Run, rollout: dict) -> dict:
