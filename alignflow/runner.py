@@ -20,6 +20,7 @@ from alignflow.fingerprint import code_identity, differences, digest, fingerprin
 from alignflow.launch import job_record, submit, wait
 from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
+from alignflow.report import REPORT, read_metrics, stage_report
 from alignflow.stages import worker_module
 from alignflow.store import Store, options_for, store_of
 from alignflow.worker import run_stage_job
@@ -126,13 +127,13 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
     record = job_record(job)
     log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}; stdout {record.stdout}; stderr {record.stderr}")
     metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0), record=record)
+    summary = {"stage": name, "kind": stage.kind, "fingerprint": fp, "metrics": headline_first(metrics, spec.headline),
+               "config": masked(cfg, paths)}
+    if records := read_metrics(staging, options_for(staging, cfg)):  # a training stage: its curves beside its output
+        store.fs.pipe(f"{store.staging_path(name, fp)}/{REPORT}", stage_report(name, summary, records).encode())
     manifest = {
-        "stage": name,
-        "kind": stage.kind,
-        "fingerprint": fp,
-        "metrics": headline_first(metrics, spec.headline),
+        **summary,
         "identity": ident,
-        "config": masked(cfg, paths),
         "inputs": {up: {"uri": r.uri, "fingerprint": r.fingerprint} for up, r in upstream.items()},
         "input_roles": inputs,
         "versions": {"alignflow": __version__, **package_versions(_RECORDED_PACKAGES)},

@@ -2,24 +2,27 @@
 
 Policy lives here: retries only for infrastructure failures (preemption, node loss,
 timeouts, a killed job); a config error or an exception in the stage's code is never
-retried. Each stage publishes one table artifact with its output URI, its job (id, final
-state, stdout/stderr paths: also when the job failed) and headline metrics; training stages
-also publish their per-step metrics (loss, lr, rewards, KL, ...) as a table.
+retried. A cache hit ends Cached, a stage of a cancelled flow run Cancelled. Each stage
+publishes one table artifact with its output URI, its job (id, final state, stdout/stderr
+paths: also when the job failed) and headline metrics; training stages also publish their
+curves (sparklines in markdown; report.html in the output has the charts) and their metrics
+per step as a table.
 """
 
-import json
 import re
 from functools import lru_cache
 from typing import Callable
 
-import fsspec
 from prefect import get_run_logger, task
-from prefect.artifacts import create_link_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Cancelled, Completed, State
 
 from alignflow.config.compose import compose
-from alignflow.launch import InfrastructureError, JobError
+from alignflow.launch import InfrastructureError, JobCancelled, JobError
 from alignflow.pipeline import Pipeline, Stage
+from alignflow.report import REPORT, curves_markdown, read_metrics
 from alignflow.runner import StageResult, run_stage
 from alignflow.store import options_for
 
@@ -43,18 +46,25 @@ def _infrastructure_failure(task, task_run, state) -> bool:
 
 
 @task(cache_policy=NO_CACHE, retry_condition_fn=_infrastructure_failure, retry_delay_seconds=5)
-def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], upstream: dict[str, StageResult]) -> StageResult:
+def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], upstream: dict[str, StageResult]) -> State:
+    """The stage's result in the state the UI should show: Completed, Cached (a committed
+    output, no job) or Cancelled (its flow run was); a failure raises, as Failed."""
     stage = _pipeline(pipeline, tuple(overrides))[name]
     logger = get_run_logger()
     try:
         result = run_stage(stage, upstream, log=JobLogWatcher(name, logger.info))
+    except JobCancelled as err:
+        _publish_table(name, [{"field": "state", "value": "cancelled"}, *_job_rows(err.job)])
+        return Cancelled(message=str(err))
     except JobError as err:
         _publish_table(name, [{"field": "state", "value": "failed"}, *_job_rows(err.job)])
         raise
     _publish(result, stage.kind)
     if stage.spec.resumable:
-        _publish_steps(result, options_for(result.uri, stage.cfg))
-    return result
+        _publish_curves(result, options_for(result.uri, stage.cfg))
+    if result.cached:
+        return Completed(name="Cached", data=result, message=f"cache hit: {result.uri}")
+    return Completed(data=result)
 
 
 class JobLogWatcher:
@@ -97,6 +107,13 @@ def _publish(result: StageResult, kind: str) -> None:
     ]
     rows += [{"field": k, "value": format_value(v)} for k, v in list(result.metrics.items())[:HEADLINE_METRICS]]  # headline first
     _publish_table(result.stage, rows)
+    if kind == "eval":  # every metric of every model, one row per model
+        models: dict[str, dict] = {}
+        for key, value in result.metrics.items():
+            model, _, metric = key.rpartition(".")
+            models.setdefault(model, {"model": model})[metric] = format_value(value)
+        create_table_artifact(table=list(models.values()), key=_key("models", result.stage),
+                              description=f"{result.stage}: every metric of every model")
 
 
 def _job_rows(job: dict | None) -> list[dict]:
@@ -111,17 +128,16 @@ def _publish_table(stage: str, rows: list[dict]) -> None:
     create_table_artifact(table=rows, key=_key("stage", stage), description=f"{stage} output, job and headline metrics")
 
 
-def _publish_steps(result: StageResult, storage_options: dict) -> None:
-    """The stage's metrics.jsonl as a table artifact, one row per logged step."""
-    try:
-        with fsspec.open(f"{result.uri.rstrip('/')}/metrics.jsonl", "r", **storage_options) as f:
-            lines = [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
+def _publish_curves(result: StageResult, storage_options: dict) -> None:
+    """The stage's curves (a markdown table of sparklines, which the UI renders as text) and its
+    metrics per step (a table, evenly spaced rows, first and last included)."""
+    records = read_metrics(result.uri, storage_options)
+    if not records:
         return
-    if not lines:
-        return
-    picked = sorted({round(i * (len(lines) - 1) / max(STEP_ROWS - 1, 1)) for i in range(STEP_ROWS)})
-    rows = [{k: format_value(v) for k, v in lines[i].items()} for i in picked]
+    create_markdown_artifact(markdown=curves_markdown(result.stage, records) + f"\n\nreport: `{result.uri.rstrip('/')}/{REPORT}`",
+                             key=_key("curves", result.stage), description=f"{result.stage}: curves")
+    picked = sorted({round(i * (len(records) - 1) / max(STEP_ROWS - 1, 1)) for i in range(STEP_ROWS)})
+    rows = [{k: format_value(v) for k, v in records[i].items()} for i in picked]
     create_table_artifact(table=rows, key=_key("steps", result.stage), description=f"{result.stage}: metrics per step")
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -51,10 +52,20 @@ def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
     assert jobs_submitted(tmp_path) == 5  # cache hits submit no job
 
     summary = asyncio.run(artifact("align-demo"))
-    for stage, result in results.items():
-        assert f"| {stage} | cache hit | `{result.fingerprint}`" in summary.data
+    for stage, result in results.items():  # a cache hit shows as Prefect's Cached state
+        assert f"| {stage} | {stage} | Cached | `{result.fingerprint}`" in summary.data
     table = asyncio.run(artifact("stage-prep"))
     assert first.uri in json.dumps(table.data)
+    report = summary.data.split("report: `")[1].split("`")[0]
+    assert (tmp_path / "store" / "_reports") in Path(report).parents and f"{results['sft'].uri}/report.html" in Path(report).read_text()
+    sft_report = Path(results["sft"].uri, "report.html").read_text()
+    assert sft_report.count("<svg") >= 3 and "aria-label=\"loss\"" in sft_report
+    assert "<script" not in sft_report and "src=" not in sft_report and "<link" not in sft_report  # nothing to fetch: opens offline
+    curves = asyncio.run(artifact("curves-sft")).data
+    assert "| loss |" in curves and any(block in curves for block in "▁▂▃▄▅▆▇█")
+    models = asyncio.run(artifact("models-eval")).data
+    rows = json.loads(models) if isinstance(models, str) else models
+    assert {row["model"] for row in rows} == {"sft", "convert"} and {"accuracy", "val_loss", "perplexity"} <= set(rows[0])
 
 
 def test_changed_input_config_reruns_and_force_reruns(base_overrides, tmp_path):
