@@ -11,7 +11,7 @@ the converted base model and the SFT model), on prep's validation splits:
 Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
 `eval.json` holds them and the samples. Runs on one rank (TP1/PP1): generation at TP/PP > 1
 is not built here, and the model is small enough for evaluation to need neither.
-Greedy decoding is `alignflow.generation`'s (KV-cached, prompts of equal length batched).
+Greedy decoding is `alignflow.generation`'s (KV-cached, prompts of mixed lengths left-padded into batches).
 """
 
 import json

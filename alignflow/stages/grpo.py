@@ -190,6 +190,7 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     mine = indices[run.dp_rank * share : (run.dp_rank + 1) * share]
     tokens = [prompts.tokens(int(i)) for i in mine for _ in range(cfg.num_generations_per_prompt)]
     seed = int(np.random.SeedSequence([cfg.trainer.seed, run.state.step, run.dp_rank]).generate_state(1)[0])
+    engine.gather_weights(run.model)  # the sampler reads the weights directly, not through the DDP hooks
     completions = generate(run.chunks, tokens, env.sampling, cfg.generation_batch_size, seed=seed)
     generation_s = time.perf_counter() - started
     rollouts, stats = score(cfg, prompts, mine, tokens, completions, env)
