@@ -101,7 +101,7 @@ def _generate_batch(model, prompts: list[Sequence[int]], sampling: Sampling, gen
             break
         logits = decoder.decode(drawn[0].long())
     tokens, logps, sampling_logps = torch.stack(chosen, -1).tolist()
-    return [_cut([int(t) for t in row], row_logps, row_sampling, sampling.eos_id) for row, row_logps, row_sampling in zip(tokens, logps, sampling_logps)]
+    return [_cut([int(t) for t in row], *row_logps, sampling.eos_id) for row, *row_logps in zip(tokens, logps, sampling_logps)]
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

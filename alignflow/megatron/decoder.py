@@ -73,8 +73,13 @@ def layer_weights(layer) -> LayerWeights:
     attention, mlp = layer.self_attention, layer.mlp
     return LayerWeights(
         norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=attention.linear_qkv.weight,
-        qkv_bias=attention.linear_qkv.bias, proj=attention.linear_proj.weight,
+        qkv_bias=_bias(attention.linear_qkv), proj=attention.linear_proj.weight,
         norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=mlp.linear_fc1.weight, fc2=mlp.linear_fc2.weight)
+
+
+def _bias(linear) -> Optional[Tensor]:
+    bias = getattr(linear, "bias", None)
+    return bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor for "no bias"
 
 
 def _norm(norm, fused_linear) -> Tensor:
