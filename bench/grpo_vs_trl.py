@@ -135,7 +135,7 @@ def trl(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]:
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(work / shape / "hf", dtype=torch.float32), args=args,
                           reward_funcs=reward, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(work / "demo" / "tokenizer"))
-    if [list(p) for p in trainer._tokenize_prompts(dataset["prompt"])[0]] != [r["prompt_ids"] for r in rows]:
+    if [list(p) for p in trainer._tokenize_prompts(dataset["prompt"][:])[0]] != [r["prompt_ids"] for r in rows]:
         raise RuntimeError("TRL's prompt ids differ from our prep's")
 
     generations, steps, generate = [], [], trainer._generate_single_turn
