@@ -11,19 +11,21 @@ draw with a `torch.Generator` seeded by `seed`, so the same weights, prompts, ba
 seed give the same completions. Tokens of the padded vocab rows (beyond `vocab_size`) are
 never chosen.
 
-Why not Megatron's module forward with its `StaticInferenceContext`: per token it cost ~80
-module calls, inference-context bookkeeping and Megatron's tensor-parallel autograd wrappers;
-at 8 rows on a 1M-parameter model a step took ~3 ms of Python for ~0.3 ms of arithmetic, and
-prompts had to be of equal length. The decoder runs the same math on the model's own
-parameters (HF's greedy tokens exactly: tests/test_generation.py, TP2 / PP2 in
-tests/test_megatron_model.py); it supports the Llama family and refuses other models.
+Why not Megatron's module forward with its `StaticInferenceContext`: per token it cost 80
+module calls, 36 tensor-parallel autograd functions (no-ops at TP1), autocast wrappers and
+inference-context bookkeeping; at 8 rows on a 1M-parameter model a
+decode step took 2.1 ms of CPU for ~0.3 ms of matrix products, and prompts had to be of equal
+length. The decoder (0.6 ms there) runs the same math on the model's own parameters (HF's
+greedy tokens exactly: tests/test_generation.py, TP2 / PP2 in tests/test_megatron_model.py);
+it supports the Llama family and refuses other models.
 
 Parallelism: under TP every rank holds its shards, gathers the full logits and draws the same
 token (same generator); under PP hidden states go stage to stage by point-to-point sends and
 the last stage broadcasts the chosen tokens to the others; DP ranks generate their own
 prompts. Virtual PP (several chunks per rank) is not supported here and raises.
-Not done: CUDA graphs (the decode step is graph-capturable, fixed shapes once prefilled, but
-untested without a GPU), and dropping finished rows from a batch (they decode on, as HF's do).
+Not done: CUDA graphs (a captured step needs fixed shapes: attention over the whole cache under
+a length mask; no GPU here to test one), and dropping finished rows from a batch (they decode
+on, as HF's do).
 """
 
 from dataclasses import dataclass
