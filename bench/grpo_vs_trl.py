@@ -9,7 +9,8 @@ none: 12 to 227 tokens, so a batch mixes lengths). Per step B = 8 or 64 samples 
 generations) generated in one batch, exactly 64 new tokens each (EOS off on our side, TRL's
 min_new_tokens), temperature 1; rewards `alignflow.rewards.exact_match`; KL 0.01 to a reference
 copy; micro batches of 8 (B/8 accumulated), one AdamW step (constant lr 1e-5, clip 1.0).
-Each side runs in a fresh process; WARMUP steps are left out, then STEPS are timed.
+Each side runs in a fresh process; WARMUP steps are left out, then the median of STEPS is taken
+(so a step that a burst of another process stalled does not decide).
 - step time: prompts to after the optimizer step. Ours `alignflow.stages.grpo.step` on the
   engine's run; TRL on_step_begin -> on_step_end (generation happens inside its first micro step).
 - generated tok/s: completion tokens / seconds of the generation call (ours: the step's
@@ -25,6 +26,7 @@ Run: .venv/bin/python bench/grpo_vs_trl.py [--threads N]   (needs the bench extr
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,8 +167,9 @@ def measure(who: str, work: Path, shape: str, batch: int, threads: str) -> dict:
     out = subprocess.run([sys.executable, __file__, who, str(work), shape, str(batch), threads], capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"{who} {shape} B={batch} failed: {(out.stderr.strip().splitlines() or ['?'])[-1][:300]}")
-    seconds, tokens, generation = (sum(column) for column in zip(*json.loads(out.stdout.strip().splitlines()[-1])[WARMUP:]))
-    return {"step_s": seconds / STEPS, "tok_s": tokens / generation, "tokens": tokens / STEPS}
+    steps = json.loads(out.stdout.strip().splitlines()[-1])[WARMUP:]
+    return {"step_s": statistics.median(s for s, _, _ in steps), "tok_s": statistics.median(t / g for _, t, g in steps),
+            "tokens": statistics.mean(t for _, t, _ in steps)}
 
 
 if __name__ == "__main__" and len(sys.argv) == 6:  # one measurement in its own process
@@ -181,7 +184,7 @@ elif __name__ == "__main__":
     parser.add_argument("--threads", default="default", help="torch threads of both sides (default: torch's default)")
     threads = parser.parse_args().threads
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; fp32 CPU, torch threads {threads}; "
-          f"{NEW_TOKENS} new tokens forced, {GENERATIONS} generations per prompt, micro batch {MICRO}, mean of {STEPS} steps after {WARMUP}")
+          f"{NEW_TOKENS} new tokens forced, {GENERATIONS} generations per prompt, micro batch {MICRO}, median of {STEPS} steps after {WARMUP}")
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-grpo-"))
     prepare(work)
     print(f"{'model':<6}{'B':>4}{'gen tok/s ours':>16}{'TRL':>8}{'ratio':>7}{'step s ours':>13}{'TRL':>8}{'TRL/ours':>9}")
