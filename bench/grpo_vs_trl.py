@@ -1,98 +1,78 @@
-"""Our GRPO step against TRL's `GRPOTrainer` (transformers generate, no vLLM), on one tiny model, CPU, fp32.
+"""Our GRPO step against TRL's `GRPOTrainer` (transformers generate, no vLLM), CPU, fp32: two models
+x two generation batch sizes, in one run.
 
-Same model (the demo's tiny Llama: ours converted to our Megatron layout, TRL the HF
-original, so the same weights), same prompts in the same order (the demo's arithmetic
-prompts through the same chat template: TRL gets conversational messages and renders them
-with the tokenizer's template; the script checks its prompt ids equal our prep's), same
-step: P = 8 prompts x G = 8 generations = 64 completions, all generated in one batch (every
-demo prompt renders to 12 tokens, so our sampler, which batches prompts of equal length, also
-makes one batch of 64 and TRL's left padding adds nothing),
-exactly 32 new tokens each (sampling never stops early on either side), temperature 1,
-top_p 1, no top_k; rewards by `alignflow.rewards.exact_match`; KL to a reference model with
-coefficient 0.01 (so both hold and run a reference copy); one optimizer step per batch on all
-64 samples in one micro batch (AdamW, constant lr 1e-5, weight decay 0.01, betas 0.9/0.98,
-clip 1.0); no checkpoints or logging inside the timed region.
-Each side runs in a fresh process (peak RSS, VmHWM, is its own); WARMUP steps are run
-first and left out, then STEPS steps are timed.
-- step time: one GRPO step, from the batch's prompts to after the optimizer step (generate
-  the group completions, decode and score, reference log-probs, forward/backward, clip,
-  step). Ours: `alignflow.stages.grpo.step` on the engine's run; TRL: on_step_begin ->
-  on_step_end (its `training_step`, which generates in `_prepare_inputs`, then clip and
-  optimizer step).
-- generated tok/s: completion tokens / seconds of the rollout generation call only. Ours:
-  `alignflow.generation.generate` inside the step (its generation_tokens_per_s metric),
-  with EOS disabled (Sampling.eos_id = -1) so every row runs max_new_tokens; TRL: its
-  `_generate_single_turn` (left padding, `model.generate`, cut at EOS), with
-  generation_kwargs={"min_new_tokens": 32} so EOS is masked until the limit.
-
-Measured on this machine (2 CPU cores, idle, torch's default threads), ours / TRL:
-    generated tok/s 44628 / 35834 (1.25x), step 0.091 / 0.126 s (0.72x), peak RSS 613 / 684 MB.
-Our sampler: KV cache, inference mode, and an inverse-CDF draw with one uniform per row
-(torch.multinomial alone took a fifth of the decode time). On a machine whose cores are
-busy with other work torch's OpenMP threads stall at every op and both sides slow down
-many times over; pass --threads 1 there. Timings vary by 10-20% from run to run.
+Models, both seeded Llamas built offline as the demo's (`demo.init_weights`; ours converted by the
+convert stage, TRL the HF original, so the same weights): `demo`, the demo's 158k-parameter model
+on its arithmetic prompts (12 tokens each); `1m`, 0.94M parameters (4 layers, hidden 128, 4 heads
+in 2 query groups) on the same questions behind a long-tailed system text (0 to 6 sentences, half
+none: 12 to 227 tokens, so a batch mixes lengths). Per step B = 8 or 64 samples (B/8 prompts x 8
+generations) generated in one batch, exactly 64 new tokens each (EOS off on our side, TRL's
+min_new_tokens), temperature 1; rewards `alignflow.rewards.exact_match`; KL 0.01 to a reference
+copy; micro batches of 8 (B/8 accumulated), one AdamW step (constant lr 1e-5, clip 1.0).
+Each side runs in a fresh process; WARMUP steps are left out, then the median of STEPS is taken
+(so a step that a burst of another process stalled does not decide).
+- step time: prompts to after the optimizer step. Ours `alignflow.stages.grpo.step` on the
+  engine's run; TRL on_step_begin -> on_step_end (generation happens inside its first micro step).
+- generated tok/s: completion tokens / seconds of the generation call (ours: the step's
+  generation_tokens_per_s; TRL: its `_generate_single_turn`).
+The last line is `ratio: generation <d> step <e>`: d the smallest ours/TRL generated tok/s,
+e the smallest TRL/ours step time, over models and batch sizes.
+On a machine whose cores are busy, torch's threads stall at every op on both sides; pass
+--threads 1 there, and read the load average printed first.
 
 Run: .venv/bin/python bench/grpo_vs_trl.py [--threads N]   (needs the bench extra: trl, datasets)
 """
 
 import argparse
 import json
-import re
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-PROMPTS, GENERATIONS, NEW_TOKENS, WARMUP, STEPS = 8, 8, 32, 2, 5
+SHAPES = {"demo": {}, "1m": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "head_dim": 32}}
+BATCHES, GENERATIONS, MICRO, NEW_TOKENS, WARMUP, STEPS = (8, 64), 8, 8, 64, 2, 5
 LR, KL, SEED = 1e-5, 0.01, 1234
 
 
-def peak_rss_mb() -> float:
-    return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
-
-
 def prepare(work: Path) -> None:
-    """Demo assets, prep of the prompts (no val split) and the converted model."""
+    """Per model: HF weights, prompts (as chat messages), prep (no val split) and the converted model."""
+    import numpy as np
     from omegaconf import OmegaConf
+    from safetensors.numpy import save
 
     from alignflow import demo
     from alignflow.stages import convert, prep
 
-    assets = demo.build(work / "demo")
-    spec = {"train": str(assets / "data" / "prompts_train.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto",
-            "dev_choose_samples": None, "answer_key": "answer"}
-    cfg = OmegaConf.create({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-                            "data": {"sft": None, "preference": None, "prompts": spec, "seq_length": 256, "max_prompt_length": 64,
-                                     "truncation": "keep_start", "packing": True, "seed": 0},
-                            "model": {"source": str(assets / "tiny-llama"), "hf_config": None, "tokenizer": str(assets / "tokenizer"),
-                                      "chat_template": None, "make_vocab_size_divisible_by": 128},
-                            "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}}})
-    prep.run(cfg, {}, str(work / "prep"))
-    convert.run(cfg, {}, str(work / "model"))
+    assets, rng = demo.build(work / "demo"), np.random.default_rng(SEED)
+    rows = [json.loads(line) for line in (assets / "data" / "prompts_train.jsonl").read_text().splitlines()]
+    for shape, overrides in SHAPES.items():
+        (work / shape / "hf").mkdir(parents=True)
+        config = {**json.loads((assets / "tiny-llama" / "config.json").read_text()), **overrides}
+        (work / shape / "hf" / "config.json").write_text(json.dumps(config))
+        (work / shape / "hf" / "model.safetensors").write_bytes(save(demo.init_weights(config), metadata={"format": "pt"}))
+        system = [" ".join(demo.SENTENCES[: min(int(rng.pareto(1.0)), 6)]) if shape != "demo" else "" for _ in rows]  # 12-227 tokens
+        lines = [{"prompt": [{"role": "system", "content": s}] * bool(s) + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                 for r, s in zip(rows, system)]
+        (work / shape / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        spec = {"train": str(work / shape / "prompts.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None,
+                "answer_key": "answer"}
+        cfg = OmegaConf.create({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+                                "data": {"sft": None, "preference": None, "prompts": spec, "seq_length": 512, "max_prompt_length": 256,
+                                         "truncation": "keep_start", "packing": True, "seed": 0},
+                                "model": {"source": str(work / shape / "hf"), "hf_config": None, "tokenizer": str(assets / "tokenizer"),
+                                          "chat_template": None, "make_vocab_size_divisible_by": 128},
+                                "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}}})
+        prep.run(cfg, {}, str(work / shape / "prep"))
+        convert.run(cfg, {}, str(work / shape / "model"))
 
 
-def grpo_cfg(work: Path):
-    """The job config of a grpo stage with the settings above, typed as a job gets it."""
-    from alignflow.worker import typed
-
-    demo = work / "demo"
-    return typed({
-        "grpo": {
-            "num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS, "generation_batch_size": PROMPTS * GENERATIONS,
-            "micro_batch_size": PROMPTS * GENERATIONS, "num_optimizer_steps_per_batch": 1, "max_new_tokens": NEW_TOKENS,
-            "generation_temperature": 1.0, "generation_top_p": 1.0, "generation_top_k": None, "loss": {"ref_policy_kl_penalty": KL},
-            "precision": "fp32", "trainer": {"max_steps": WARMUP + STEPS, "val_check_interval": 0, "log_every_n_steps": 1000, "seed": SEED},
-            "checkpoint": {"every_n_steps": 1000, "resume": False},
-            "optim": {"lr": LR, "min_lr": LR, "warmup_steps": 0, "weight_decay": 0.01},  # constant lr, as TRL's "constant"
-        },
-        "model": {"source": str(demo / "tiny-llama"), "tokenizer": str(demo / "tokenizer")},
-        "store": {"cache_dir": str(work / "cache")},
-    })
-
-
-def ours(work: Path) -> dict:
-    """The grpo stage's own step (`alignflow.stages.grpo.step`) on the engine, timed step by step."""
+def ours(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]:
+    """(step s, generated tokens, generation s) of each step of the grpo stage's own `step`."""
     import dataclasses
 
     from alignflow.checkpoint import ModelOutput
@@ -100,27 +80,32 @@ def ours(work: Path) -> dict:
     from alignflow.stages import grpo
     from alignflow.train import engine
     from alignflow.train.datasets import Prompts
+    from alignflow.worker import typed
 
-    cfg, model = grpo_cfg(work), str(work / "model")
-    data = Prepared(str(work / "prep"))
+    cfg = typed({"grpo": {"num_prompts_per_step": batch // GENERATIONS, "num_generations_per_prompt": GENERATIONS,
+                          "generation_batch_size": batch, "micro_batch_size": MICRO, "max_new_tokens": NEW_TOKENS,
+                          "generation_temperature": 1.0, "loss": {"ref_policy_kl_penalty": KL}, "precision": "fp32",
+                          "trainer": {"max_steps": WARMUP + STEPS, "val_check_interval": 0, "log_every_n_steps": 1000, "seed": SEED},
+                          "checkpoint": {"every_n_steps": 1000, "resume": False},
+                          "optim": {"lr": LR, "min_lr": LR, "warmup_steps": 0, "weight_decay": 0.01}},  # constant lr, as TRL's
+                 "model": {"source": str(work / shape / "hf"), "tokenizer": str(work / "demo" / "tokenizer")},
+                 "store": {"cache_dir": str(work / "cache")}})
+    model, data, steps = str(work / shape / "model"), Prepared(str(work / shape / "prep")), []
     prompts = Prompts(data, "train")
-    steps = []  # (step seconds, generated tokens, generation seconds)
-    with engine.training("grpo", cfg, {"model": model}, str(work / "ours-grpo"), len(prompts), PROMPTS) as run:
+    with engine.training("grpo", cfg, {"model": model}, str(work / f"ours-{shape}-{batch}"), len(prompts), batch // GENERATIONS) as run:
         env = grpo.environment(run, cfg.grpo, data, ModelOutput(model), 128)
-        # Never stop at EOS, as TRL's min_new_tokens: every completion is max_new_tokens long.
-        env.sampling = dataclasses.replace(env.sampling, eos_id=-1)
+        env.sampling = dataclasses.replace(env.sampling, eos_id=-1)  # every completion max_new_tokens long, as TRL's min_new_tokens
         objective = grpo.grpo_objective(cfg.grpo.loss)
         while run.state.step < run.total_steps:
             started = time.perf_counter()
             stats, _ = grpo.step(run, prompts, env, objective)
-            seconds = time.perf_counter() - started
-            engine.advance(run, stats, seconds)
-            tokens = stats.metrics["response_length"] * PROMPTS * GENERATIONS
+            engine.advance(run, stats, seconds := time.perf_counter() - started)
+            tokens = stats.metrics["response_length"] * batch
             steps.append((seconds, tokens, tokens / stats.metrics["generation_tokens_per_s"]))
-    return summarize(steps[WARMUP:])
+    return steps
 
 
-def trl(work: Path) -> dict:
+def trl(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]:
     import pyarrow.parquet as pq
     import torch
     from datasets import Dataset
@@ -130,42 +115,32 @@ def trl(work: Path) -> dict:
     from alignflow.rewards import exact_match
     from alignflow.train.data import DataPosition, GlobalBatches
 
-    demo = work / "demo"
-    # Our prep's prompts (ids, answer) and the raw question of each row (sample_id = its line in the jsonl).
-    table = pq.read_table(next((work / "prep" / "prompts").glob("train-*.parquet")))
-    questions = [json.loads(line)["prompt"] for line in (demo / "data" / "prompts_train.jsonl").read_text().splitlines()]
-    # The rows in the order our trainer takes them (GlobalBatches, same seed); TRL reads them in order (no shuffle).
-    batches, position, order = GlobalBatches(table.num_rows, PROMPTS, SEED), DataPosition(0, 0), []
+    # Our prep's rows in the order our trainer takes them (GlobalBatches, same seed); TRL reads them in order.
+    table = pq.read_table(next((work / shape / "prep" / "prompts").glob("train-*.parquet")))
+    lines = [json.loads(line) for line in (work / shape / "prompts.jsonl").read_text().splitlines()]
+    batches, position, order = GlobalBatches(table.num_rows, batch // GENERATIONS, SEED), DataPosition(0, 0), []
     for _ in range(WARMUP + STEPS):
         order += batches.indices(position).tolist()
         position = batches.next(position)
     rows = table.take(order).to_pylist()
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": questions[r["sample_id"]]}], "answer": r["answer"]} for r in rows])
+    dataset = Dataset.from_list([{"prompt": lines[r["sample_id"]]["prompt"], "answer": r["answer"]} for r in rows])
+    args = GRPOConfig(
+        output_dir=str(work / f"trl-{shape}-{batch}"), use_cpu=True, bf16=False, seed=SEED, report_to=[], save_strategy="no",
+        logging_steps=1000, disable_tqdm=True, max_steps=WARMUP + STEPS, shuffle_dataset=False, num_iterations=1,
+        per_device_train_batch_size=MICRO, gradient_accumulation_steps=batch // MICRO, num_generations=GENERATIONS,
+        max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS}, temperature=1.0, top_p=1.0, top_k=0,
+        beta=KL, learning_rate=LR, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.01, max_grad_norm=1.0)
 
-    def reward(prompts, completions, answer, **_):
+    def reward(completions, answer, **_):
         return [exact_match("", c[0]["content"], a) for c, a in zip(completions, answer)]
 
-    model = AutoModelForCausalLM.from_pretrained(demo / "tiny-llama", dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(demo / "tokenizer")
-    args = GRPOConfig(
-        output_dir=str(work / "trl-grpo"), use_cpu=True, bf16=False, gradient_checkpointing=False, seed=SEED,
-        report_to=[], save_strategy="no", logging_steps=1000, disable_tqdm=True, max_steps=WARMUP + STEPS,
-        # one step = PROMPTS x GENERATIONS completions, generated together, one optimizer step on them
-        per_device_train_batch_size=PROMPTS * GENERATIONS, gradient_accumulation_steps=1, num_generations=GENERATIONS,
-        steps_per_generation=1, num_iterations=1, shuffle_dataset=False,
-        max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS},
-        temperature=1.0, top_p=1.0, top_k=0, beta=KL,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", weight_decay=0.01,
-        adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, max_grad_norm=1.0)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(work / shape / "hf", dtype=torch.float32), args=args,
+                          reward_funcs=reward, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(work / "demo" / "tokenizer"))
+    if [list(p) for p in trainer._tokenize_prompts(dataset["prompt"][:])[0]] != [r["prompt_ids"] for r in rows]:
+        raise RuntimeError("TRL's prompt ids differ from our prep's")
 
-    prompt_ids = trainer._tokenize_prompts(dataset["prompt"][:PROMPTS])[0]
-    ours_ids = [table.column("prompt_ids")[i].as_py() for i in order[:PROMPTS]]
-    if [list(p) for p in prompt_ids] != ours_ids:
-        raise RuntimeError(f"TRL's prompt ids differ from our prep's: {prompt_ids[0]} vs {ours_ids[0]}")
-
-    generations = []  # (generated tokens, generation seconds) per call
-    generate = trainer._generate_single_turn
+    generations, steps, generate = [], [], trainer._generate_single_turn
 
     def timed_generate(*a, **kw):
         started = time.perf_counter()
@@ -173,58 +148,55 @@ def trl(work: Path) -> dict:
         generations.append((sum(len(c) for c in completion_ids), time.perf_counter() - started))
         return completion_ids, logprobs
 
-    trainer._generate_single_turn = timed_generate
-    step_seconds = []
-
     class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
+        def on_step_begin(self, *_, **__):
             self.started = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kwargs):
-            step_seconds.append(time.perf_counter() - self.started)
+        def on_step_end(self, *_, **__):
+            steps.append(time.perf_counter() - self.started)
 
+    trainer._generate_single_turn = timed_generate
     trainer.add_callback(StepTimer())
     trainer.train()
-    if len(generations) != len(step_seconds):
-        raise RuntimeError(f"{len(generations)} generation calls for {len(step_seconds)} steps")
-    return summarize([(s, t, g) for s, (t, g) in zip(step_seconds, generations)][WARMUP:])
+    if len(generations) != len(steps):
+        raise RuntimeError(f"{len(generations)} generation calls for {len(steps)} steps")
+    return [(s, t, g) for s, (t, g) in zip(steps, generations)]
 
 
-def summarize(steps: list[tuple[float, float, float]]) -> dict:
-    seconds, tokens, generation = (sum(column) for column in zip(*steps))
-    return {"step_s": seconds / len(steps), "generated_tokens_per_s": tokens / generation,
-            "tokens_per_step": tokens / len(steps), "generation_share": generation / seconds}
-
-
-def measure(who: str, work: Path, threads: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, who, str(work), threads], capture_output=True, text=True)
+def measure(who: str, work: Path, shape: str, batch: int, threads: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, who, str(work), shape, str(batch), threads], capture_output=True, text=True)
     if out.returncode:
-        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:160]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        sys.exit(f"{who} {shape} B={batch} failed: {(out.stderr.strip().splitlines() or ['?'])[-1][:300]}")
+    steps = json.loads(out.stdout.strip().splitlines()[-1])[WARMUP:]
+    return {"step_s": statistics.median(s for s, _, _ in steps), "tok_s": statistics.median(t / g for _, t, g in steps),
+            "tokens": statistics.mean(t for _, t, _ in steps)}
 
 
-if __name__ == "__main__" and len(sys.argv) == 4:  # a measurement in its own process
-    who, work, threads = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+if __name__ == "__main__" and len(sys.argv) == 6:  # one measurement in its own process
+    who, work, shape, batch, threads = sys.argv[1:]
     if threads != "default":
         import torch
 
         torch.set_num_threads(int(threads))
-    result = (ours if who == "ours" else trl)(work)
-    print(json.dumps({**result, "peak_rss_mb": peak_rss_mb()}))
+    print(json.dumps((ours if who == "ours" else trl)(Path(work), shape, int(batch))))
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", default="default", help="torch threads of both sides (default: torch's default)")
     threads = parser.parse_args().threads
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; fp32 CPU, torch threads {threads}; "
+          f"{NEW_TOKENS} new tokens forced, {GENERATIONS} generations per prompt, micro batch {MICRO}, median of {STEPS} steps after {WARMUP}")
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-grpo-"))
     prepare(work)
-    a, b = measure("ours", work, threads), measure("trl", work, threads)
-    print(f"tiny Llama GRPO, {PROMPTS} prompts x {GENERATIONS} generations x {NEW_TOKENS} new tokens (forced) per step, "
-          f"KL {KL}, fp32 CPU, torch threads {threads}; mean of {STEPS} steps after {WARMUP} warm-up")
-    if "error" in a or "error" in b:
-        print(f"ours: {a.get('error', 'ok')}  TRL: {b.get('error', 'ok')}")
-        sys.exit(1)
-    print(f"{'':<22}{'ours':>10}{'TRL':>10}{'ours/TRL':>10}")
-    for key, label, fmt in (("generated_tokens_per_s", "generated tok/s", ".0f"), ("step_s", "step time (s)", ".3f"),
-                            ("generation_share", "generation share", ".2f"), ("tokens_per_step", "generated tok/step", ".0f"),
-                            ("peak_rss_mb", "peak RSS (MB)", ".0f")):
-        print(f"{label:<22}{a[key]:>10{fmt}}{b[key]:>10{fmt}}{a[key] / b[key]:>10.2f}")
+    print(f"{'model':<6}{'B':>4}{'gen tok/s ours':>16}{'TRL':>8}{'ratio':>7}{'step s ours':>13}{'TRL':>8}{'TRL/ours':>9}")
+    generation, step = [], []
+    for shape in SHAPES:
+        for batch in BATCHES:
+            a, b = measure("ours", work, shape, batch, threads), measure("trl", work, shape, batch, threads)
+            if abs(a["tokens"] - b["tokens"]) > 0.5:
+                sys.exit(f"{shape} B={batch}: {a['tokens']} generated tokens per step here, {b['tokens']} in TRL")
+            generation.append(a["tok_s"] / b["tok_s"])
+            step.append(b["step_s"] / a["step_s"])
+            print(f"{shape:<6}{batch:>4}{a['tok_s']:>16.0f}{b['tok_s']:>8.0f}{generation[-1]:>7.2f}{a['step_s']:>13.3f}{b['step_s']:>8.3f}"
+                  f"{step[-1]:>9.2f}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    print(f"ratio: generation {min(generation):.2f} step {min(step):.2f}")

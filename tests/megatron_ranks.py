@@ -96,13 +96,16 @@ def max_logit_error(case: str, parallel: dict, hf_state: dict) -> Optional[float
 
 
 def greedy_mismatches(case: str, parallel: dict, hf_state: dict) -> int:
-    """Prompts whose KV-cached Megatron greedy completion differs from HF's `generate` (every rank checks)."""
+    """Prompts whose KV-cached greedy completion, in left-padded batches of mixed lengths, differs
+    from HF's `generate` on that prompt alone (every rank checks)."""
     hf_model, hf_config = tiny_hf_model(case)
     chunks = converted_chunks(hf_config, parallel, hf_state)
-    prompts = [ids.tolist() for ids in tokens(batch=4, seq=6)] + [ids.tolist() for ids in tokens(batch=2, seq=9)]
+    rows = tokens(batch=6, seq=14).tolist()
+    # Lengths 3 to 14 in batches of 4 (left-padded), the same prompt twice (prefilled once).
+    prompts = [row[:n] for row, n in zip(rows, (6, 14, 3, 9, 11, 5))] + [rows[5][:5]]
     eos = prompts[0][-1]  # a token the model is likely to produce, so some completions stop early
     sampling = Sampling(max_new_tokens=12, eos_id=eos, vocab_size=hf_config["vocab_size"])
-    ours = generate(chunks, prompts, sampling, batch_size=3)
+    ours = generate(chunks, prompts, sampling, batch_size=4)
     mismatches = 0
     for prompt, completion in zip(prompts, ours):
         theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos)

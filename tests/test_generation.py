@@ -1,4 +1,5 @@
-"""KV-cached sampling on a Megatron model: HF's greedy tokens, seeded sampling, top-k / top-p.
+"""KV-cached sampling on a Megatron model: HF's greedy tokens (mixed prompt lengths in one batch),
+seeded sampling, top-k / top-p, both log-probs, refusal of models the decoder does not implement.
 (TP2 and PP2 generation: `test_megatron_model.py::test_two_ranks_logits_and_greedy_generation_match_hf`.)"""
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from megatron_ranks import CASES, greedy_mismatches, saved_state, tiny_hf_model
 
 from reference_convert import hf_to_megatron
-from alignflow.generation import Sampling, generate, sample
+from alignflow.generation import Completion, Sampling, generate, sample
 from alignflow.megatron.model import build_gpt, load_megatron_state
 
 PROMPTS = [[5, 9, 42, 7], [8, 8, 30, 2, 11, 6], [5, 9, 42, 7], [3, 3, 3, 3], [1, 2]]
@@ -40,23 +41,34 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy(llama):
         assert [c.tokens for c in generate(llama, PROMPTS, sampling, 4, seed=1)] == greedy
 
 
-def test_completions_stop_after_eos_and_logps_are_the_models(llama):
+def test_completions_stop_after_eos(llama):
     greedy = generate(llama, PROMPTS, Sampling(8, -1, 100), 4)
     eos = greedy[0].tokens[2]
     stopped = generate(llama, PROMPTS, Sampling(8, eos, 100), 4)
     assert stopped[0].tokens == greedy[0].tokens[: greedy[0].tokens.index(eos) + 1] and not stopped[0].truncated
-    ids = torch.tensor([PROMPTS[0] + greedy[0].tokens])
-    with torch.no_grad():
-        logits = llama(ids, None, None, runtime_gather_output=True)[0, len(PROMPTS[0]) - 1 : -1, :100]
-    expected = logits.log_softmax(-1).gather(-1, torch.tensor(greedy[0].tokens)[:, None]).squeeze(-1)
-    assert torch.allclose(torch.tensor(greedy[0].logps), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logps_are_the_models_and_sampling_logps_the_tempered_ones(llama, temperature):
+    """Against a full forward of prompt + completion (no cache): logps = log_softmax(logits),
+    sampling_logps = log_softmax(logits / temperature), both of the chosen tokens."""
+    sampling = Sampling(8, -1, 100, temperature=temperature, top_k=20)
+    for prompt, completion in zip(PROMPTS, generate(llama, PROMPTS, sampling, 3, seed=3)):
+        with torch.no_grad():
+            logits = llama(torch.tensor([prompt + completion.tokens]), None, None, runtime_gather_output=True)[0, len(prompt) - 1 : -1, :100]
+        chosen = torch.tensor(completion.tokens)[:, None]
+        expected = logits.log_softmax(-1).gather(-1, chosen).squeeze(-1)
+        tempered = (logits / (temperature or 1.0)).log_softmax(-1).gather(-1, chosen).squeeze(-1)
+        assert torch.allclose(torch.tensor(completion.logps), expected, atol=1e-5)
+        assert torch.allclose(torch.tensor(completion.sampling_logps), tempered, atol=1e-5)
+    assert Completion([1], [-0.5], truncated=True).sampling_logps == [-0.5]
 
 
 def test_sample_draws_from_the_filtered_tempered_distribution():
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(0)).expand(20000, -1).contiguous()
     logits = torch.cat([logits, torch.full((20000, 4), 50.0)], dim=1)  # padded vocab rows: never drawn
     generator = torch.Generator().manual_seed(0)
-    tokens, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=0.5, top_k=5), generator)
+    tokens, _, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=0.5, top_k=5), generator)
     allowed = logits[0, :12].topk(5).indices
     assert torch.isin(tokens, allowed).all()
     expected = (logits[0, allowed] / 0.5).softmax(-1)
@@ -65,10 +77,16 @@ def test_sample_draws_from_the_filtered_tempered_distribution():
     probs = logits[0, :12].softmax(-1)
     ordered = probs.sort(descending=True)
     nucleus = ordered.indices[: int((ordered.values.cumsum(0) < 0.6).sum()) + 1]  # the fewest tokens reaching 0.6
-    tokens, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=1.0, top_p=0.6), generator)
+    tokens, _, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=1.0, top_p=0.6), generator)
     assert set(tokens.unique().tolist()) == set(nucleus.tolist())
 
 
 def test_virtual_pipeline_chunks_are_refused(llama):
     with pytest.raises(NotImplementedError, match="virtual pipeline"):
         generate([llama, llama], PROMPTS, Sampling(4, -1, 100), 2)
+
+
+def test_models_outside_the_llama_family_are_refused(one_rank):
+    model = build_gpt(tiny_hf_model("llama")[1], one_rank, qk_layernorm=True)
+    with pytest.raises(NotImplementedError, match="qk_layernorm"):
+        generate(model, PROMPTS, Sampling(4, -1, 100), 2)

@@ -88,12 +88,13 @@ def test_overlong_filtering_keeps_truncated_samples_out_of_the_gradient(demo_dir
 
 
 def test_rollouts_train_only_completion_tokens_of_kept_samples():
-    completions = [Completion([7, 2], [-0.5, -0.25], truncated=False), Completion([9, 9, 9], [-1.0, -2.0, -3.0], truncated=True)]
+    completions = [Completion([7, 2], [-0.4, -0.2], truncated=False, sampling_logps=[-0.5, -0.25]),  # drawn at a temperature
+                   Completion([9, 9, 9], [-1.0, -2.0, -3.0], truncated=True)]
     rollouts = grpo.Rollouts([[1, 5, 6], [1, 5]], completions, torch.tensor([1.0, -1.0]), torch.tensor([True, False]), pad_id=0)
     batch = rollouts.collate([0, 1])
     assert batch["tokens"].tolist() == [[1, 5, 6, 7, 2], [1, 5, 9, 9, 9]]
     assert batch["loss_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]  # position t predicts token t + 1
-    assert batch["generation_logp"].tolist() == [[0, 0, -0.5, -0.25, 0], [0, -1.0, -2.0, -3.0, 0]]
+    assert batch["generation_logp"].tolist() == [[0, 0, -0.5, -0.25, 0], [0, -1.0, -2.0, -3.0, 0]]  # what each token was drawn from
     assert batch["advantages"].tolist() == [1.0, -1.0]
 
 

@@ -13,6 +13,7 @@ Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`
 `eval.resources`): TP and PP through Megatron's schedule and `alignflow.generation`, the
 rows, pairs and prompts shared among the DP ranks (the last micro batch may be smaller) and
 the results gathered, so every layout scores the same rows (tests/test_eval.py).
+Greedy decoding is `alignflow.generation`'s (KV-cached, prompts of mixed lengths left-padded into batches).
 """
 
 import json

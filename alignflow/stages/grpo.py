@@ -22,11 +22,12 @@ prompt's answer), KL to the reference, clip fraction, importance ratio, response
 truncation rate, generation tokens/s and end-to-end tokens/s (prompt + completion tokens of
 the rollouts per second of step time).
 
-Simplified: the training log-probs use the model's plain distribution (no temperature
-scaling); generation and training share the weights in one process (no separate
-inference engine, so no weight refit and no generation/training mismatch unless
-requested with use_importance_sampling_correction); the reference model is a second copy
-of the model in the same layout and dtype.
+As NeMo-RL: the training log-probs are taken at the generation temperature (logits / T), and
+the rollouts' generation log-probs are those of the distribution each token was drawn from
+(`Completion.sampling_logps`), so the ratio and the importance weights compare one policy.
+Simplified: generation and training share the weights in one process (no separate inference
+engine, so no weight refit); the reference model is a second copy of the model in the same
+layout and dtype.
 """
 
 import json
@@ -78,7 +79,7 @@ class Rollouts:
             ids = np.asarray(prompt + completion.tokens, dtype=np.int64)
             mask = np.r_[np.zeros(len(prompt)), np.full(len(completion.tokens), float(trained[i]))]
             self.rows.append((ids, mask, np.asarray([0, len(ids)])))
-            self.generation_logp[i, len(prompt) - 1 : len(ids) - 1] = torch.tensor(completion.logps)
+            self.generation_logp[i, len(prompt) - 1 : len(ids) - 1] = torch.tensor(completion.sampling_logps)
         self.advantages = advantages.float()
         self.old_logp: torch.Tensor | None = None  # set before the first update when needed
         self.ref_logp: torch.Tensor | None = None
@@ -211,6 +212,7 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     mine = indices[run.dp_rank * share : (run.dp_rank + 1) * share]
     tokens = [prompts.tokens(int(i)) for i in mine for _ in range(cfg.num_generations_per_prompt)]
     seed = int(np.random.SeedSequence([cfg.trainer.seed, run.state.step, run.dp_rank]).generate_state(1)[0])
+    engine.gather_weights(run.model)  # the sampler reads the weights directly, not through the DDP hooks
     completions = generate(run.chunks, tokens, env.sampling, cfg.generation_batch_size, seed=seed)
     generation_s = time.perf_counter() - started
     rollouts, stats = score(cfg, prompts, mine, tokens, completions, env)

@@ -1,0 +1,220 @@
+"""A lean KV-cached forward of a Llama-family GPTModel, for generation, over the model's own parameters.
+
+Why: a decode step through Megatron's module forward is ~80 Python module calls, tensor-parallel
+autograd functions and inference-context bookkeeping per token; at 8 rows and a 1M-parameter
+model that overhead was most of a step (see `alignflow.generation`). `Decoder` reads each
+layer's weights once per batch (no copy) and runs the same math as Megatron's layers in ~20
+torch ops per layer: RMSNorm, the fused qkv per query group ([q heads of the group; k; v]),
+RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU.
+
+Batches: prompts are left-padded to the longest of the batch; a padded row's positions start
+at 0 at its first real token and its padding is never attended (each padding position attends
+to itself only, so nothing is NaN). Identical prompts (GRPO's group) are prefilled once and
+their cache copied to each of their rows. Decode steps attend to the cache in place, a slice of
+it under a sliding window (Mistral).
+
+Parallelism, as Megatron holds the weights: under TP each rank keeps its shards (qkv and fc1
+columns, proj and fc2 rows, its rows of the padded vocab) and all-reduces the row-parallel
+outputs (2 per layer) and the embedding, and all-gathers the logits; under PP hidden states
+[b, s, h] go stage to stage point to point. Sequence and context parallelism do not apply:
+every rank of those groups computes the whole (short) sequence with the same weights.
+
+Supported: what `alignflow.megatron.model.build_gpt` builds (Llama, Mistral's window, Qwen2's
+qkv bias, tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
+weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
+run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
+(`check_supported`) rather than decode differently from the training forward.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from torch import Tensor
+
+# TransformerConfig fields the decoder implements only at these values.
+REQUIRED = {
+    "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False, "qk_layernorm": False,
+    "num_moe_experts": None, "multi_latent_attention": False, "rotary_interleaved": False, "fp32_residual_connection": False,
+    "apply_residual_connection_post_layernorm": False, "layernorm_zero_centered_gamma": False, "softmax_type": "vanilla",
+    "attention_output_gate": False, "no_rope_freq": None, "experimental_attention_variant": None,
+    "activation_func_clamp_value": None, "window_attn_skip_freq": None, "heterogeneous_block_specs": False,
+}
+
+
+def check_supported(model) -> None:
+    """Refuse a model whose forward the decoder would not reproduce."""
+    config = model.config
+    wrong = {k: getattr(config, k) for k, v in REQUIRED.items() if getattr(config, k, v) != v}
+    if config.activation_func is not F.silu:
+        wrong["activation_func"] = config.activation_func
+    if model.position_embedding_type != "rope" or model.rotary_pos_emb.inv_freq.numel() * 2 != config.kv_channels:
+        wrong["position_embedding"] = f"{model.position_embedding_type} (full-width RoPE needed)"
+    if wrong:
+        raise NotImplementedError(f"generation supports the Llama family only; this model has {wrong}")
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    norm1: Tensor
+    qkv: Tensor
+    qkv_bias: Optional[Tensor]
+    proj: Tensor
+    norm2: Tensor
+    fc1: Tensor  # [gate; up] of this TP rank
+    fc2: Tensor
+
+
+def layer_weights(layer) -> LayerWeights:
+    """A TransformerLayer's parameters (local spec: separate norms; TE: norms fused into the linears)."""
+    attention, mlp = layer.self_attention, layer.mlp
+    return LayerWeights(
+        norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=attention.linear_qkv.weight,
+        qkv_bias=_bias(attention.linear_qkv), proj=attention.linear_proj.weight,
+        norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=mlp.linear_fc1.weight, fc2=mlp.linear_fc2.weight)
+
+
+def _bias(linear) -> Optional[Tensor]:
+    bias = getattr(linear, "bias", None)
+    return bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor for "no bias"
+
+
+def _norm(norm, fused_linear) -> Tensor:
+    weight = getattr(norm, "weight", None)
+    return weight if weight is not None else fused_linear.layer_norm_weight
+
+
+class Decoder:
+    """One batch's KV cache and forward on this rank's pipeline stage.
+
+    `pad[b]`: left padding of each row; `prefill` then `decode` return the last position's
+    logits [b, padded vocab] on the last pipeline stage and None on the others."""
+
+    def __init__(self, model, pad: Tensor, max_length: int):
+        check_supported(model)
+        config, device = model.config, pad.device
+        self.model, self.eps, self.hidden = model, config.layernorm_epsilon, config.hidden_size
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
+        self.groups, self.per_group = config.num_query_groups // self.tp, config.num_attention_heads // config.num_query_groups
+        self.head_dim, self.dtype = config.kv_channels, config.params_dtype
+        self.scale = config.softmax_scale or self.head_dim ** -0.5
+        self.window = None if config.window_size is None else config.window_size[0] + 1  # keys i - j < window
+        self.layers = [layer_weights(layer) for layer in model.decoder.layers]
+        self.embedding = model.embedding.word_embeddings if model.pre_process else None
+        if model.post_process:
+            self.final_norm = model.decoder.final_layernorm.weight
+            self.output = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+        cache = (len(pad), self.groups, max_length, self.head_dim)
+        self.keys = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
+        self.values = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
+        angles = model.rotary_pos_emb.get_emb(max_length)[:, 0, 0].to(device)  # [max_length, head_dim], fp32
+        self.cos_table, self.sin_table = angles.cos().to(self.dtype), _signed_sin(angles).to(self.dtype)
+        self.cos, self.sin = self._rope(pad, max_length)  # [b, max_length, 1, 1, d] per row
+        padding = (torch.arange(max_length, device=device) < pad[:, None])[:, None, None]  # [b, 1, 1, L]
+        self.padding_bias = (torch.zeros(padding.shape, dtype=self.dtype, device=device).masked_fill(padding, float("-inf"))
+                             if bool(pad.any()) else None)  # added to the scores of decode steps
+        self.length, self.device = 0, device
+
+    def prefill(self, prompts: Tensor, pad: Tensor, rows: Tensor) -> Optional[Tensor]:
+        """Run the distinct prompts [u, s] (left-padded by `pad` [u]) and cache prompt rows[i] in
+        row i of the batch; the logits [b, vocab] of each batch row's last prompt token."""
+        u, s = prompts.shape
+        cos, sin = self._rope(pad, s)
+        causal = torch.ones(s, s, dtype=torch.bool, device=prompts.device).tril()
+        if self.window is not None:
+            causal = causal & ~torch.ones_like(causal).tril(-self.window)
+        real = torch.arange(s, device=prompts.device) >= pad[:, None]  # [u, s] keys that are tokens
+        mask = (causal & real[:, None, :] | torch.eye(s, dtype=torch.bool, device=prompts.device))[:, None]
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            self.keys[i][:, :, :s] = k[rows].transpose(1, 2)
+            self.values[i][:, :, :s] = v[rows].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.flatten(2, 3).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask, scale=self.scale, enable_gqa=True)
+            return out.transpose(1, 2).flatten(2)
+
+        logits = self._forward(prompts, cos, sin, attend)
+        self.length = s
+        return None if logits is None else logits[rows]
+
+    def decode(self, tokens: Tensor) -> Optional[Tensor]:
+        """Run one new token per row [b] at the next position."""
+        t, b = self.length, len(tokens)
+        low = 0 if self.window is None else max(0, t + 1 - self.window)
+        bias = None if self.padding_bias is None else self.padding_bias[:, :, :, low : t + 1]
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            # The heads of a query group as the rows of one product with the group's keys: no
+            # repeated keys, and at one query position a plain matmul beats SDPA's kernel.
+            keys, values = self.keys[i], self.values[i]
+            keys[:, :, t] = k[:, 0]
+            values[:, :, t] = v[:, 0]
+            scores = torch.matmul(q[:, 0], keys[:, :, low : t + 1].transpose(-1, -2)) * self.scale  # [b, g, per, keys]
+            if bias is not None:
+                scores = scores + bias
+            probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax, as Megatron and HF
+            return torch.matmul(probs, values[:, :, low : t + 1]).view(b, 1, -1)
+
+        logits = self._forward(tokens[:, None], self.cos[:, t : t + 1], self.sin[:, t : t + 1], attend)
+        self.length = t + 1
+        return logits
+
+    def _rope(self, pad: Tensor, length: int) -> tuple[Tensor, Tensor]:
+        positions = (torch.arange(length, device=pad.device) - pad[:, None]).clamp(min=0)
+        return self.cos_table[positions][:, :, None, None], self.sin_table[positions][:, :, None, None]
+
+    def _forward(self, tokens: Tensor, cos: Tensor, sin: Tensor, attend: Callable) -> Optional[Tensor]:
+        x = self._embed(tokens) if self.embedding is not None else self._receive(tokens.shape)
+        for i, weights in enumerate(self.layers):
+            x = self._layer(x, i, weights, cos, sin, attend)
+        if not self.model.post_process:
+            dist.send(x.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+        return self._logits(x[:, -1])
+
+    def _layer(self, x: Tensor, i: int, w: LayerWeights, cos: Tensor, sin: Tensor, attend: Callable) -> Tensor:
+        b, s, _ = x.shape
+        g, per, d = self.groups, self.per_group, self.head_dim
+        qkv = F.linear(F.rms_norm(x, (self.hidden,), w.norm1, self.eps), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
+        qk = qkv[..., : per + 1, :]  # each group's queries and key, rotated together
+        qk = qk * cos + qk.roll(d // 2, -1) * sin  # x cos + rotate_half(x) sin
+        out = attend(i, qk[..., :per, :], qk[..., per, :], qkv[..., per + 1, :])  # [b, s, heads * d]
+        x = x + self._reduce(F.linear(out, w.proj))
+        gate, up = F.linear(F.rms_norm(x, (self.hidden,), w.norm2, self.eps), w.fc1).chunk(2, -1)
+        return x + self._reduce(F.linear(F.silu(gate) * up, w.fc2))
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        embedding = self.embedding  # vocab-parallel: this rank's rows of the padded vocab
+        if self.tp == 1:
+            return F.embedding(tokens, embedding.weight)
+        local = tokens - embedding.vocab_start_index
+        outside = (local < 0) | (local >= embedding.weight.shape[0])
+        return self._reduce(F.embedding(local.masked_fill(outside, 0), embedding.weight).masked_fill(outside[..., None], 0))
+
+    def _receive(self, shape: torch.Size) -> Tensor:
+        hidden = torch.empty(*shape, self.hidden, dtype=self.model.config.pipeline_dtype, device=self.device)
+        dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        return hidden
+
+    def _logits(self, last: Tensor) -> Tensor:
+        logits = F.linear(F.rms_norm(last, (self.hidden,), self.final_norm, self.eps), self.output)
+        if self.tp == 1:
+            return logits
+        gathered = torch.empty(self.tp * logits.shape[0], logits.shape[1], dtype=logits.dtype, device=logits.device)
+        dist.all_gather_into_tensor(gathered, logits.contiguous(), group=self.tp_group)
+        return gathered.view(self.tp, *logits.shape).transpose(0, 1).reshape(logits.shape[0], -1)
+
+    def _reduce(self, partial: Tensor) -> Tensor:
+        if self.tp > 1:
+            dist.all_reduce(partial, group=self.tp_group)
+        return partial
+
+
+def _signed_sin(angles: Tensor) -> Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == x.roll(d / 2) * signed sin."""
+    half = angles.shape[-1] // 2
+    return torch.cat([-angles[..., :half].sin(), angles[..., half:].sin()], dim=-1)
