@@ -221,7 +221,7 @@ def sft_table(items: list, counts: Counts, cfg) -> tuple[pa.Table, dict]:
     if cfg.data.packing:
         bins = pack_bfd(lengths, cfg.data.seq_length)
         bins = [bins[i] for i in np.random.default_rng(cfg.data.seed).permutation(len(bins))]
-        extra = asdict(packing_stats(lengths, bins, cfg.data.seq_length))
+        extra = asdict(packing_stats(lengths, len(bins), cfg.data.seq_length))
         del extra["tokens"]
     else:
         bins = [[i] for i in range(len(items))]
