@@ -57,12 +57,13 @@ def prepare(work: Path) -> None:
     from omegaconf import OmegaConf
 
     from alignflow import demo
+    from alignflow.config.schema import PrepConfig
     from alignflow.stages import convert, prep
 
     assets = demo.build(work / "demo")
     spec = {"train": str(assets / "data" / "prompts_train.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto",
             "dev_choose_samples": None, "answer_key": "answer"}
-    cfg = OmegaConf.create({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+    cfg = OmegaConf.create({"prep": PrepConfig(),
                             "data": {"sft": None, "preference": None, "prompts": spec, "seq_length": 256, "max_prompt_length": 64,
                                      "truncation": "keep_start", "packing": True, "seed": 0},
                             "model": {"source": str(assets / "tiny-llama"), "hf_config": None, "tokenizer": str(assets / "tokenizer"),

@@ -49,12 +49,13 @@ def prepare(work: Path) -> None:
     from omegaconf import OmegaConf
 
     from alignflow import demo
+    from alignflow.config.schema import PrepConfig
     from alignflow.stages import convert, prep
 
     assets = demo.build(work / "demo")
     spec = {k: {"train": str(assets / "data" / f"{k}_train.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto",
                 "dev_choose_samples": None, "answer_key": "answer"} for k in ("sft", "preference")}
-    cfg = OmegaConf.create({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+    cfg = OmegaConf.create({"prep": PrepConfig(),
                             "data": {**spec, "prompts": None, "seq_length": SEQ, "max_prompt_length": 64, "truncation": "keep_start",
                                      "packing": True, "seed": 0},
                             "model": {"source": str(assets / "tiny-llama"), "hf_config": None, "tokenizer": str(assets / "tokenizer"),

@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from alignflow.config.schema import PrepConfig
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.stages import convert, eval as eval_stage, prep
@@ -17,7 +18,7 @@ def prep_cfg(demo_dir):
                    "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None, "answer_key": "answer"}
             for kind in ("sft", "preference", "prompts")}
     return OmegaConf.create({
-        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+        "prep": PrepConfig(),
         "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True, "seed": 0, **data},
         "model": {"source": str(demo_dir / "tiny-llama"), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
                   "chat_template": None, "make_vocab_size_divisible_by": 128},

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from alignflow import demo
+from alignflow.config.schema import PrepConfig
 from alignflow.stages import prep
 
 EOS = demo.EOS
@@ -41,11 +42,11 @@ def spec(train, val=None, **kw):
             "format": "auto", "dev_choose_samples": None, "answer_key": "answer", **kw}
 
 
-def make_cfg(assets, sft=None, preference=None, prompts=None, skip_bad_rows=False, rows_per_shard=10000,
-             chat_template=None, **data):
+def make_cfg(assets, sft=None, preference=None, prompts=None, chat_template=None, prep_=None, **data):
+    """The prep section typed by its schema (its defaults), prep_ overriding some of it."""
     specs = {"sft": sft, "preference": preference, "prompts": prompts}
     return OmegaConf.create({
-        "prep": {"skip_bad_rows": skip_bad_rows, "rows_per_shard": rows_per_shard},
+        "prep": OmegaConf.merge(OmegaConf.structured(PrepConfig), prep_ or {}),
         "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True,
                  "seed": 0, **data, **specs},
         "model": {"tokenizer": str(assets / "tokenizer"), "chat_template": chat_template},
@@ -298,7 +299,7 @@ def test_bad_parquet_row_names_its_row(assets, tmp_path):
 def test_skip_bad_rows_counts_them(assets, tok, tmp_path):
     lines = [GOOD] + [line for line, _ in BAD_ROWS.values()] + [GOOD]
     f = write_jsonl(tmp_path / "sft.jsonl", lines)
-    metrics, out = run_prep(make_cfg(assets, sft=spec(f), skip_bad_rows=True, packing=False), tmp_path)
+    metrics, out = run_prep(make_cfg(assets, sft=spec(f), prep_={"skip_bad_rows": True}, packing=False), tmp_path)
     assert (metrics["sft.train.rows_in"], metrics["sft.train.rows"], metrics["sft.train.skipped_rows"]) == (9, 2, 7)
     assert [r["sample_ids"] for r in read(out, "sft")] == [[0], [8]]
 
@@ -366,7 +367,7 @@ def test_val_fraction_split_is_deterministic(assets, tmp_path):
 
 def test_shards(assets, tmp_path):
     f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["input_output"]] * 20)
-    _, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, rows_per_shard=7), tmp_path)
+    _, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, prep_={"rows_per_shard": 7}), tmp_path)
     assert sorted(p.name for p in (out / "sft").iterdir()) == [f"train-0000{i}.parquet" for i in range(3)]
     assert len(read(out, "sft")) == 20
 
@@ -416,7 +417,7 @@ def test_any_fsspec_filesystem(assets, tok):
 
 def test_broken_template_is_never_skipped(assets, tmp_path):
     f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["messages"]])
-    cfg = make_cfg(assets, sft=spec(f), skip_bad_rows=True, chat_template="{% for m in messages %}")
+    cfg = make_cfg(assets, sft=spec(f), prep_={"skip_bad_rows": True}, chat_template="{% for m in messages %}")
     with pytest.raises(ValueError, match="line 1: chat template does not parse"):
         run_prep(cfg, tmp_path)
     cfg.model.tokenizer = str(tmp_path / "nope")

@@ -1,5 +1,6 @@
-"""Prep's output format: its one writer (`write_split`, used by the prep stage) and its one
-reader (`Prepared`, used by every stage that reads prepared data). Column names live here.
+"""Prep's output format: its one writer (`write_shard` and `write_metadata`, used by the prep
+stage) and its one reader (`Prepared`, used by every stage that reads prepared data). Column
+names live here.
 
     {out}/metadata.json                     counts per dataset and split, tokenizer ids, seq_length
     {out}/sft/{split}-NNNNN.parquet         input_ids list<int32>; loss_mask list<int8> (1 = predict
@@ -38,15 +39,16 @@ SCHEMAS = {
 }
 
 
-def write_split(out: str, dataset: str, split: str, table: pa.Table, rows_per_shard: int) -> None:
-    """`{out}/{dataset}/{split}-{i:05d}.parquet` of at most rows_per_shard rows; at least one shard."""
+def write_shard(out: str, dataset: str, split: str, index: int, table: pa.Table) -> None:
+    """`{out}/{dataset}/{split}-{index:05d}.parquet`: one shard of a split, written as it is
+    ready, so a split never has to be in memory whole. Shards are numbered from 0 without
+    gaps; a split that exists has at least one shard (maybe empty)."""
     table = table.select(SCHEMAS[dataset].names).cast(SCHEMAS[dataset])
     fs, root = fsspec.core.url_to_fs(out)
     dest = f"{root.rstrip('/')}/{dataset}"
     fs.makedirs(dest, exist_ok=True)
-    for i, start in enumerate(range(0, max(table.num_rows, 1), rows_per_shard)):
-        with fs.open(f"{dest}/{split}-{i:05d}.parquet", "wb") as f:
-            pq.write_table(table.slice(start, rows_per_shard), f)
+    with fs.open(f"{dest}/{split}-{index:05d}.parquet", "wb") as f:
+        pq.write_table(table, f)
 
 
 def write_metadata(out: str, meta: dict) -> None:
