@@ -24,6 +24,7 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")  # `datasets`' own files, not rows
 GLOB_CHARS = "*?["
 READ_BYTES = 1 << 23  # jsonl is read in blocks of this size
+PART_LINES = 1024  # and handed on this many lines at a time (the progress's grain)
 BATCH_ROWS = 4096  # parquet rows per read
 
 
@@ -127,16 +128,23 @@ def _parts(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[_Lines | 
     source = path if _is_local(fs) else fs.unstrip_protocol(path)
     with fs.open(path, "rb") as f:
         if path.endswith(".parquet"):
-            batches = pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS)
+            yield from _parquet_parts(f, source, fs.size(path))
         elif path.endswith(".arrow"):
-            batches = _arrow_batches(f)
+            first = 1
+            for batch in _arrow_batches(f):
+                yield _Rows(source, first, batch), f.tell()
+                first += batch.num_rows
         else:
             yield from _json_parts(f, source, path.endswith(".json"))
-            return
-        first = 1
-        for batch in batches:
-            yield _Rows(source, first, batch), f.tell()
-            first += batch.num_rows
+
+
+def _parquet_parts(f, source: str, nbytes: int) -> Iterator[tuple[_Rows, int]]:
+    """Its batches; the bytes read are its share of rows (pyarrow reads ahead)."""
+    parquet = pq.ParquetFile(f)
+    first, rows = 1, max(parquet.metadata.num_rows, 1)
+    for batch in parquet.iter_batches(batch_size=BATCH_ROWS):
+        first += batch.num_rows
+        yield _Rows(source, first - batch.num_rows, batch), nbytes * (first - 1) // rows
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -168,20 +176,22 @@ def _json_parts(f, source: str, json_file: bool) -> Iterator[tuple[_Lines | _Row
             return
         yield _Rows(source, 1, rows), f.tell()
         return
-    number, rest = 0, b""
+    number, rest, at = 0, b"", 0  # at: where `rest` starts in the file
     while block:
         lines = (rest + block).split(b"\n")
         rest = lines.pop()
-        numbers, kept = [], []
-        for line in lines:
-            number += 1
-            if line.strip():
-                numbers.append(number)
-                kept.append(line)
-        yield _Lines(source, numbers, kept), f.tell()
+        for start in range(0, len(lines), PART_LINES):
+            numbers, kept = [], []
+            for line in lines[start : start + PART_LINES]:
+                number += 1
+                at += len(line) + 1
+                if line.strip():
+                    numbers.append(number)
+                    kept.append(line)
+            yield _Lines(source, numbers, kept), at
         block = f.read(READ_BYTES)
     if rest.strip():
-        yield _Lines(source, [number + 1], [rest]), f.tell()
+        yield _Lines(source, [number + 1], [rest]), at + len(rest)
 
 
 @dataclass

@@ -185,13 +185,13 @@ class Progress:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         read = min(self.position / self.total, 1.0)
         eta = f"{elapsed * (1 - read) / read:.0f} s" if read else "?"
-        log.info("prep: %.1f%% done, %s rows read, %s rows/s, %.1fM tokens, ETA %s",
+        log.info("%.1f%% done, %s rows read, %s rows/s, %.1fM tokens, ETA %s",
                  100 * read, f"{rows:,}", f"{rows / elapsed:,.0f}", tokens / 1e6, eta)
         self.last = time.monotonic()
 
     def finish(self) -> None:
         if self.ranks.rank == 0:
-            log.info("prep: done in %.1f s", time.monotonic() - self.started)
+            log.info("done in %.1f s", time.monotonic() - self.started)
 
 
 # ---------------------------------------------------------------- writing shards
