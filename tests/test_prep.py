@@ -260,6 +260,27 @@ def test_file_types_directories_and_globs(assets, tok, tmp_path):
         assert [r["sample_ids"] for r in read(out, "sft")] == [[i] for i in range(n)]
 
 
+def test_hf_datasets_on_disk(assets, tmp_path):
+    """What HF `datasets` writes (save_to_disk in several shards, a DatasetDict's split, the
+    load_dataset cache) is read with pyarrow and gives the rows of the jsonl it came from."""
+    from datasets import Dataset, DatasetDict, load_dataset
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(30)]
+    src = write_jsonl(tmp_path / "src.jsonl", rows)
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dict"))
+    load_dataset("json", data_files=str(src), cache_dir=str(tmp_path / "cache"), split="train")
+    expected = read(run_prep(make_cfg(assets, sft=spec(src), packing=False, prep_={"chunk_rows": 4}), tmp_path, "jsonl")[1], "sft")
+    assert [r["sample_ids"] for r in expected] == [[i] for i in range(30)]
+    for name, uri in (("saved", tmp_path / "saved"), ("split", tmp_path / "dict" / "train"),
+                      ("cache", f"{tmp_path}/cache/**/json-train*.arrow")):
+        _, out = run_prep(make_cfg(assets, sft=spec(uri), packing=False, prep_={"chunk_rows": 4}), tmp_path, name)
+        assert read(out, "sft") == expected, name
+    with pytest.raises(ValueError, match="holds a DatasetDict .* name one of its splits"):
+        run_prep(make_cfg(assets, sft=spec(tmp_path / "dict")), tmp_path, "dict")
+
+
 def test_mixed_formats_in_one_source_are_bad_rows(assets, tmp_path):
     f = write_jsonl(tmp_path / "m.jsonl", [SFT_CASES["messages"], SFT_CASES["input_output"]])
     with pytest.raises(ValueError, match="line 2: field 'messages': missing"):
