@@ -20,8 +20,11 @@ _STEP = 1 << 16  # items converted to Python ints at a time
 
 
 def _as_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
-    """Validate once, up front, so the hot loops need no checks."""
-    arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    """Validate once, up front, so the hot loops need no checks. Signed integer arrays are
+    taken as they are (no copy); anything else becomes int64."""
+    arr = np.asarray(lengths).reshape(-1)
+    if arr.dtype.kind != "i":
+        arr = arr.astype(np.int64)
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     if arr.size and arr.min() < 1:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")  # `datasets`' own files, not rows
 GLOB_CHARS = "*?["
-READ_BYTES = 1 << 23  # jsonl is read in blocks of this size
+READ_BYTES = 1 << 20  # jsonl is read in blocks of this size
 PART_LINES = 1024  # and handed on this many lines at a time (the progress's grain)
 BATCH_ROWS = 4096  # parquet rows per read
 

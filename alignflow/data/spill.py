@@ -2,22 +2,26 @@
 
 `{out}/_prep` (any fsspec filesystem all ranks see; removed when prep ends):
 
-    {kind}/{source}/NNNNNN.arrow          a chunk of tokenized rows, by the rank that owned it
-    {kind}/{source}/NNNNNN.index.arrow    the same rows' INDEX columns only (what every rank reads)
-    {kind}/errors/S-NNNNNN                the first bad row of source S, chunk N: its message
-    {kind}/pieces/{split}/SSSSS/...       documents on their way to output shard SSSSS
-    progress/R.json                       rank R's counts, for rank 0's progress line
+    {kind}/{source}/NNNNNN.arrow                     chunk N of a source, tokenized (sample_id, INDEX, payload)
+    {kind}/{source}/NNNNNN.index.arrow               its INDEX columns alone (what rank 0 reads of every row)
+    {kind}/errors/S-NNNNNN                           the first bad row of source S's chunk N: its message
+    {kind}/plans/{source}/{split}-SSSSS.arrow        what output shard SSSSS holds (rank 0's plan)
+    sft/routes/{split}/{source}-NNNNNN.arrow         where chunk N's documents go (rank 0's plan)
+    sft/pieces/{split}/SSSSS/{source}-NNNNNN.arrow   chunk N's documents for output shard SSSSS
+    progress/R.json                                  rank R's counts, for rank 0's progress line
 
-Chunk i is rank i % world's; output shard k (counted over a dataset's splits) is rank
-k % world's. Everything the ranks exchange goes through these files; their only collective is
-a barrier between phases, so ranks on several nodes need nothing but a store they all see.
-Arrow IPC files: written and read at memory speed, with no encoding cost.
+Chunk i is rank i % world's; then rank 0 alone reads the index of every row, splits, counts
+and packs (the only work that sees the whole data set, so the only memory that grows with it,
+on one rank) and writes its plan; route table k and output shard k are rank k % world's.
+Everything the ranks exchange goes through these files; their only collective is a barrier
+between phases, so ranks on several nodes need nothing but a store they all see. Arrow IPC
+files: written and read at memory speed, with no encoding cost.
 
-Writing SFT rows (`write_packed`) needs every document's tokens in the output row that
-packing gave it, anywhere in the split: each rank routes the documents of its chunks to their
-output shards (one piece per chunk and shard, holding each document's token offset in the
-shard), then each rank assembles its shards from their pieces. Preference pairs and prompts
-keep their order (`write_in_order`): a shard reads the few chunks its rows came from.
+Writing SFT rows needs every document's tokens in the output row packing gave it, anywhere in
+the split: the documents of each chunk go to their output shards in pieces (each document with
+its token offset in the shard), then each shard is put together from its pieces, a slice of
+rows at a time. Preference pairs and prompts keep their order: a shard reads the few chunks
+its rows came from.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import fsspec
@@ -32,11 +37,12 @@ import numpy as np
 import pyarrow as pa
 import torch.distributed as dist
 
-from alignflow.data.prepared import SCHEMAS, write_shard
+from alignflow.data.prepared import ROW_GROUP_ROWS, SCHEMAS, ShardWriter
 
 OK, SKIPPED, NO_LOSS = 0, 1, 2  # a row's status
 # What every rank reads of every row (the rest of a chunk, only the rank that needs it).
 INDEX = pa.schema([("status", pa.int8()), ("truncated", pa.int8()), ("tokens", pa.int32()), ("loss_tokens", pa.int32())])
+SLICE_TOKENS = 1 << 22  # an SFT shard is put together this many tokens (20 MB) at a time
 log = logging.getLogger("alignflow.prep")
 
 
@@ -111,14 +117,46 @@ class Spill:
         failures = self._failures(kind)
         return self.fs.cat(failures[0]).decode() if failures else None
 
-    # -- pieces of output shards
+    # -- rank 0's plan: where documents go (SFT) and what each output shard holds
 
-    def write_piece(self, kind: str, split: str, shard: int, name: str, table: pa.Table) -> None:
-        self._write(self._path(kind, "pieces", split, f"{shard:05d}", f"{name}.arrow"), table)
+    def write_route(self, split: str, source: str, chunk: int, table: pa.Table) -> None:
+        self._write(self._path("sft", "routes", split, f"{source}-{chunk:06d}.arrow"), table)
 
-    def pieces(self, kind: str, split: str, shard: int) -> list[pa.Table]:
-        folder = self._path(kind, "pieces", split, f"{shard:05d}")
-        return [self._read(p) for p in sorted(self.fs.ls(folder, detail=False))] if self.fs.exists(folder) else []
+    def routes(self) -> list[tuple[str, str, int]]:
+        """(split, source, chunk) of every route table."""
+        found = []
+        for path in sorted(self.fs.glob(self._path("sft", "routes", "*", "*.arrow"))):
+            split, name = path.split("/")[-2:]
+            source, chunk = name.removesuffix(".arrow").rsplit("-", 1)
+            found.append((split, source, int(chunk)))
+        return found
+
+    def read_route(self, split: str, source: str, chunk: int) -> pa.Table:
+        return self._read(self._path("sft", "routes", split, f"{source}-{chunk:06d}.arrow"))
+
+    def write_plan(self, kind: str, source: str, split: str, shard: int, table: pa.Table) -> None:
+        self._write(self._path(kind, "plans", source, f"{split}-{shard:05d}.arrow"), table)
+
+    def plans(self, kind: str) -> list[tuple[str, str, int]]:
+        """(source, split, shard) of every output shard."""
+        found = []
+        for path in sorted(self.fs.glob(self._path(kind, "plans", "*", "*.arrow"))):
+            source, name = path.split("/")[-2:]
+            split, shard = name.removesuffix(".arrow").rsplit("-", 1)
+            found.append((source, split, int(shard)))
+        return found
+
+    def read_plan(self, kind: str, source: str, split: str, shard: int) -> pa.Table:
+        return self._read(self._path(kind, "plans", source, f"{split}-{shard:05d}.arrow"))
+
+    def write_piece(self, split: str, shard: int, name: str, table: pa.Table) -> None:
+        self._write(self._path("sft", "pieces", split, f"{shard:05d}", f"{name}.arrow"), table)
+
+    def pieces(self, split: str, shard: int) -> Iterator[pa.Table]:
+        """The pieces of an SFT output shard, one at a time."""
+        folder = self._path("sft", "pieces", split, f"{shard:05d}")
+        for path in sorted(self.fs.ls(folder, detail=False)) if self.fs.exists(folder) else []:
+            yield self._read(path)
 
     # -- progress counts
 
@@ -214,91 +252,107 @@ class Layout:
         bounds = self.offsets[i * rows_per_shard : (i + 1) * rows_per_shard + 1]
         return self.order[bounds[0] : bounds[-1]], bounds - bounds[0]
 
-    def destinations(self, rows_per_shard: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per document (as in docs): its output shard and its first token's offset in that shard."""
-        shard, offset = np.empty(len(self.docs), np.int32), np.empty(len(self.docs), np.int64)
-        if len(self.docs):
-            lengths = self.lengths[self.order]
-            starts = np.cumsum(lengths, dtype=np.int64)
-            starts -= lengths
-            shard_at = np.repeat(np.arange(len(self.offsets) - 1, dtype=np.int32) // rows_per_shard, np.diff(self.offsets))
-            shard[self.order] = shard_at
-            offset[self.order] = starts - starts[self.offsets[:-1:rows_per_shard]][shard_at]
-        return shard, offset
 
 
-def write_packed(spill: Spill, ranks: Ranks, index: dict[str, dict], splits: dict[str, tuple[str, Layout]],
-                 rows_per_shard: int) -> None:
-    """SFT rows: every rank routes the documents of its chunks to their shards, then assembles its shards."""
-    routes = {split: (source, layout, *layout.destinations(rows_per_shard)) for split, (source, layout) in splits.items()}
-    for source in dict.fromkeys(source for source, _ in splits.values()):
-        starts = index[source]["starts"]
-        for chunk in range(len(starts) - 1):
-            if ranks.mine(chunk):
-                _route(spill, source, chunk, int(starts[chunk]), int(starts[chunk + 1]), routes)
-    del routes
-    ranks.barrier()  # every piece written
-    jobs = [(split, layout, i) for split, (_, layout) in splits.items() for i in range(layout.shards(rows_per_shard))]
-    for k, (split, layout, i) in enumerate(jobs):
+def plan_packed(spill: Spill, split: str, source: str, layout: Layout, starts: np.ndarray, rows_per_shard: int) -> None:
+    """Rank 0, for an SFT split: per output shard, its documents in output order with their
+    rows; per chunk, where its documents go (shard, and the token offset there: int32, as the
+    list offsets that address a shard's tokens)."""
+    shard, offset = np.empty(len(layout.docs), np.int32), np.empty(len(layout.docs), np.int32)
+    for i in range(layout.shards(rows_per_shard)):
+        docs, bounds = layout.shard(i, rows_per_shard)
+        lengths = layout.lengths[docs]
+        shard[docs], offset[docs] = i, np.cumsum(lengths, dtype=np.int64) - lengths
+        row = np.repeat(np.arange(len(bounds) - 1, dtype=np.int32), np.diff(bounds))
+        spill.write_plan("sft", source, split, i, pa.table({"sample_id": layout.docs[docs], "length": lengths, "row": row}))
+    cuts = np.searchsorted(layout.docs, starts)
+    for chunk, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
+        if a < b:
+            rows = pa.array((layout.docs[a:b] - starts[chunk]).astype(np.int32))
+            spill.write_route(split, source, chunk, pa.table({"row": rows, "shard": shard[a:b], "offset": offset[a:b]}))
+
+
+def plan_in_order(spill: Spill, kind: str, split: str, source: str, rows: np.ndarray, starts: np.ndarray,
+                  rows_per_shard: int) -> None:
+    """Rank 0, for preference pairs and prompts: per output shard, its rows (good ones, in order)
+    as (chunk, row in chunk)."""
+    for i in range(max(-(-len(rows) // rows_per_shard), 1)):
+        part = rows[i * rows_per_shard : (i + 1) * rows_per_shard]
+        chunk = np.searchsorted(starts, part, side="right") - 1
+        spill.write_plan(kind, source, split, i, pa.table({"chunk": chunk.astype(np.int32), "row": (part - starts[chunk]).astype(np.int32)}))
+
+
+def write_shards(spill: Spill, ranks: Ranks, kind: str) -> None:
+    """Every rank writes its share of the output shards rank 0 planned; for SFT the documents
+    first go to their shards in pieces, each rank taking its share of the chunks."""
+    if kind == "sft":
+        for k, (split, source, chunk) in enumerate(spill.routes()):
+            if ranks.mine(k):
+                _route(spill, split, source, chunk)
+        ranks.barrier()  # every piece written
+    for k, (source, split, i) in enumerate(spill.plans(kind)):
         if ranks.mine(k):
-            write_shard(spill.out, "sft", split, i, _assemble(spill, split, layout, i, rows_per_shard))
+            plan = spill.read_plan(kind, source, split, i)
+            tables = _packed_slices(spill, split, i, plan) if kind == "sft" else _in_order(spill, kind, source, plan)
+            with ShardWriter(spill.out, kind, split, i) as writer:
+                for table in tables:
+                    writer.write(table)
 
 
-def _route(spill: Spill, source: str, chunk: int, first: int, end: int, routes: dict) -> None:
-    """One chunk's documents, in one piece per split and output shard they go to."""
-    table = None
-    for split, (src, layout, shard, offset) in routes.items():
-        a, b = np.searchsorted(layout.docs, [first, end]) if src == source else (0, 0)
-        if a == b:
-            continue
-        if table is None:
-            table = spill.read_chunk("sft", source, chunk).select(["input_ids", "loss_mask"])
-        docs = table.take(layout.docs[a:b] - first)
-        by_shard = np.argsort(shard[a:b], kind="stable")
-        for part in np.split(by_shard, np.flatnonzero(np.diff(shard[a:b][by_shard])) + 1):
-            piece = docs.take(part).append_column("offset", pa.array(offset[a:b][part]))
-            spill.write_piece("sft", split, int(shard[a + part[0]]), f"{source}-{chunk:06d}", piece)
+def _route(spill: Spill, split: str, source: str, chunk: int) -> None:
+    """One chunk's documents of a split, in one piece per output shard they go to."""
+    route = spill.read_route(split, source, chunk)
+    docs = spill.read_chunk("sft", source, chunk).select(["input_ids", "loss_mask"]).take(route.column("row"))
+    shard, offset = route.column("shard").to_numpy(), route.column("offset").to_numpy()
+    by_shard = np.argsort(shard, kind="stable")
+    for part in np.split(by_shard, np.flatnonzero(np.diff(shard[by_shard])) + 1):
+        piece = docs.take(part).append_column("offset", pa.array(offset[part]))
+        spill.write_piece(split, int(shard[part[0]]), f"{source}-{chunk:06d}", piece)
 
 
-def _assemble(spill: Spill, split: str, layout: Layout, i: int, rows_per_shard: int) -> pa.Table:
-    """Shard i of a split: its documents' tokens put in place from its pieces, then cut into rows."""
-    docs, bounds = layout.shard(i, rows_per_shard)
-    lengths = layout.lengths[docs]
-    ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    ids, mask = np.empty(ends[-1], np.int32), np.empty(ends[-1], np.int8)
-    for piece in spill.pieces("sft", split, i):
-        column = piece.column("input_ids").combine_chunks()
-        starts = column.offsets.to_numpy()
-        at = np.repeat(piece.column("offset").to_numpy() - starts[:-1], np.diff(starts)) + np.arange(starts[0], starts[-1])
-        ids[at] = column.flatten().to_numpy()
-        mask[at] = piece.column("loss_mask").combine_chunks().flatten().to_numpy()
+def _packed_slices(spill: Spill, split: str, i: int, plan: pa.Table) -> Iterator[pa.Table]:
+    """SFT shard i as tables of rows of about SLICE_TOKENS tokens: for each, the tokens of its
+    documents are put in place from every piece of the shard (one piece in memory at a time)."""
+    row = plan.column("row").to_numpy()
+    bounds = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1, [len(row)]]) if len(row) else np.zeros(1, np.int64)
+    ends = np.concatenate([[0], np.cumsum(plan.column("length").to_numpy(), dtype=np.int64)])
+    sample_ids = plan.column("sample_id").to_numpy()
+    longest = int(np.diff(ends[bounds]).max(initial=1))
+    step = ROW_GROUP_ROWS * max(1, SLICE_TOKENS // (ROW_GROUP_ROWS * longest))
+    for r in range(0, max(len(bounds) - 1, 1), step):
+        rows = bounds[r : r + step + 1]
+        lo, hi = ends[rows[0]], ends[rows[-1]]
+        ids, mask = np.empty(hi - lo, np.int32), np.empty(hi - lo, np.int8)
+        for piece in spill.pieces(split, i):
+            offset = piece.column("offset").to_numpy()
+            inside = np.flatnonzero((offset >= lo) & (offset < hi))
+            if len(inside):
+                piece = piece.take(inside)
+                column = piece.column("input_ids").combine_chunks()
+                starts = column.offsets.to_numpy()
+                at = np.repeat(offset[inside] - lo - starts[:-1], np.diff(starts)) + np.arange(starts[0], starts[-1])
+                ids[at] = column.flatten().to_numpy()
+                mask[at] = piece.column("loss_mask").combine_chunks().flatten().to_numpy()
+        yield _packed_rows(ids, mask, ends[rows[0] : rows[-1] + 1] - lo, rows - rows[0], sample_ids[rows[0] : rows[-1]])
+
+
+def _packed_rows(ids: np.ndarray, mask: np.ndarray, ends: np.ndarray, bounds: np.ndarray, sample_ids: np.ndarray) -> pa.Table:
+    """Rows of documents: row r holds documents bounds[r]:bounds[r + 1], which end at `ends[1:]` in ids."""
     rows = len(bounds) - 1
     row_of_doc = np.repeat(np.arange(rows), np.diff(bounds))
-    cu = np.zeros(len(docs) + rows, np.int32)
-    cu[np.arange(len(docs)) + row_of_doc + 1] = ends[1:] - ends[bounds[:-1]][row_of_doc]
+    cu = np.zeros(len(sample_ids) + rows, np.int32)
+    cu[np.arange(len(sample_ids)) + row_of_doc + 1] = ends[1:] - ends[bounds[:-1]][row_of_doc]
+    tokens = pa.array(ends[bounds].astype(np.int32))
     return pa.Table.from_arrays([
-        pa.ListArray.from_arrays(pa.array(ends[bounds].astype(np.int32)), pa.array(ids)),
-        pa.ListArray.from_arrays(pa.array(ends[bounds].astype(np.int32)), pa.array(mask)),
+        pa.ListArray.from_arrays(tokens, pa.array(ids)),
+        pa.ListArray.from_arrays(tokens, pa.array(mask)),
         pa.ListArray.from_arrays(pa.array((bounds + np.arange(rows + 1)).astype(np.int32)), pa.array(cu)),
-        pa.ListArray.from_arrays(pa.array(bounds.astype(np.int32)), pa.array(layout.docs[docs])),
+        pa.ListArray.from_arrays(pa.array(bounds.astype(np.int32)), pa.array(sample_ids)),
     ], schema=SCHEMAS["sft"])
 
 
-def write_in_order(spill: Spill, ranks: Ranks, kind: str, index: dict[str, dict], splits: dict[str, tuple[str, np.ndarray]],
-                   rows_per_shard: int) -> None:
-    """Preference pairs and prompts: a split's good rows in order, rows_per_shard to a shard."""
-    jobs = []
-    for split, (source, rows) in splits.items():
-        ok = rows[index[source]["status"][rows] == OK]
-        jobs += [(split, source, i, ok[i * rows_per_shard : (i + 1) * rows_per_shard])
-                 for i in range(max(-(-len(ok) // rows_per_shard), 1))]
-    for k, (split, source, i, rows) in enumerate(jobs):
-        if ranks.mine(k):
-            write_shard(spill.out, kind, split, i, _gather(spill, kind, source, index[source]["starts"], rows))
-
-
-def _gather(spill: Spill, kind: str, source: str, starts: np.ndarray, rows: np.ndarray) -> pa.Table:
-    """These rows (sample ids, ascending) from the chunks that hold them."""
-    chunks = np.searchsorted(starts, rows, side="right") - 1
-    tables = [spill.read_chunk(kind, source, c).take(rows[chunks == c] - starts[c]) for c in np.unique(chunks)]
-    return pa.concat_tables(tables) if tables else spill.read_chunk(kind, source, 0).slice(0, 0)
+def _in_order(spill: Spill, kind: str, source: str, plan: pa.Table) -> Iterator[pa.Table]:
+    """A shard's rows from the chunks that hold them, a chunk at a time."""
+    chunk, row = plan.column("chunk").to_numpy(), plan.column("row").to_numpy()
+    for c in np.unique(chunk):
+        yield spill.read_chunk(kind, source, int(c)).take(row[chunk == c])

@@ -21,19 +21,22 @@ Supported:
   per-document boundaries kept; packs are then shuffled (seeded), since BFD emits them
   longest-first;
 - data sets larger than memory, on all the stage's ranks (`alignflow.data.spill`): the input
-  is read in chunks of prep.chunk_rows rows, dealt to the ranks in turn, tokenized a batch of
-  rows per tokenizer call and spilled to `{out}/_prep`; packing needs only the lengths, so
-  it stays global and exact; the tokens then move to their shards through the spill. The
-  output (bytes and fingerprint) is the same for any number of ranks and any chunk size;
+  is read in chunks of prep.chunk_rows rows, dealt to the ranks in turn, tokenized 256 rows
+  per tokenizer call and spilled to `{out}/_prep`; rank 0 then splits, counts and packs from
+  the per-row lengths alone (best-fit-decreasing stays global and exact), and the ranks move
+  the tokens to their shards through the spill and write them a slice at a time. Memory per
+  rank follows prep.chunk_rows (a chunk's tokens) and not the data set, except rank 0's
+  plan: about 40 bytes per row. The output (bytes and fingerprint) is the same for any number
+  of ranks and any chunk size;
 - progress: rows read, rows/s, tokens and an ETA in rank 0's log every prep.progress_interval_s
-  ("prep: 42.0% done, ..."; the percent is of the input's bytes, the ETA of the reading).
+  ("42.0% done, ..."; the percent is of the input's bytes, the ETA of the reading).
 
 Deliberately simplified: every rank reads every input byte (it parses only its own chunks),
 so remote inputs are downloaded once per rank; a .json array file is parsed whole; packed SFT
-goes through (chunks x shards) temporary files, and a rank holds one output shard
-(rows_per_shard x seq_length tokens) while it writes it; string message contents only (no
-multimodal parts, no tool-call fields); a NeMo prompt is treated as user text and goes
-through the chat template, so an already templated NeMo prompt would be templated twice.
+goes through (chunks x output shards) temporary files, and each output shard reads all of its
+own once per 4M tokens; string message contents only (no multimodal parts, no tool-call
+fields); a NeMo prompt is treated as user text and goes through the chat template, so an
+already templated NeMo prompt would be templated twice.
 
 Output under `out`: the format of `alignflow.data.prepared` (Parquet shards of
 prep.rows_per_shard rows per dataset and split, and metadata.json with per dataset and split
@@ -57,7 +60,8 @@ from alignflow.data.formats import Chat, PreferencePair, PromptAnswer, RowError,
 from alignflow.data.packing import pack_bfd_flat, packing_stats
 from alignflow.data.prepared import SCHEMAS, write_metadata
 from alignflow.data.readers import Record, iter_chunks, source_bytes
-from alignflow.data.spill import INDEX, NO_LOSS, OK, SKIPPED, Layout, Progress, Ranks, Spill, write_in_order, write_packed
+from alignflow.data.spill import (INDEX, NO_LOSS, OK, SKIPPED, Layout, Progress, Ranks, Spill, plan_in_order, plan_packed,
+                                  write_shards)
 from alignflow.data.tokenize import ChatEncoder, Encoded, Request, load_tokenizer, truncate
 
 KINDS = ("sft", "preference", "prompts")
@@ -89,30 +93,23 @@ class Counts:
 
 
 def run(cfg, inputs: dict[str, str], out: str) -> dict:
-    """Build every requested dataset into `out` with all of the job's ranks; every rank returns
-    the same flat headline metrics, rank 0 writes metadata.json."""
+    """Build every requested dataset into `out` with all of the job's ranks. Rank 0 writes
+    metadata.json and returns the flat headline metrics (the job's result); other ranks {}."""
     ranks, spill = Ranks.of_job(), Spill(out)
     spill.start(ranks)
     encoder = ChatEncoder(load_tokenizer(cfg.model.tokenizer, cfg.model.chat_template))
     kinds = [k for k in KINDS if cfg.data[k] is not None]
     total = sum(source_bytes(uri) for k in kinds for uri in sources(cfg.data[k]).values())
     progress = Progress(spill, ranks, total, cfg.prep.progress_interval_s)
-    meta = {
-        "tokenizer": tokenizer_info(encoder.tokenizer),
-        "seq_length": cfg.data.seq_length,
-        "max_prompt_length": cfg.data.max_prompt_length,
-    }
-    metrics = {}
-    for kind in kinds:
-        meta[kind] = prepare(kind, cfg, encoder, spill, ranks, progress)
-        for split, stats in meta[kind]["splits"].items():
-            metrics |= {f"{kind}.{split}.{k}": v for k, v in stats.items()}
+    meta = {kind: prepare(kind, cfg, encoder, spill, ranks, progress) for kind in kinds}
     ranks.barrier()  # every shard written
-    if ranks.rank == 0:
-        spill.remove()
-        write_metadata(out, meta)
     progress.finish()
-    return metrics
+    if ranks.rank != 0:
+        return {}
+    spill.remove()
+    write_metadata(out, {"tokenizer": tokenizer_info(encoder.tokenizer), "seq_length": cfg.data.seq_length,
+                         "max_prompt_length": cfg.data.max_prompt_length, **meta})
+    return {f"{kind}.{split}.{k}": v for kind in kinds for split, stats in meta[kind]["splits"].items() for k, v in stats.items()}
 
 
 def tokenizer_info(tokenizer) -> dict:
@@ -132,7 +129,9 @@ def sources(spec) -> dict[str, str]:
 # ---------------------------------------------------------------- one dataset
 
 
-def prepare(kind: str, cfg, encoder: ChatEncoder, spill: Spill, ranks: Ranks, progress: Progress) -> dict:
+def prepare(kind: str, cfg, encoder: ChatEncoder, spill: Spill, ranks: Ranks, progress: Progress) -> dict | None:
+    """Tokenize one dataset on every rank, plan its shards on rank 0, write them on every rank;
+    its metadata on rank 0."""
     spec = cfg.data[kind]
     check_val_fraction(spec)
     fmt = resolve_format(kind, spec)
@@ -143,21 +142,28 @@ def prepare(kind: str, cfg, encoder: ChatEncoder, spill: Spill, ranks: Ranks, pr
     progress.report()
     if (failure := spill.first_failure(kind)) is not None:
         raise ValueError(failure)
+    info = plan(kind, fmt, cfg, spill) if ranks.rank == 0 else None
+    ranks.barrier()  # the plan written
+    write_shards(spill, ranks, kind)
+    return info
+
+
+def plan(kind: str, fmt: str, cfg, spill: Spill) -> dict:
+    """Rank 0: every split's rows, counts and (SFT) packing, and the plan of its shards."""
+    spec, rows_per_shard = cfg.data[kind], cfg.prep.rows_per_shard
     index = {source: spill.index(kind, source) for source in sources(spec)}
-    splits = split_rows(spec, {source: len(ix["status"]) for source, ix in index.items()}, cfg.data.seed)
     info = {"format": fmt, "splits": {}}
-    for split, (source, rows) in splits.items():
+    for split, (source, rows) in split_rows(spec, {s: len(ix["status"]) for s, ix in index.items()}, cfg.data.seed).items():
         info["splits"][split] = asdict(counts(index[source], rows))
-    if kind == "sft":
-        layouts = {}
-        for split, (source, rows) in splits.items():
-            layout, stats = sft_layout(index[source], rows, cfg.data)
-            layouts[split] = (source, layout)
+        docs, starts = np.flatnonzero(rows & (index[source]["status"] == OK)), index[source]["starts"]
+        if kind == "sft":
+            layout, stats = sft_layout(docs, index[source]["tokens"][docs], cfg.data)
             info["splits"][split] |= stats
-        write_packed(spill, ranks, index, layouts, cfg.prep.rows_per_shard)
+            plan_packed(spill, split, source, layout, starts, rows_per_shard)
+        else:
+            plan_in_order(spill, kind, split, source, docs, starts, rows_per_shard)
+    if kind == "sft":
         info["packed"] = bool(cfg.data.packing)
-    else:
-        write_in_order(spill, ranks, kind, index, splits, cfg.prep.rows_per_shard)
     return info
 
 
@@ -336,17 +342,17 @@ def spill_batch(kind: str, rows: list[tuple]) -> pa.RecordBatch:
 
 
 def split_rows(spec, lengths: dict[str, int], seed: int) -> dict[str, tuple[str, np.ndarray]]:
-    """{split: (source, its rows' sample_ids)}: train and val from their own sources, or val
-    cut from train (val_fraction of its rows, seeded)."""
-    train = ("train", np.arange(lengths["train"]))
+    """{split: (source, which of its rows are the split's)}: train and val from their own
+    sources, or val cut from train (val_fraction of its rows, seeded)."""
+    train = ("train", np.ones(lengths["train"], dtype=bool))
     if spec.val is not None:
-        return {"train": train, "val": ("val", np.arange(lengths["val"]))}
+        return {"train": train, "val": ("val", np.ones(lengths["val"], dtype=bool))}
     if not spec.val_fraction:
         return {"train": train}
     n = lengths["train"]
     is_val = np.zeros(n, dtype=bool)
     is_val[np.random.default_rng(seed).permutation(n)[: int(round(n * spec.val_fraction))]] = True
-    return {"train": ("train", np.flatnonzero(~is_val)), "val": ("train", np.flatnonzero(is_val))}
+    return {"train": ("train", ~is_val), "val": ("train", is_val)}
 
 
 def check_val_fraction(spec) -> None:
@@ -355,27 +361,25 @@ def check_val_fraction(spec) -> None:
 
 
 def counts(index: dict[str, np.ndarray], rows: np.ndarray) -> Counts:
-    status = index["status"][rows]
-    ok = rows[status == OK]
+    """The counts of a split, its rows a mask over its source's index."""
+    status, ok = index["status"], rows & (index["status"] == OK)
     return Counts(
-        rows_in=len(rows),
-        rows=len(ok),
-        skipped_rows=int((status == SKIPPED).sum()),
-        truncated_rows=int(index["truncated"][rows].sum()),
-        no_loss_rows=int((status == NO_LOSS).sum()),
-        tokens=int(index["tokens"][ok].sum()),
-        loss_tokens=int(index["loss_tokens"][ok].sum()),
+        rows_in=int(rows.sum()),
+        rows=int(ok.sum()),
+        skipped_rows=int((rows & (status == SKIPPED)).sum()),
+        truncated_rows=int(index["truncated"].sum(where=rows, dtype=np.int64)),
+        no_loss_rows=int((rows & (status == NO_LOSS)).sum()),
+        tokens=int(index["tokens"].sum(where=ok, dtype=np.int64)),
+        loss_tokens=int(index["loss_tokens"].sum(where=ok, dtype=np.int64)),
     )
 
 
 # ---------------------------------------------------------------- packing
 
 
-def sft_layout(index: dict[str, np.ndarray], rows: np.ndarray, data) -> tuple[Layout, dict]:
-    """A split's good documents in packed rows (BFD over the whole split, then shuffled) or one
-    per row; with the packing figures."""
-    docs = rows[index["status"][rows] == OK]
-    lengths = index["tokens"][docs]
+def sft_layout(docs: np.ndarray, lengths: np.ndarray, data) -> tuple[Layout, dict]:
+    """A split's good documents (sample ids, token counts) in packed rows (BFD over the whole
+    split, then shuffled) or one per row; with the packing figures."""
     if not data.packing:
         return Layout(docs, lengths, np.arange(len(docs), dtype=np.int32), np.arange(len(docs) + 1)), {}
     order, offsets = shuffled(*pack_bfd_flat(lengths, data.seq_length), data.seed)
@@ -390,4 +394,6 @@ def shuffled(items: np.ndarray, offsets: np.ndarray, seed: int) -> tuple[np.ndar
     sizes = np.diff(offsets)[perm]
     new = np.zeros(len(perm) + 1, dtype=np.int64)
     np.cumsum(sizes, out=new[1:])
-    return items[np.repeat(offsets[:-1][perm] - new[:-1], sizes) + np.arange(new[-1])], new
+    at = np.repeat((offsets[:-1][perm] - new[:-1]).astype(items.dtype), sizes)
+    at += np.arange(len(items), dtype=items.dtype)
+    return items[at], new
