@@ -40,7 +40,7 @@ import torch.distributed as dist
 from alignflow.data.prepared import ROW_GROUP_ROWS, SCHEMAS, ShardWriter
 
 OK, SKIPPED, NO_LOSS = 0, 1, 2  # a row's status
-# What every rank reads of every row (the rest of a chunk, only the rank that needs it).
+# What rank 0 reads of every row to split, count and pack (the rest of a chunk only the ranks that write it).
 INDEX = pa.schema([("status", pa.int8()), ("truncated", pa.int8()), ("tokens", pa.int32()), ("loss_tokens", pa.int32())])
 SLICE_TOKENS = 1 << 22  # an SFT shard is put together this many tokens (20 MB) at a time
 log = logging.getLogger("alignflow.prep")

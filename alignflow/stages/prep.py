@@ -83,13 +83,13 @@ class Limits:
 
 @dataclass
 class Counts:
-    rows_in: int = 0
-    rows: int = 0
-    skipped_rows: int = 0
-    truncated_rows: int = 0
-    no_loss_rows: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
+    rows_in: int
+    rows: int
+    skipped_rows: int
+    truncated_rows: int
+    no_loss_rows: int
+    tokens: int
+    loss_tokens: int
 
 
 def run(cfg, inputs: dict[str, str], out: str) -> dict:
