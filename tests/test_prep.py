@@ -322,6 +322,19 @@ def test_bad_parquet_row_names_its_row(assets, tmp_path):
         run_prep(make_cfg(assets, preference=spec(good, val=f)), tmp_path)
 
 
+def test_line_numbers_survive_read_blocks_and_parts(assets, tmp_path, monkeypatch):
+    from alignflow.data import readers
+
+    monkeypatch.setattr(readers, "READ_BYTES", 7)  # lines cut across reads, blank lines inside a read
+    monkeypatch.setattr(readers, "PART_LINES", 2)
+    f = tmp_path / "s.jsonl"
+    f.write_text("\n".join([GOOD, "", GOOD, "  ", GOOD, BAD_ROWS["missing field"][0], GOOD]))  # no final newline
+    with pytest.raises(ValueError, match=rf"^data\.sft\.train: {re.escape(str(f))} line 6: field 'messages': missing"):
+        run_prep(make_cfg(assets, sft=spec(f), prep_={"chunk_rows": 2}), tmp_path)
+    metrics, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, prep_={"chunk_rows": 2, "skip_bad_rows": True}), tmp_path)
+    assert [r["sample_ids"] for r in read(out, "sft")] == [[0], [1], [2], [4]] and metrics["sft.train.skipped_rows"] == 1
+
+
 def test_skip_bad_rows_counts_them(assets, tok, tmp_path):
     lines = [GOOD] + [line for line, _ in BAD_ROWS.values()] + [GOOD]
     f = write_jsonl(tmp_path / "sft.jsonl", lines)
