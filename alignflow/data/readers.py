@@ -89,9 +89,6 @@ class Chunk:
     parts: list  # _Lines and _Rows, in order
     bytes_read: int  # bytes of the source read once this chunk was
 
-    def __len__(self) -> int:
-        return sum(len(p) for p in self.parts)
-
     def records(self) -> Iterator[Record]:
         for part in self.parts:
             yield from part.records()
