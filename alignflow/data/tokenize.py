@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain
 
 import fsspec
+import numpy as np
 from jinja2 import TemplateError, TemplateSyntaxError
 from tokenizers import Tokenizer
 
@@ -64,14 +65,15 @@ class Request:
 @dataclass(frozen=True)
 class Encoded:
     text: str  # the rendered chat
-    input_ids: list[int]
-    loss_mask: list[int]
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8, 1 on trained tokens
     prompt_length: int  # tokens before the first trained token
 
 
 class ChatEncoder:
     """Renders messages with the tokenizer's chat template and tokenizes them, many at a time:
-    one tokenizer call per batch keeps its per-call overhead off each row."""
+    one tokenizer call per batch keeps its per-call overhead off each row, and the tokens of a
+    batch land in one array, of which each chat's ids and mask are views."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -87,12 +89,16 @@ class ChatEncoder:
         except TemplateError as e:  # e.g. "roles must alternate": the row's fault
             raise RowError(None, f"chat template: {e}") from None
 
-    def tokens(self, pieces: list[str]) -> list[list[int]]:
-        """What `tokenizer(pieces, add_special_tokens=False)["input_ids"]` gives, without its
-        per-text Python overhead when the tokenizer is a fast one."""
+    def tokens(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """What `tokenizer(pieces, add_special_tokens=False)["input_ids"]` gives, as one int32
+        array and each piece's length, without its per-text Python overhead when the tokenizer
+        is a fast one."""
         if self.backend is None:
-            return self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
-        return [e.ids for e in self.backend.encode_batch_fast(pieces, add_special_tokens=False)]
+            lists = self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+        else:
+            lists = [e.ids for e in self.backend.encode_batch_fast(pieces, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+        return np.fromiter(chain.from_iterable(lists), np.int32, int(lengths.sum())), lengths
 
     def encode(self, requests: list[Request]) -> list[Encoded | ValueError]:
         """Each request encoded, or the error that stopped it (RowError when it is the row's fault)."""
@@ -103,8 +109,20 @@ class ChatEncoder:
                               else self.pieces(r.messages, r.train_from))
             except ValueError as e:
                 pieces.append(e)
-        tokens = iter(self.tokens([text for p in pieces if not isinstance(p, ValueError) for text, _ in p]))
-        return [p if isinstance(p, ValueError) else _assemble(p, tokens) for p in pieces]
+        good = [p for p in pieces if not isinstance(p, ValueError)]
+        ids, lengths = self.tokens([text for p in good for text, _ in p])
+        mask = np.repeat(np.fromiter((trained for p in good for _, trained in p), np.int8, len(lengths)), lengths)
+        starts = [0, *np.cumsum(lengths).tolist()]  # where each piece's tokens start
+        encoded, first = [], 0  # first: the index of a chat's first piece
+        for p in pieces:
+            if isinstance(p, ValueError):
+                encoded.append(p)
+                continue
+            start, end = starts[first], starts[first + len(p)]
+            trained = next((i for i, (_, t) in enumerate(p) if t), len(p))
+            encoded.append(Encoded("".join([text for text, _ in p]), ids[start:end], mask[start:end], starts[first + trained] - start))
+            first += len(p)
+        return encoded
 
     def pieces(self, messages: list[Message], train_from: int = 0) -> list[tuple[str, bool]]:
         """The rendered chat cut into (text, is_trained_assistant_turn) pieces."""
@@ -130,17 +148,6 @@ class ChatEncoder:
         return len(text)
 
 
-def _assemble(pieces: list[tuple[str, bool]], tokens: Iterator[list[int]]) -> Encoded:
-    """One chat's pieces and their tokens (the next ones of `tokens`) as ids and loss mask."""
-    ids, mask, prompt_length = [], [], None
-    for (_, trained), toks in zip(pieces, tokens):
-        if trained and prompt_length is None:
-            prompt_length = len(ids)
-        ids += toks
-        mask += [int(trained)] * len(toks)
-    return Encoded("".join([text for text, _ in pieces]), ids, mask, len(ids) if prompt_length is None else prompt_length)
-
-
 def _plain_backend(tokenizer):
     """A fast tokenizer's Rust backend without truncation or padding, as transformers calls it
     when asked for neither; None for a slow tokenizer."""
@@ -152,7 +159,7 @@ def _plain_backend(tokenizer):
     return backend
 
 
-def truncate(ids: list[int], mask: list[int], max_length: int, mode: str) -> tuple[list[int], list[int], bool]:
+def truncate(ids: np.ndarray, mask: np.ndarray, max_length: int, mode: str) -> tuple[np.ndarray, np.ndarray, bool]:
     """Cut to max_length keeping the start or the end; returns (ids, mask, was_truncated)."""
     if len(ids) <= max_length:
         return ids, mask, False

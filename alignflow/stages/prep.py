@@ -255,7 +255,7 @@ def measured(kind: str, payload: tuple | None, truncated: bool) -> tuple:
         return NO_LOSS, int(truncated), 0, 0, None
     fields = PAYLOAD[kind].names
     tokens = sum(len(v) for name, v in zip(fields, payload) if name.endswith("_ids"))
-    loss_tokens = sum(sum(v) for name, v in zip(fields, payload) if name.endswith("loss_mask"))
+    loss_tokens = sum(int(v.sum()) for name, v in zip(fields, payload) if name.endswith("loss_mask"))
     return OK, int(truncated), tokens, loss_tokens, payload
 
 
@@ -271,7 +271,7 @@ def sft_requests(ex: Chat) -> list[Request]:
 def build_sft(ex: Chat, encs: list[Encoded], data: Limits, encoder: ChatEncoder):
     (enc,) = encs
     ids, mask, cut = truncate(enc.input_ids, enc.loss_mask, data.seq_length, data.truncation)
-    return ((ids, mask) if any(mask) else None), cut
+    return ((ids, mask) if mask.any() else None), cut
 
 
 def preference_requests(ex: PreferencePair) -> list[Request]:
@@ -282,16 +282,16 @@ def build_preference(ex: PreferencePair, encs: list[Encoded], data: Limits, enco
     """Both sequences share the prompt tokens, cut to max_prompt_length first."""
     chosen, rejected = encs
     p = chosen.prompt_length
-    if rejected.prompt_length != p or rejected.input_ids[:p] != chosen.input_ids[:p]:
+    if rejected.prompt_length != p or not np.array_equal(rejected.input_ids[:p], chosen.input_ids[:p]):
         raise ValueError("chat template renders the same prompt differently for chosen and rejected")
-    prompt, _, cut_prompt = truncate(chosen.input_ids[:p], [0] * p, data.max_prompt_length, data.truncation)
+    prompt, prompt_mask, cut_prompt = truncate(chosen.input_ids[:p], chosen.loss_mask[:p], data.max_prompt_length, data.truncation)
     budget = data.seq_length - len(prompt)
     seqs, cut = [], cut_prompt
     for enc in (chosen, rejected):
         ids, mask, cut_reply = truncate(enc.input_ids[p:], enc.loss_mask[p:], budget, "keep_start")
-        seqs += [prompt + ids, [0] * len(prompt) + mask]
+        seqs += [np.concatenate([prompt, ids]), np.concatenate([prompt_mask, mask])]
         cut |= cut_reply
-    if not (any(seqs[1]) and any(seqs[3])):
+    if not (seqs[1].any() and seqs[3].any()):
         return None, cut
     return (len(prompt), *seqs), cut
 
@@ -302,8 +302,8 @@ def prompt_requests(ex: PromptAnswer) -> list[Request]:
 
 def build_prompt(ex: PromptAnswer, encs: list[Encoded], data: Limits, encoder: ChatEncoder):
     (enc,) = encs
-    kept, _, cut = truncate(enc.input_ids, [0] * len(enc.input_ids), data.max_prompt_length, data.truncation)
-    return (kept, encoder.tokenizer.decode(kept) if cut else enc.text, ex.answer), cut
+    kept, _, cut = truncate(enc.input_ids, enc.loss_mask, data.max_prompt_length, data.truncation)
+    return (kept, encoder.tokenizer.decode(kept.tolist()) if cut else enc.text, ex.answer), cut
 
 
 @dataclass(frozen=True)
@@ -330,12 +330,23 @@ def spill_schema(kind: str) -> pa.Schema:
 
 
 def spill_batch(kind: str, rows: list[tuple]) -> pa.RecordBatch:
-    """(sample_id, status, truncated, tokens, loss_tokens, payload) rows as one record batch."""
+    """(sample_id, status, truncated, tokens, loss_tokens, payload) rows as one record batch; a
+    row without payload has empty lists and nulls there."""
     schema = spill_schema(kind)
-    columns = [list(c) for c in zip(*[row[:5] for row in rows])] or [[] for _ in INDEX]
-    payloads = [row[5] or (None,) * len(PAYLOAD[kind]) for row in rows]
-    columns += [list(c) for c in zip(*payloads)] or [[] for _ in PAYLOAD[kind]]
-    return pa.RecordBatch.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema)], schema=schema)
+    columns = [pa.array([row[i] for row in rows], f.type) for i, f in enumerate(list(schema)[:5])]
+    for i, f in enumerate(PAYLOAD[kind]):
+        values = [row[5][i] if row[5] is not None else None for row in rows]
+        columns.append(token_lists(values, f.type) if pa.types.is_list(f.type) else pa.array(values, f.type))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def token_lists(arrays: list[np.ndarray | None], type: pa.DataType) -> pa.ListArray:
+    """Token arrays as one list column, from one flat buffer (None: an empty list)."""
+    present = [a for a in arrays if a is not None]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([0 if a is None else len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(present) if present else np.zeros(0, np.int8)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type.value_type))
 
 
 # ---------------------------------------------------------------- splits and counts
