@@ -79,10 +79,11 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.backend = _plain_backend(tokenizer)
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+    def render(self, conversations: list[list[Message]], add_generation_prompt: bool = False) -> list[str]:
+        """The conversations rendered, in one call (its overhead is per call)."""
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversations, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except TemplateSyntaxError as e:  # the template's fault, not the row's: never skipped
             raise ValueError(f"chat template does not parse: {e}") from None
@@ -102,13 +103,7 @@ class ChatEncoder:
 
     def encode(self, requests: list[Request]) -> list[Encoded | ValueError]:
         """Each request encoded, or the error that stopped it (RowError when it is the row's fault)."""
-        pieces = []
-        for r in requests:
-            try:
-                pieces.append([(self.render(r.messages, True), False)] if r.generation_prompt
-                              else self.pieces(r.messages, r.train_from))
-            except ValueError as e:
-                pieces.append(e)
+        pieces = self.pieces(requests)
         good = [p for p in pieces if not isinstance(p, ValueError)]
         ids, lengths = self.tokens([text for p in good for text, _ in p])
         mask = np.repeat(np.fromiter((trained for p in good for _, trained in p), np.int8, len(lengths)), lengths)
@@ -124,28 +119,72 @@ class ChatEncoder:
             first += len(p)
         return encoded
 
-    def pieces(self, messages: list[Message], train_from: int = 0) -> list[tuple[str, bool]]:
-        """The rendered chat cut into (text, is_trained_assistant_turn) pieces."""
-        full = self.render(messages)
-        pieces, pos = [], 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant" or i < train_from:
-                continue
-            start = self._prefix_length(full, messages[:i], True, i)
-            end = len(full) if i == len(messages) - 1 else self._prefix_length(full, messages[: i + 1], False, i)
-            pieces += [(full[pos:start], False), (full[start:end], True)]
-            pos = end
-        pieces.append((full[pos:], False))
-        return [(text, trained) for text, trained in pieces if text]
+    def pieces(self, requests: list[Request]) -> list[list[tuple[str, bool]] | ValueError]:
+        """Each chat cut into (text, is_trained_assistant_turn) pieces, or the error that stopped
+        it. A batch's renders take two calls (without and with the generation prompt); when one
+        fails, each chat is rendered on its own, so that the error is the row's own."""
+        try:
+            texts = self._renders(requests)
+        except ValueError:
+            texts = None
+        cut = []
+        for k, r in enumerate(requests):
+            try:
+                cut.append(_cut(r, (lambda n, g, k=k: texts[k, n, g]) if texts else
+                                   (lambda n, g, r=r: self.render([r.messages[:n]], g)[0])))
+            except ValueError as e:
+                cut.append(e)
+        return cut
 
-    def _prefix_length(self, full: str, prefix: list[Message], generation_prompt: bool, turn: int) -> int:
-        text = self.render(prefix, add_generation_prompt=generation_prompt)
-        if not full.startswith(text):
-            raise ValueError(
-                f"chat template is not prefix-stable at assistant turn {turn}: rendering the first "
-                "turns does not give a prefix of the whole chat, so the loss mask cannot be found"
-            )
-        return len(text)
+    def _renders(self, requests: list[Request]) -> dict[tuple[int, int, bool], str]:
+        """(request, messages rendered, generation prompt) -> text, for every render the chats need."""
+        keys = [(k, n, g) for k, r in enumerate(requests) for n, g in _renders_needed(r)]
+        texts = {}
+        for flag in (False, True):
+            mine = [key for key in keys if key[2] == flag]
+            if mine:
+                texts |= zip(mine, self.render([requests[k].messages[:n] for k, n, _ in mine], flag))
+        return texts
+
+
+def _renders_needed(r: Request) -> list[tuple[int, bool]]:
+    """(how many of its messages, with the generation prompt) for each render a chat's pieces need:
+    the whole chat, and around each trained assistant turn i the first i messages with the
+    generation prompt and the first i + 1 without (the whole chat, for its last turn)."""
+    if r.generation_prompt:
+        return [(len(r.messages), True)]
+    needed = [(len(r.messages), False)]
+    for i in _trained_turns(r):
+        needed += [(i, True)] + ([(i + 1, False)] if i < len(r.messages) - 1 else [])
+    return needed
+
+
+def _trained_turns(r: Request) -> list[int]:
+    return [i for i, m in enumerate(r.messages) if m["role"] == "assistant" and i >= r.train_from]
+
+
+def _cut(r: Request, text) -> list[tuple[str, bool]]:
+    """A chat's pieces from its renders (`text(messages, generation_prompt)`)."""
+    full = text(len(r.messages), r.generation_prompt)
+    if r.generation_prompt:
+        return [(full, False)]
+    pieces, pos = [], 0
+    for i in _trained_turns(r):
+        start = _prefix_length(full, text(i, True), i)
+        end = len(full) if i == len(r.messages) - 1 else _prefix_length(full, text(i + 1, False), i)
+        pieces += [(full[pos:start], False), (full[start:end], True)]
+        pos = end
+    pieces.append((full[pos:], False))
+    return [(piece, trained) for piece, trained in pieces if piece]
+
+
+def _prefix_length(full: str, prefix: str, turn: int) -> int:
+    if not full.startswith(prefix):
+        raise ValueError(
+            f"chat template is not prefix-stable at assistant turn {turn}: rendering the first "
+            "turns does not give a prefix of the whole chat, so the loss mask cannot be found"
+        )
+    return len(prefix)
 
 
 def _plain_backend(tokenizer):
