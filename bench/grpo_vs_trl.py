@@ -46,6 +46,7 @@ def prepare(work: Path) -> None:
     from safetensors.numpy import save
 
     from alignflow import demo
+    from alignflow.config.schema import PrepConfig
     from alignflow.stages import convert, prep
 
     assets, rng = demo.build(work / "demo"), np.random.default_rng(SEED)
@@ -61,7 +62,7 @@ def prepare(work: Path) -> None:
         (work / shape / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         spec = {"train": str(work / shape / "prompts.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None,
                 "answer_key": "answer"}
-        cfg = OmegaConf.create({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+        cfg = OmegaConf.create({"prep": OmegaConf.structured(PrepConfig),
                                 "data": {"sft": None, "preference": None, "prompts": spec, "seq_length": 512, "max_prompt_length": 256,
                                          "truncation": "keep_start", "packing": True, "seed": 0},
                                 "model": {"source": str(work / shape / "hf"), "hf_config": None, "tokenizer": str(assets / "tokenizer"),

@@ -55,7 +55,7 @@ def measure(fn):
 seconds, peak, bins = measure(lambda: pack_bfd(lengths, CAPACITY))
 assert sorted(i for b in bins for i in b) == list(range(N))
 assert max(int(lengths[b].sum()) for b in bins) <= CAPACITY
-stats = packing_stats(lengths, bins, CAPACITY)
+stats = packing_stats(lengths, len(bins), CAPACITY)
 report("alignflow pack_bfd", seconds, peak, stats.packs)
 
 

@@ -68,11 +68,13 @@ def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], upstream: d
 
 
 class JobLogWatcher:
-    """Forwards the job's log lines to Prefect and turns two of them into artifacts while the
-    job runs: a training step line ("step 40/300: ...") moves the stage's progress bar, and a
-    wandb run URL (online runs log it) becomes a link artifact."""
+    """Forwards the job's log lines to Prefect and turns some of them into artifacts while the
+    job runs: a training step line ("step 40/300: ...") or a progress line ("42.0% done, ...",
+    prep's) moves the stage's progress bar, and a wandb run URL (online runs log it) becomes a
+    link artifact."""
 
     STEP = re.compile(r"\bstep (\d+)/(\d+): ")
+    DONE = re.compile(r"\b(\d+(?:\.\d+)?)% done\b")
     WANDB = re.compile(r"\bwandb run (https?://\S+)")
 
     def __init__(self, stage: str, log: Callable[[str], None]):
@@ -82,13 +84,15 @@ class JobLogWatcher:
         self.log(line)
         if step := self.STEP.search(line):
             self.progress(100.0 * int(step.group(1)) / max(int(step.group(2)), 1))
+        elif done := self.DONE.search(line):
+            self.progress(float(done.group(1)))
         elif wandb := self.WANDB.search(line):
             create_link_artifact(link=wandb.group(1), link_text=f"{self.stage} on wandb", key=_key("wandb", self.stage),
                                  description=f"{self.stage}: the wandb run")
 
     def progress(self, percent: float) -> None:
         if self.progress_id is None:
-            self.progress_id = create_progress_artifact(percent, key=_key("progress", self.stage), description=f"{self.stage}: training steps done")
+            self.progress_id = create_progress_artifact(percent, key=_key("progress", self.stage), description=f"{self.stage}: progress")
         else:
             update_progress_artifact(self.progress_id, percent)
 

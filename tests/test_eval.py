@@ -19,7 +19,7 @@ def prep_cfg(demo_dir):
                    "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None, "answer_key": "answer"}
             for kind in ("sft", "preference", "prompts")}
     return typed({
-        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+        "prep": {},
         "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True, "seed": 0, **data},
         "model": {"source": str(demo_dir / "tiny-llama"), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
                   "chat_template": None, "make_vocab_size_divisible_by": 128},

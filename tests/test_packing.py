@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from alignflow.data.packing import pack_bfd, pack_first_fit_shuffle, packing_stats
+from alignflow.data import packing
+from alignflow.data.packing import pack_bfd, pack_bfd_flat, pack_first_fit_shuffle, packing_stats
 
 
 def naive_best_fit_decreasing(lengths, capacity):
@@ -16,6 +17,25 @@ def naive_best_fit_decreasing(lengths, capacity):
         else:
             space.append(capacity - length)
     return len(space)
+
+
+def naive_bfd_bins(lengths, capacity):
+    """The bins themselves: longest first (ties in input order), each into the tightest bin that
+    fits, ties to the bin touched last."""
+    bins, space, touched = [], [], []
+    for t, i in enumerate(sorted(range(len(lengths)), key=lambda i: -lengths[i])):
+        fits = [b for b, s in enumerate(space) if s >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: (space[b], -touched[b]))
+        else:
+            b = len(bins)
+            bins.append([])
+            space.append(capacity)
+            touched.append(t)
+        bins[b].append(i)
+        space[b] -= lengths[i]
+        touched[b] = t
+    return bins
 
 
 def naive_first_fit(lengths, order, capacity):
@@ -71,6 +91,16 @@ def test_random_lengths_are_packed_validly_and_tightly(seed):
     assert len(bfd) >= -(-sum(lengths) // capacity)
 
 
+@pytest.mark.parametrize("step", [7, 1 << 16])
+def test_bfd_matches_naive_best_fit_decreasing_bin_for_bin(monkeypatch, step):
+    monkeypatch.setattr(packing, "_STEP", step)  # the slice boundaries of its loop change nothing
+    lengths = np.random.default_rng(11).integers(1, 12, size=500).tolist()  # many ties
+    expected = naive_bfd_bins(lengths, 16)
+    assert pack_bfd(lengths, 16) == expected
+    items, offsets = pack_bfd_flat(lengths, 16)
+    assert items.dtype == np.int32 and offsets.tolist() == np.cumsum([0] + [len(b) for b in expected]).tolist()
+
+
 def test_first_fit_shuffle_matches_naive_first_fit():
     rng = np.random.default_rng(7)
     lengths = rng.integers(1, 50, size=400).tolist()
@@ -81,8 +111,8 @@ def test_first_fit_shuffle_matches_naive_first_fit():
 def test_bfd_beats_first_fit_shuffle_on_lognormal_lengths():
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(5.0, 1.0, 20_000), 1, 1024).astype(np.int64)
-    bfd = packing_stats(lengths, pack_bfd(lengths, 1024), 1024)
-    ffs = packing_stats(lengths, pack_first_fit_shuffle(lengths, 1024), 1024)
+    bfd = packing_stats(lengths, len(pack_bfd(lengths, 1024)), 1024)
+    ffs = packing_stats(lengths, len(pack_first_fit_shuffle(lengths, 1024)), 1024)
     assert bfd.packing_efficiency >= ffs.packing_efficiency
     assert bfd.packing_efficiency > 0.99
     assert bfd.packs >= bfd.packs_lower_bound
@@ -96,7 +126,7 @@ def test_deterministic():
 
 
 def test_stats():
-    s = packing_stats([4, 4, 3], [[0, 1], [2]], 8)
+    s = packing_stats([4, 4, 3], 2, 8)
     assert (s.tokens, s.packs, s.packs_lower_bound) == (11, 2, 2)
     assert s.packing_efficiency == pytest.approx(11 / 16)
     assert s.efficiency_upper_bound == pytest.approx(11 / 16)

@@ -2,7 +2,10 @@
 
 import json
 import re
+import time
+from datetime import datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -10,6 +13,8 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from alignflow import demo
+from alignflow.config.schema import PrepConfig
+from alignflow.data.packing import pack_bfd
 from alignflow.stages import prep
 
 EOS = demo.EOS
@@ -41,11 +46,12 @@ def spec(train, val=None, **kw):
             "format": "auto", "dev_choose_samples": None, "answer_key": "answer", **kw}
 
 
-def make_cfg(assets, sft=None, preference=None, prompts=None, skip_bad_rows=False, rows_per_shard=10000,
-             chat_template=None, **data):
+def make_cfg(assets, sft=None, preference=None, prompts=None, chat_template=None, prep_=None, **data):
+    """The prep section typed by its schema, in chunks of 64 rows so that every test crosses
+    chunk boundaries; prep_ overrides some of it."""
     specs = {"sft": sft, "preference": preference, "prompts": prompts}
     return OmegaConf.create({
-        "prep": {"skip_bad_rows": skip_bad_rows, "rows_per_shard": rows_per_shard},
+        "prep": OmegaConf.merge(OmegaConf.structured(PrepConfig), {"chunk_rows": 64}, prep_ or {}),
         "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True,
                  "seed": 0, **data, **specs},
         "model": {"tokenizer": str(assets / "tokenizer"), "chat_template": chat_template},
@@ -254,6 +260,27 @@ def test_file_types_directories_and_globs(assets, tok, tmp_path):
         assert [r["sample_ids"] for r in read(out, "sft")] == [[i] for i in range(n)]
 
 
+def test_hf_datasets_on_disk(assets, tmp_path):
+    """What HF `datasets` writes (save_to_disk in several shards, a DatasetDict's split, the
+    load_dataset cache) is read with pyarrow and gives the rows of the jsonl it came from."""
+    from datasets import Dataset, DatasetDict, load_dataset
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(30)]
+    src = write_jsonl(tmp_path / "src.jsonl", rows)
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dict"))
+    load_dataset("json", data_files=str(src), cache_dir=str(tmp_path / "cache"), split="train")
+    expected = read(run_prep(make_cfg(assets, sft=spec(src), packing=False, prep_={"chunk_rows": 4}), tmp_path, "jsonl")[1], "sft")
+    assert [r["sample_ids"] for r in expected] == [[i] for i in range(30)]
+    for name, uri in (("saved", tmp_path / "saved"), ("split", tmp_path / "dict" / "train"),
+                      ("cache", f"{tmp_path}/cache/**/json-train*.arrow")):
+        _, out = run_prep(make_cfg(assets, sft=spec(uri), packing=False, prep_={"chunk_rows": 4}), tmp_path, name)
+        assert read(out, "sft") == expected, name
+    with pytest.raises(ValueError, match="holds a DatasetDict .* name one of its splits"):
+        run_prep(make_cfg(assets, sft=spec(tmp_path / "dict")), tmp_path, "dict")
+
+
 def test_mixed_formats_in_one_source_are_bad_rows(assets, tmp_path):
     f = write_jsonl(tmp_path / "m.jsonl", [SFT_CASES["messages"], SFT_CASES["input_output"]])
     with pytest.raises(ValueError, match="line 2: field 'messages': missing"):
@@ -295,10 +322,23 @@ def test_bad_parquet_row_names_its_row(assets, tmp_path):
         run_prep(make_cfg(assets, preference=spec(good, val=f)), tmp_path)
 
 
+def test_line_numbers_survive_read_blocks_and_parts(assets, tmp_path, monkeypatch):
+    from alignflow.data import readers
+
+    monkeypatch.setattr(readers, "READ_BYTES", 7)  # lines cut across reads, blank lines inside a read
+    monkeypatch.setattr(readers, "PART_LINES", 2)
+    f = tmp_path / "s.jsonl"
+    f.write_text("\n".join([GOOD, "", GOOD, "  ", GOOD, BAD_ROWS["missing field"][0], GOOD]))  # no final newline
+    with pytest.raises(ValueError, match=rf"^data\.sft\.train: {re.escape(str(f))} line 6: field 'messages': missing"):
+        run_prep(make_cfg(assets, sft=spec(f), prep_={"chunk_rows": 2}), tmp_path)
+    metrics, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, prep_={"chunk_rows": 2, "skip_bad_rows": True}), tmp_path)
+    assert [r["sample_ids"] for r in read(out, "sft")] == [[0], [1], [2], [4]] and metrics["sft.train.skipped_rows"] == 1
+
+
 def test_skip_bad_rows_counts_them(assets, tok, tmp_path):
     lines = [GOOD] + [line for line, _ in BAD_ROWS.values()] + [GOOD]
     f = write_jsonl(tmp_path / "sft.jsonl", lines)
-    metrics, out = run_prep(make_cfg(assets, sft=spec(f), skip_bad_rows=True, packing=False), tmp_path)
+    metrics, out = run_prep(make_cfg(assets, sft=spec(f), prep_={"skip_bad_rows": True}, packing=False), tmp_path)
     assert (metrics["sft.train.rows_in"], metrics["sft.train.rows"], metrics["sft.train.skipped_rows"]) == (9, 2, 7)
     assert [r["sample_ids"] for r in read(out, "sft")] == [[0], [8]]
 
@@ -366,7 +406,7 @@ def test_val_fraction_split_is_deterministic(assets, tmp_path):
 
 def test_shards(assets, tmp_path):
     f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["input_output"]] * 20)
-    _, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, rows_per_shard=7), tmp_path)
+    _, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, prep_={"rows_per_shard": 7}), tmp_path)
     assert sorted(p.name for p in (out / "sft").iterdir()) == [f"train-0000{i}.parquet" for i in range(3)]
     assert len(read(out, "sft")) == 20
 
@@ -416,9 +456,114 @@ def test_any_fsspec_filesystem(assets, tok):
 
 def test_broken_template_is_never_skipped(assets, tmp_path):
     f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["messages"]])
-    cfg = make_cfg(assets, sft=spec(f), skip_bad_rows=True, chat_template="{% for m in messages %}")
+    cfg = make_cfg(assets, sft=spec(f), prep_={"skip_bad_rows": True}, chat_template="{% for m in messages %}")
     with pytest.raises(ValueError, match="line 1: chat template does not parse"):
         run_prep(cfg, tmp_path)
     cfg.model.tokenizer = str(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="model.tokenizer"):
         run_prep(cfg, tmp_path)
+
+
+# ---------------------------------------------------------------- data-set scale: chunks, ranks, progress
+
+
+def write_chats(path, n, seed=0, bad=None):
+    """n chats of lognormal length made of the demo's words; line `bad` (1-based) malformed."""
+    rng = np.random.default_rng(seed)
+    words = np.array(" ".join(demo.SENTENCES).split())
+    lines = []
+    for i in range(1, n + 1):
+        user, reply = (" ".join(words[rng.integers(0, len(words), k)]) for k in np.clip(rng.lognormal(2.5, 0.8, 2), 1, 300).astype(int))
+        chat = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        lines.append('{"messages": [{"role": "user", "content": 7}]}' if i == bad else json.dumps({"messages": chat}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def files_of(out):
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != "_SUCCESS.json"}
+
+
+def test_chunk_size_changes_nothing(assets, tmp_path):
+    f = write_jsonl(tmp_path / "s.jsonl", [GOOD, BAD_ROWS["not a list"][0], *[json.dumps(long_chat())] * 5, GOOD, GOOD] * 7)
+    d = assets / "data"
+    outputs = []
+    for chunk_rows in (10000, 3, 1):
+        cfg = make_cfg(assets, sft=spec(f, val_fraction=0.2), preference=spec(d / "preference_train.jsonl", dev_choose_samples=50),
+                       prompts=spec(d / "prompts_train.jsonl", d / "prompts_val.jsonl", dev_choose_samples=40), seq_length=48,
+                       prep_={"skip_bad_rows": True, "chunk_rows": chunk_rows, "rows_per_shard": 4})
+        outputs.append(files_of(run_prep(cfg, tmp_path, f"c{chunk_rows}")[1]))
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert len([p for p in outputs[0] if p.startswith("sft/train-")]) > 1 and not any(p.startswith("_prep") for p in outputs[0])
+
+
+def test_packed_rows_are_best_fit_decreasing_over_the_split_then_shuffled(assets, tmp_path):
+    """The in-memory prep's packing, computed here from the unpacked documents."""
+    f = write_chats(tmp_path / "c.jsonl", 600)
+    docs = [r for r in read(run_prep(make_cfg(assets, sft=spec(f), packing=False, seed=3), tmp_path, "docs")[1], "sft")]
+    bins = pack_bfd([len(r["input_ids"]) for r in docs], 128)
+    expected = [bins[i] for i in np.random.default_rng(3).permutation(len(bins))]
+    rows = read(run_prep(make_cfg(assets, sft=spec(f), seed=3, prep_={"chunk_rows": 50, "rows_per_shard": 40}), tmp_path)[1], "sft")
+    assert len(rows) == len(expected) > 100
+    for row, b in zip(rows, expected):
+        assert row["input_ids"] == [t for i in b for t in docs[i]["input_ids"]]
+        assert row["loss_mask"] == [m for i in b for m in docs[i]["loss_mask"]]
+        assert row["sample_ids"] == [docs[i]["sample_ids"][0] for i in b]
+        assert row["cu_seqlens"] == np.cumsum([0] + [len(docs[i]["input_ids"]) for i in b]).tolist()
+
+
+def test_a_bad_row_deep_in_a_large_file_is_skipped_and_counted(assets, tmp_path):
+    f = write_chats(tmp_path / "big.jsonl", 20_000, bad=17_321)
+    metrics, out = run_prep(make_cfg(assets, sft=spec(f), seq_length=2048, prep_={"skip_bad_rows": True, "chunk_rows": 1000}), tmp_path)
+    assert (metrics["sft.train.rows_in"], metrics["sft.train.skipped_rows"], metrics["sft.train.rows"]) == (20_000, 1, 19_999)
+    assert 17_320 not in {i for r in read(out, "sft") for i in r["sample_ids"]}
+
+
+def prep_stage(overrides):
+    from alignflow.config.compose import compose
+    from alignflow.pipeline import Pipeline
+
+    return Pipeline.build(compose("demo", overrides))["prep"]
+
+
+@pytest.mark.slow
+def test_two_ranks_write_the_bytes_one_rank_does_and_report_progress(base_overrides, tmp_path):
+    """Through the local launcher, as a pipeline runs it: the same fingerprint and the same
+    bytes from 1 rank and from 2 (with another chunk size); the progress lines of rank 0 reach
+    the caller's log (Prefect's, in a flow) while the job runs."""
+    from alignflow.runner import run_stage
+    from tasks.stage import JobLogWatcher
+
+    f = write_chats(tmp_path / "chats.jsonl", 24_000)
+    data = [f"data.sft.train={f}", "data.sft.val=null", "data.sft.val_fraction=0.05", "prep.rows_per_shard=300"]
+    one = run_stage(prep_stage([*base_overrides, *data]), {}, log=lambda line: None)
+    lines = []
+    two = run_stage(prep_stage([*base_overrides, *data, f"store.root={tmp_path / 'store2'}", "prep.resources.tasks_per_node=2",
+                                "prep.chunk_rows=1500", "prep.progress_interval_s=0.5"]), {},
+                    log=lambda line: lines.append((time.monotonic(), line)))
+    assert two.fingerprint == one.fingerprint and two.metrics == one.metrics
+    out_one, out_two = (tmp_path / store / "prep" / one.fingerprint for store in ("store", "store2"))
+    assert files_of(out_two) == files_of(out_one)
+    assert len([p for p in files_of(out_one) if p.startswith("sft/")]) > 4
+
+    progress = [(at, line) for at, line in lines if JobLogWatcher.DONE.search(line)]
+    done = [float(JobLogWatcher.DONE.search(line).group(1)) for _, line in progress]
+    assert len(progress) >= 3 and done == sorted(done) and done[-1] == 100.0, lines
+    assert all("[rank 0]" in line and "rows read" in line and "rows/s" in line and "ETA" in line for _, line in progress)
+    stamps = [datetime.strptime(line.split("] ")[1][:23], "%Y-%m-%d %H:%M:%S,%f") for _, line in progress]
+    assert max((b - a).total_seconds() for a, b in zip(stamps, stamps[1:])) < 10
+    completed = next(at for at, line in lines if line.endswith(": COMPLETED"))
+    assert progress[0][0] < completed  # forwarded while the job ran, not after
+
+
+@pytest.mark.slow
+def test_a_bad_row_deep_in_a_large_file_on_another_rank_fails_the_stage_and_commits_nothing(base_overrides, tmp_path):
+    from alignflow.launch import StageFailed
+    from alignflow.runner import run_stage
+
+    f = write_chats(tmp_path / "big.jsonl", 20_000, bad=13_457)  # chunk 13 of 1000 rows: rank 1's
+    stage = prep_stage([*base_overrides, f"data.sft.train={f}", "data.sft.val=null", "prep.resources.tasks_per_node=2",
+                        "prep.chunk_rows=1000"])
+    with pytest.raises(StageFailed, match=rf"data\.sft\.train: {re.escape(str(f))} line 13457: field 'messages': expected a list"):
+        run_stage(stage, {}, log=lambda line: None)
+    assert not list((tmp_path / "store" / "prep").glob("*/_SUCCESS.json"))

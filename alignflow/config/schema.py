@@ -291,6 +291,11 @@ class PrepConfig(StageBase):
 
     skip_bad_rows: bool = False
     rows_per_shard: int = 10000
+    # Rows a rank reads, tokenizes and spills as one unit, and the unit of work dealt to the
+    # ranks in turn: memory per rank follows it. The output is the same whatever it is
+    # (tests/test_prep.py), so it is not part of identity.
+    chunk_rows: int = not_identity(10000)
+    progress_interval_s: float = not_identity(5.0)  # rows read, rows/s, tokens and an ETA in the job log
 
 
 @dataclass

@@ -16,10 +16,15 @@ from math import ceil
 
 import numpy as np
 
+_STEP = 1 << 16  # items converted to Python ints at a time
+
 
 def _as_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
-    """Validate once, up front, so the hot loops need no checks."""
-    arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    """Validate once, up front, so the hot loops need no checks. Signed integer arrays are
+    taken as they are (no copy); anything else becomes int64."""
+    arr = np.asarray(lengths).reshape(-1)
+    if arr.dtype.kind != "i":
+        arr = arr.astype(np.int64)
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     if arr.size and arr.min() < 1:
@@ -31,7 +36,17 @@ def _as_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarra
 
 
 def pack_bfd(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing as lists of item indices per bin (`pack_bfd_flat` as lists)."""
+    items, offsets = pack_bfd_flat(lengths, capacity)
+    return [items[a:b].tolist() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+
+
+def pack_bfd_flat(lengths: Sequence[int] | np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """Best-fit-decreasing: longest first, each into the open bin it fills most tightly.
+
+    Returns (items, offsets): bin b holds items[offsets[b]:offsets[b + 1]], in the order they were
+    placed; bins are numbered in the order they were opened. Flat int32 arrays rather than lists
+    of lists keep millions of items in tens of MB.
 
     Bins are bucketed by remaining capacity (an integer in 1..capacity), and a sorted list
     holds the capacities that have at least one open bin. The best fit for an item of
@@ -41,31 +56,37 @@ def pack_bfd(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[in
     Deterministic: equal lengths keep their input order.
     """
     arr = _as_lengths(lengths, capacity)
-    order = np.argsort(-arr, kind="stable")
-    bins: list[list[int]] = []
+    order = np.argsort(-arr, kind="stable").astype(np.int32)
+    bin_of = np.empty(arr.size, dtype=np.int32)  # the bin of the k-th item placed
+    opened = 0
     buckets: dict[int, list[int]] = {}  # remaining capacity -> stack of bin indices
     free: list[int] = []  # sorted remaining capacities with a non-empty bucket
-    for idx, length in zip(order.tolist(), arr[order].tolist()):
-        pos = bisect_left(free, length)
-        if pos == len(free):
-            b, left = len(bins), capacity - length
-            bins.append([idx])
-        else:
-            space = free[pos]
-            stack = buckets[space]
-            b = stack.pop()
-            if not stack:
-                del free[pos]
-            bins[b].append(idx)
-            left = space - length
-        if left:
-            stack = buckets.get(left)
-            if stack:
-                stack.append(b)
+    for start in range(0, arr.size, _STEP):  # Python ints for a slice at a time, not all at once
+        placed = []
+        for length in arr[order[start : start + _STEP]].tolist():
+            pos = bisect_left(free, length)
+            if pos == len(free):
+                b, left = opened, capacity - length
+                opened += 1
             else:
-                buckets[left] = [b]
-                insort(free, left)
-    return bins
+                space = free[pos]
+                stack = buckets[space]
+                b = stack.pop()
+                if not stack:
+                    del free[pos]
+                left = space - length
+            placed.append(b)
+            if left:
+                stack = buckets.get(left)
+                if stack:
+                    stack.append(b)
+                else:
+                    buckets[left] = [b]
+                    insort(free, left)
+        bin_of[start : start + len(placed)] = placed
+    offsets = np.zeros(opened + 1, dtype=np.int64)
+    np.cumsum(np.bincount(bin_of, minlength=opened), out=offsets[1:])
+    return order[np.argsort(bin_of, kind="stable")], offsets
 
 
 class _MinTree:
@@ -146,11 +167,10 @@ class PackingStats:
     efficiency_upper_bound: float
 
 
-def packing_stats(lengths: Sequence[int] | np.ndarray, bins: list[list[int]], capacity: int) -> PackingStats:
+def packing_stats(lengths: Sequence[int] | np.ndarray, packs: int, capacity: int) -> PackingStats:
     """Efficiency = tokens / (packs * capacity); the bound uses ceil(tokens / capacity) packs."""
     tokens = int(np.asarray(lengths, dtype=np.int64).sum())
     lower = ceil(tokens / capacity)
-    packs = len(bins)
     return PackingStats(
         tokens=tokens,
         packs=packs,

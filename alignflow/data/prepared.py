@@ -1,5 +1,6 @@
-"""Prep's output format: its one writer (`write_split`, used by the prep stage) and its one
-reader (`Prepared`, used by every stage that reads prepared data). Column names live here.
+"""Prep's output format: its one writer (`ShardWriter` and `write_metadata`, used by the prep
+stage) and its one reader (`Prepared`, used by every stage that reads prepared data). Column
+names live here.
 
     {out}/metadata.json                     counts per dataset and split, tokenizer ids, seq_length
     {out}/sft/{split}-NNNNN.parquet         input_ids list<int32>; loss_mask list<int8> (1 = predict
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 METADATA = "metadata.json"
 DATASETS = ("sft", "preference", "prompts")
 SIDES = ("chosen", "rejected")
+ROW_GROUP_ROWS = 256
 SCHEMAS = {
     "sft": pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
                       ("cu_seqlens", pa.list_(pa.int32())), ("sample_ids", pa.list_(pa.int64()))]),
@@ -38,15 +40,38 @@ SCHEMAS = {
 }
 
 
-def write_split(out: str, dataset: str, split: str, table: pa.Table, rows_per_shard: int) -> None:
-    """`{out}/{dataset}/{split}-{i:05d}.parquet` of at most rows_per_shard rows; at least one shard."""
-    table = table.select(SCHEMAS[dataset].names).cast(SCHEMAS[dataset])
-    fs, root = fsspec.core.url_to_fs(out)
-    dest = f"{root.rstrip('/')}/{dataset}"
-    fs.makedirs(dest, exist_ok=True)
-    for i, start in enumerate(range(0, max(table.num_rows, 1), rows_per_shard)):
-        with fs.open(f"{dest}/{split}-{i:05d}.parquet", "wb") as f:
-            pq.write_table(table.slice(start, rows_per_shard), f)
+class ShardWriter:
+    """Writes `{out}/{dataset}/{split}-{index:05d}.parquet` a table of rows at a time, so a shard
+    never has to be in memory whole. Row groups hold ROW_GROUP_ROWS rows whatever the tables
+    given (the bytes do not depend on how the rows were cut), which also keeps the writer's
+    own memory near a row group's. Shards are numbered from 0 without gaps; a split that
+    exists has at least one shard (maybe empty)."""
+
+    def __init__(self, out: str, dataset: str, split: str, index: int):
+        self.schema = SCHEMAS[dataset]
+        fs, root = fsspec.core.url_to_fs(out)
+        fs.makedirs(f"{root.rstrip('/')}/{dataset}", exist_ok=True)
+        self.file = fs.open(f"{root.rstrip('/')}/{dataset}/{split}-{index:05d}.parquet", "wb")
+        self.writer = pq.ParquetWriter(self.file, self.schema)
+        self.pending = self.schema.empty_table()
+
+    def write(self, table: pa.Table) -> None:
+        self.pending = pa.concat_tables([self.pending, table.select(self.schema.names).cast(self.schema)])
+        while self.pending.num_rows >= ROW_GROUP_ROWS:
+            self._flush(self.pending.slice(0, ROW_GROUP_ROWS))
+            self.pending = self.pending.slice(ROW_GROUP_ROWS)
+
+    def _flush(self, table: pa.Table) -> None:
+        self.writer.write_table(table.combine_chunks())
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None and self.pending.num_rows:
+            self._flush(self.pending)
+        self.writer.close()
+        self.file.close()
 
 
 def write_metadata(out: str, meta: dict) -> None:

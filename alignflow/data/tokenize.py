@@ -3,7 +3,7 @@
 The mask is found by prefix differences, which works with any template that renders a
 conversation's prefixes as prefixes of its text (Llama 3, Qwen 2.5, Mistral, ChatML, ...):
 assistant turn i spans from render(messages[:i], add_generation_prompt=True) to
-render(messages[:i+1]). No `{% generation %}` markup is needed. Each piece (prompt text,
+render(messages[:i+1]) (the whole chat for its last turn). No `{% generation %}` markup is needed. Each piece (prompt text,
 assistant text) is tokenized on its own, exactly as at inference, where the prompt is
 tokenized and the reply generated token by token; so no token straddles a mask edge.
 """
@@ -13,9 +13,12 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from itertools import chain
 
 import fsspec
+import numpy as np
 from jinja2 import TemplateError, TemplateSyntaxError
+from tokenizers import Tokenizer
 
 from alignflow.data.formats import Message, RowError
 
@@ -49,72 +52,153 @@ def _copy_dir(fs: fsspec.AbstractFileSystem, path: str, dest: str) -> None:
 
 
 @dataclass(frozen=True)
+class Request:
+    """One chat to encode: the loss mask covers its assistant turns from index `train_from` on;
+    a `generation_prompt` request is a prompt for generation (the template's generation prompt
+    appended, nothing trained)."""
+
+    messages: list[Message]
+    train_from: int = 0
+    generation_prompt: bool = False
+
+
+@dataclass(frozen=True)
 class Encoded:
-    input_ids: list[int]
-    loss_mask: list[int]
+    text: str  # the rendered chat
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8, 1 on trained tokens
     prompt_length: int  # tokens before the first trained token
 
 
 class ChatEncoder:
-    """Renders messages with the tokenizer's chat template and tokenizes them."""
+    """Renders messages with the tokenizer's chat template and tokenizes them, many at a time:
+    one tokenizer call per batch keeps its per-call overhead off each row, and the tokens of a
+    batch land in one array, of which each chat's ids and mask are views."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.backend = _plain_backend(tokenizer)
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+    def render(self, conversations: list[list[Message]], add_generation_prompt: bool = False) -> list[str]:
+        """The conversations rendered, in one call (its overhead is per call)."""
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversations, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except TemplateSyntaxError as e:  # the template's fault, not the row's: never skipped
             raise ValueError(f"chat template does not parse: {e}") from None
         except TemplateError as e:  # e.g. "roles must alternate": the row's fault
             raise RowError(None, f"chat template: {e}") from None
 
-    def tokens(self, pieces: list[str]) -> list[list[int]]:
-        return self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+    def tokens(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """What `tokenizer(pieces, add_special_tokens=False)["input_ids"]` gives, as one int32
+        array and each piece's length, without its per-text Python overhead when the tokenizer
+        is a fast one."""
+        if self.backend is None:
+            lists = self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+        else:
+            lists = [e.ids for e in self.backend.encode_batch_fast(pieces, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+        return np.fromiter(chain.from_iterable(lists), np.int32, int(lengths.sum())), lengths
 
-    def encode_prompt(self, messages: list[Message]) -> tuple[str, list[int]]:
-        """The prompt as it is sent for generation: text ending in the assistant header."""
-        text = self.render(messages, add_generation_prompt=True)
-        return text, self.tokens([text])[0]
-
-    def encode_chat(self, messages: list[Message], train_from: int = 0) -> Encoded:
-        """Tokens of the whole chat; mask 1 on assistant turns with index >= train_from."""
-        pieces = self.pieces(messages, train_from)
-        ids, mask, prompt_length = [], [], None
-        for (_, trained), toks in zip(pieces, self.tokens([p for p, _ in pieces])):
-            if trained and prompt_length is None:
-                prompt_length = len(ids)
-            ids += toks
-            mask += [int(trained)] * len(toks)
-        return Encoded(ids, mask, len(ids) if prompt_length is None else prompt_length)
-
-    def pieces(self, messages: list[Message], train_from: int = 0) -> list[tuple[str, bool]]:
-        """The rendered chat cut into (text, is_trained_assistant_turn) pieces."""
-        full = self.render(messages)
-        pieces, pos = [], 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant" or i < train_from:
+    def encode(self, requests: list[Request]) -> list[Encoded | ValueError]:
+        """Each request encoded, or the error that stopped it (RowError when it is the row's fault)."""
+        pieces = self.pieces(requests)
+        good = [p for p in pieces if not isinstance(p, ValueError)]
+        ids, lengths = self.tokens([text for p in good for text, _ in p])
+        mask = np.repeat(np.fromiter((trained for p in good for _, trained in p), np.int8, len(lengths)), lengths)
+        starts = [0, *np.cumsum(lengths).tolist()]  # where each piece's tokens start
+        encoded, first = [], 0  # first: the index of a chat's first piece
+        for p in pieces:
+            if isinstance(p, ValueError):
+                encoded.append(p)
                 continue
-            start = self._prefix_length(full, messages[:i], True, i)
-            end = self._prefix_length(full, messages[: i + 1], False, i)
-            pieces += [(full[pos:start], False), (full[start:end], True)]
-            pos = end
-        pieces.append((full[pos:], False))
-        return [(text, trained) for text, trained in pieces if text]
+            start, end = starts[first], starts[first + len(p)]
+            trained = next((i for i, (_, t) in enumerate(p) if t), len(p))
+            encoded.append(Encoded("".join([text for text, _ in p]), ids[start:end], mask[start:end], starts[first + trained] - start))
+            first += len(p)
+        return encoded
 
-    def _prefix_length(self, full: str, prefix: list[Message], generation_prompt: bool, turn: int) -> int:
-        text = self.render(prefix, add_generation_prompt=generation_prompt)
-        if not full.startswith(text):
-            raise ValueError(
-                f"chat template is not prefix-stable at assistant turn {turn}: rendering the first "
-                "turns does not give a prefix of the whole chat, so the loss mask cannot be found"
-            )
-        return len(text)
+    def pieces(self, requests: list[Request]) -> list[list[tuple[str, bool]] | ValueError]:
+        """Each chat cut into (text, is_trained_assistant_turn) pieces, or the error that stopped
+        it. A batch's renders take two calls (without and with the generation prompt); when one
+        fails, each chat is rendered on its own, so that the error is the row's own."""
+        try:
+            texts = self._renders(requests)
+        except ValueError:
+            texts = None
+        cut = []
+        for k, r in enumerate(requests):
+            try:
+                cut.append(_cut(r, (lambda n, g, k=k: texts[k, n, g]) if texts else
+                                   (lambda n, g, r=r: self.render([r.messages[:n]], g)[0])))
+            except ValueError as e:
+                cut.append(e)
+        return cut
+
+    def _renders(self, requests: list[Request]) -> dict[tuple[int, int, bool], str]:
+        """(request, messages rendered, generation prompt) -> text, for every render the chats need."""
+        keys = [(k, n, g) for k, r in enumerate(requests) for n, g in _renders_needed(r)]
+        texts = {}
+        for flag in (False, True):
+            mine = [key for key in keys if key[2] == flag]
+            if mine:
+                texts |= zip(mine, self.render([requests[k].messages[:n] for k, n, _ in mine], flag))
+        return texts
 
 
-def truncate(ids: list[int], mask: list[int], max_length: int, mode: str) -> tuple[list[int], list[int], bool]:
+def _renders_needed(r: Request) -> list[tuple[int, bool]]:
+    """(how many of its messages, with the generation prompt) for each render a chat's pieces need:
+    the whole chat, and around each trained assistant turn i the first i messages with the
+    generation prompt and the first i + 1 without (the whole chat, for its last turn)."""
+    if r.generation_prompt:
+        return [(len(r.messages), True)]
+    needed = [(len(r.messages), False)]
+    for i in _trained_turns(r):
+        needed += [(i, True)] + ([(i + 1, False)] if i < len(r.messages) - 1 else [])
+    return needed
+
+
+def _trained_turns(r: Request) -> list[int]:
+    return [i for i, m in enumerate(r.messages) if m["role"] == "assistant" and i >= r.train_from]
+
+
+def _cut(r: Request, text) -> list[tuple[str, bool]]:
+    """A chat's pieces from its renders (`text(messages, generation_prompt)`)."""
+    full = text(len(r.messages), r.generation_prompt)
+    if r.generation_prompt:
+        return [(full, False)]
+    pieces, pos = [], 0
+    for i in _trained_turns(r):
+        start = _prefix_length(full, text(i, True), i)
+        end = len(full) if i == len(r.messages) - 1 else _prefix_length(full, text(i + 1, False), i)
+        pieces += [(full[pos:start], False), (full[start:end], True)]
+        pos = end
+    pieces.append((full[pos:], False))
+    return [(piece, trained) for piece, trained in pieces if piece]
+
+
+def _prefix_length(full: str, prefix: str, turn: int) -> int:
+    if not full.startswith(prefix):
+        raise ValueError(
+            f"chat template is not prefix-stable at assistant turn {turn}: rendering the first "
+            "turns does not give a prefix of the whole chat, so the loss mask cannot be found"
+        )
+    return len(prefix)
+
+
+def _plain_backend(tokenizer):
+    """A fast tokenizer's Rust backend without truncation or padding, as transformers calls it
+    when asked for neither; None for a slow tokenizer."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
+def truncate(ids: np.ndarray, mask: np.ndarray, max_length: int, mode: str) -> tuple[np.ndarray, np.ndarray, bool]:
     """Cut to max_length keeping the start or the end; returns (ids, mask, was_truncated)."""
     if len(ids) <= max_length:
         return ids, mask, False

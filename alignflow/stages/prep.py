@@ -2,27 +2,41 @@
 
 Supported:
 - inputs behind any fsspec URI (local, s3://, ...): a file, a directory or a glob of
-  .jsonl, .json (lines or one array), .parquet and .arrow (IPC file or HF stream) files;
+  .jsonl, .json (lines or one array), .parquet and .arrow (IPC file or HF stream) files, and
+  HF `datasets` on disk: a `save_to_disk` folder, or the arrow / parquet files of a cache
+  (name a split's files with a glob), read with pyarrow, without `datasets`;
 - formats (see alignflow.data.formats): sft `messages`, `prompt_completion`, `input_output`;
   preference `preference` (TRL, strings or message lists) and `nemo_preference`; prompts
-  `prompt_answer`; `auto` detects from the first row's keys;
+  `prompt_answer`; `auto` detects from the first readable row's keys;
 - everything rendered by the tokenizer's chat template (or model.chat_template); the loss
   mask covers every assistant turn (for preference pairs, the chosen/rejected turns only);
 - truncation to data.seq_length keeping the start or the end; prompts cut to
   data.max_prompt_length (keep_end keeps the prompt's end); completions keep their start;
 - a bad row raises ValueError naming file, line/row and field, or with prep.skip_bad_rows
   is skipped and counted; rows left with no trained token after truncation are dropped and
-  counted (no_loss_rows);
+  counted (no_loss_rows); with several bad rows, the first in file order is the one named;
 - a val split from a URI or split off train (val_fraction, seeded by data.seed);
   dev_choose_samples keeps the first N rows of each source;
 - SFT packing: best-fit-decreasing over the whole split into rows of seq_length, with
   per-document boundaries kept; packs are then shuffled (seeded), since BFD emits them
-  longest-first.
+  longest-first;
+- data sets larger than memory, on all the stage's ranks (`alignflow.data.spill`): the input
+  is read in chunks of prep.chunk_rows rows, dealt to the ranks in turn, tokenized 256 rows
+  per tokenizer call and spilled to `{out}/_prep`; rank 0 then splits, counts and packs from
+  the per-row lengths alone (best-fit-decreasing stays global and exact), and the ranks move
+  the tokens to their shards through the spill and write them a slice at a time. Memory per
+  rank follows prep.chunk_rows (a chunk's tokens) and not the data set, except rank 0's
+  plan: about 40 bytes per row. The output (bytes and fingerprint) is the same for any number
+  of ranks and any chunk size;
+- progress: rows read, rows/s, tokens and an ETA in rank 0's log every prep.progress_interval_s
+  ("42.0% done, ..."; the percent is of the input's bytes, the ETA of the reading).
 
-Deliberately simplified: one process holds a split in memory (fine to a few million rows);
-rows are tokenized one at a time; string message contents only (no multimodal parts, no
-tool-call fields); a NeMo prompt is treated as user text and goes through the chat
-template, so an already templated NeMo prompt would be templated twice.
+Deliberately simplified: every rank reads every input byte (it parses only its own chunks),
+so remote inputs are downloaded once per rank; a .json array file is parsed whole; packed SFT
+goes through (chunks x output shards) temporary files, and each output shard reads all of its
+own once per 4M tokens; string message contents only (no multimodal parts, no tool-call
+fields); a NeMo prompt is treated as user text and goes through the chat template, so an
+already templated NeMo prompt would be templated twice.
 
 Output under `out`: the format of `alignflow.data.prepared` (Parquet shards of
 prep.rows_per_shard rows per dataset and split, and metadata.json with per dataset and split
@@ -35,47 +49,67 @@ split cut from train keeps the train source's indices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from itertools import chain
+from itertools import count, islice
 
 import numpy as np
 import pyarrow as pa
 
 from alignflow.data.formats import Chat, PreferencePair, PromptAnswer, RowError, check_format, detect_format, parse_row
-from alignflow.data.packing import pack_bfd, packing_stats
-from alignflow.data.prepared import SCHEMAS, write_metadata, write_split
-from alignflow.data.readers import Record, read_records
-from alignflow.data.tokenize import ChatEncoder, load_tokenizer, truncate
+from alignflow.data.packing import pack_bfd_flat, packing_stats
+from alignflow.data.prepared import SCHEMAS, write_metadata
+from alignflow.data.readers import Record, iter_chunks, source_bytes
+from alignflow.data.spill import (INDEX, NO_LOSS, OK, SKIPPED, Layout, Progress, Ranks, Spill, plan_in_order, plan_packed,
+                                  write_shards)
+from alignflow.data.tokenize import ChatEncoder, Encoded, Request, load_tokenizer, truncate
 
 KINDS = ("sft", "preference", "prompts")
+ENCODE_ROWS = 256  # rows per tokenizer call: its overhead amortized, a small Python working set
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The length settings rows are cut to, read from the config once (not once per row)."""
+
+    seq_length: int
+    max_prompt_length: int
+    truncation: str
+
+    @classmethod
+    def of(cls, data) -> Limits:
+        return cls(data.seq_length, data.max_prompt_length, str(data.truncation))
 
 
 @dataclass
 class Counts:
-    rows_in: int = 0
-    rows: int = 0
-    skipped_rows: int = 0
-    truncated_rows: int = 0
-    no_loss_rows: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
+    rows_in: int
+    rows: int
+    skipped_rows: int
+    truncated_rows: int
+    no_loss_rows: int
+    tokens: int
+    loss_tokens: int
 
 
 def run(cfg, inputs: dict[str, str], out: str) -> dict:
-    """Build every requested dataset into `out`; returns flat headline metrics."""
+    """Build every requested dataset into `out` with all of the job's ranks. Rank 0 writes
+    metadata.json and returns the flat headline metrics (the job's result); other ranks {}."""
+    ranks, spill = Ranks.of_job(), Spill(out)
+    spill.start(ranks)
     encoder = ChatEncoder(load_tokenizer(cfg.model.tokenizer, cfg.model.chat_template))
-    meta = {
-        "tokenizer": tokenizer_info(encoder.tokenizer),
-        "seq_length": cfg.data.seq_length,
-        "max_prompt_length": cfg.data.max_prompt_length,
-    }
-    metrics = {}
-    for kind in (k for k in KINDS if cfg.data[k] is not None):
-        meta[kind] = prepare(kind, cfg, encoder, out)
-        for split, stats in meta[kind]["splits"].items():
-            metrics |= {f"{kind}.{split}.{k}": v for k, v in stats.items()}
-    write_metadata(out, meta)
-    return metrics
+    kinds = [k for k in KINDS if cfg.data[k] is not None]
+    total = sum(source_bytes(uri) for k in kinds for uri in sources(cfg.data[k]).values())
+    progress = Progress(spill, ranks, total, cfg.prep.progress_interval_s)
+    meta = {kind: prepare(kind, cfg, encoder, spill, ranks, progress) for kind in kinds}
+    ranks.barrier()  # every shard written
+    progress.finish()
+    if ranks.rank != 0:
+        return {}
+    spill.remove()
+    write_metadata(out, {"tokenizer": tokenizer_info(encoder.tokenizer), "seq_length": cfg.data.seq_length,
+                         "max_prompt_length": cfg.data.max_prompt_length, **meta})
+    return {f"{kind}.{split}.{k}": v for kind in kinds for split, stats in meta[kind]["splits"].items() for k, v in stats.items()}
 
 
 def tokenizer_info(tokenizer) -> dict:
@@ -87,172 +121,290 @@ def tokenizer_info(tokenizer) -> dict:
     }
 
 
+def sources(spec) -> dict[str, str]:
+    """The URIs a dataset reads, by source name (its config key)."""
+    return {"train": spec.train} | ({"val": spec.val} if spec.val is not None else {})
+
+
 # ---------------------------------------------------------------- one dataset
 
 
-def prepare(kind: str, cfg, encoder: ChatEncoder, out: str) -> dict:
+def prepare(kind: str, cfg, encoder: ChatEncoder, spill: Spill, ranks: Ranks, progress: Progress) -> dict | None:
+    """Tokenize one dataset on every rank, plan its shards on rank 0, write them on every rank;
+    its metadata on rank 0."""
     spec = cfg.data[kind]
-    splits = load_splits(spec, cfg.data.seed)
-    fmt = resolve_format(kind, spec, sorted(chain(*splits.values()), key=lambda r: r[0]))
+    check_val_fraction(spec)
+    fmt = resolve_format(kind, spec)
+    for number, (source, uri) in enumerate(sources(spec).items()):
+        tokenize_source(kind, fmt, number, source, uri, cfg, encoder, spill, ranks, progress)
+    progress.flush()
+    ranks.barrier()  # every chunk spilled
+    progress.report()
+    if (failure := spill.first_failure(kind)) is not None:
+        raise ValueError(failure)
+    info = plan(kind, fmt, cfg, spill) if ranks.rank == 0 else None
+    ranks.barrier()  # the plan written
+    write_shards(spill, ranks, kind)
+    return info
+
+
+def plan(kind: str, fmt: str, cfg, spill: Spill) -> dict:
+    """Rank 0: every split's rows, counts and (SFT) packing, and the plan of its shards."""
+    spec, rows_per_shard = cfg.data[kind], cfg.prep.rows_per_shard
+    index = {source: spill.index(kind, source) for source in sources(spec)}
     info = {"format": fmt, "splits": {}}
-    for split, records in splits.items():
-        context = f"data.{kind}.{'val' if split == 'val' and spec.val is not None else 'train'}"
-        items, counts = encode_split(kind, fmt, records, cfg, encoder, context)
-        table, extra = TABLES[kind](items, counts, cfg)
-        write_split(out, kind, split, table, cfg.prep.rows_per_shard)
-        info["splits"][split] = asdict(counts) | extra
+    for split, (source, rows) in split_rows(spec, {s: len(ix["status"]) for s, ix in index.items()}, cfg.data.seed).items():
+        info["splits"][split] = asdict(counts(index[source], rows))
+        docs, starts = np.flatnonzero(rows & (index[source]["status"] == OK)), index[source]["starts"]
+        if kind == "sft":
+            layout, stats = sft_layout(docs, index[source]["tokens"][docs], cfg.data)
+            info["splits"][split] |= stats
+            plan_packed(spill, split, source, layout, starts, rows_per_shard)
+        else:
+            plan_in_order(spill, kind, split, source, docs, starts, rows_per_shard)
     if kind == "sft":
         info["packed"] = bool(cfg.data.packing)
     return info
 
 
-def load_splits(spec, seed: int) -> dict[str, list[tuple[int, Record]]]:
-    """{"train": [(sample_id, record)], "val": [...] if any}; the split is seeded."""
-    train = list(enumerate(read_records(spec.train, spec.dev_choose_samples)))
-    if spec.val is not None:
-        return {"train": train, "val": list(enumerate(read_records(spec.val, spec.dev_choose_samples)))}
-    if not spec.val_fraction:
-        return {"train": train}
-    if not 0 < spec.val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {spec.val_fraction}")
-    n_val = int(round(len(train) * spec.val_fraction))
-    is_val = np.zeros(len(train), dtype=bool)
-    is_val[np.random.default_rng(seed).permutation(len(train))[:n_val]] = True
-    return {"train": [r for r, v in zip(train, is_val) if not v], "val": [r for r, v in zip(train, is_val) if v]}
-
-
-def resolve_format(kind: str, spec, records: list[tuple[int, Record]]) -> str:
+def resolve_format(kind: str, spec) -> str:
+    """The configured format, or the one the first readable row has (train's, else val's)."""
     fmt = spec.format
     check_format(kind, fmt)
     if fmt != "auto":
         return fmt
-    first = next((rec for _, rec in records if rec.row is not None), None)
-    if first is None:
-        raise ValueError(f"data.{kind}.train: {spec.train}: no readable row to detect the format from")
-    try:
-        return detect_format(kind, first.row, spec.answer_key)
-    except ValueError as e:
-        raise ValueError(f"data.{kind}.train: {first.where()}: {e}") from None
+    for source, uri in sources(spec).items():
+        first = next((rec for chunk in iter_chunks(uri, 1, spec.dev_choose_samples) for rec in chunk.records()
+                      if rec.row is not None), None)
+        if first is not None:
+            try:
+                return detect_format(kind, first.row, spec.answer_key)
+            except ValueError as e:
+                raise ValueError(f"data.{kind}.{source}: {first.where()}: {e}") from None
+    raise ValueError(f"data.{kind}.train: {spec.train}: no readable row to detect the format from")
 
 
-def encode_split(kind: str, fmt: str, records, cfg, encoder: ChatEncoder, context: str) -> tuple[list, Counts]:
-    """Encode every row; bad rows raise with their place, or are skipped and counted."""
-    counts, items = Counts(rows_in=len(records)), []
-    encode = ENCODERS[kind]
-    for sample_id, rec in records:
+def tokenize_source(kind: str, fmt: str, number: int, source: str, uri: str, cfg, encoder: ChatEncoder,
+                    spill: Spill, ranks: Ranks, progress: Progress) -> None:
+    """Spill this rank's chunks of one source (chunk i is rank i % world's). The first bad row
+    is left for every rank to raise after the barrier; ranks stop at chunks past it."""
+    progress.begin(source_bytes(uri))
+    for chunk in iter_chunks(uri, cfg.prep.chunk_rows, cfg.data[kind].dev_choose_samples):
+        progress.at(chunk.bytes_read)
+        if not ranks.mine(chunk.index):
+            continue
+        if spill.failed_before(kind, number, chunk.index):
+            return
         try:
-            if rec.error:
-                raise RowError(None, rec.error)
-            example = parse_row(kind, fmt, rec.row, cfg.data[kind].answer_key)
-            item, truncated = encode(sample_id, example, cfg.data, encoder)
+            table = encode_chunk(kind, fmt, chunk.start, chunk.records(), cfg, encoder, f"data.{kind}.{source}", progress)
+        except ValueError as e:
+            spill.fail(kind, number, chunk.index, str(e))
+            return
+        spill.write_chunk(kind, source, chunk.index, table)
+
+
+def encode_chunk(kind: str, fmt: str, start: int, records, cfg, encoder: ChatEncoder, context: str,
+                 progress: Progress) -> pa.Table:
+    """A chunk's rows as a spill table (`alignflow.data.spill.INDEX` + the kind's payload)."""
+    batches, sample_ids = [], count(start)
+    while batch := list(islice(records, ENCODE_ROWS)):
+        rows = encode_rows(kind, fmt, batch, cfg, encoder, context)
+        batches.append(spill_batch(kind, [(next(sample_ids), *row) for row in rows]))
+        progress.add(len(rows), sum(row[2] for row in rows if row[0] == OK))
+    return pa.Table.from_batches(batches, schema=spill_schema(kind))
+
+
+def encode_rows(kind: str, fmt: str, records: list[Record], cfg, encoder: ChatEncoder, context: str) -> list[tuple]:
+    """(status, truncated, tokens, loss_tokens, payload or None) per row, in order. Rows are
+    parsed and rendered one by one, then tokenized in one call; the first error in row order
+    wins. A bad row raises with its place, or is skipped and counted."""
+    answer_key, skip_bad_rows, limits = cfg.data[kind].answer_key, cfg.prep.skip_bad_rows, Limits.of(cfg.data)
+    examples = [parse(kind, fmt, rec, answer_key) for rec in records]
+    requests = [[] if isinstance(ex, ValueError) else ROWS[kind].requests(ex) for ex in examples]
+    encoded = iter(encoder.encode([r for rs in requests for r in rs]))
+    rows = []
+    for rec, example, n in zip(records, examples, map(len, requests)):
+        encs = [next(encoded) for _ in range(n)]
+        try:
+            if error := next((e for e in [example, *encs] if isinstance(e, ValueError)), None):
+                raise error
+            payload, truncated = ROWS[kind].build(example, encs, limits, encoder)
         except RowError as e:
-            if not cfg.prep.skip_bad_rows:
+            if not skip_bad_rows:
                 raise ValueError(f"{context}: {rec.where()}: {e}") from None
-            counts.skipped_rows += 1
+            rows.append((SKIPPED, 0, 0, 0, None))
             continue
         except ValueError as e:  # not the row's fault (e.g. the template): never skipped
             raise ValueError(f"{context}: {rec.where()}: {e}") from None
-        counts.truncated_rows += truncated
-        if item is None:
-            counts.no_loss_rows += 1
-        else:
-            items.append(item)
-    counts.rows = len(items)
-    return items, counts
+        rows.append(measured(kind, payload, truncated))
+    return rows
+
+
+def parse(kind: str, fmt: str, rec: Record, answer_key: str):
+    """The row as its format's example, or the ValueError it raised."""
+    try:
+        if rec.error:
+            raise RowError(None, rec.error)
+        return parse_row(kind, fmt, rec.row, answer_key)
+    except ValueError as e:
+        return e
+
+
+def measured(kind: str, payload: tuple | None, truncated: bool) -> tuple:
+    if payload is None:
+        return NO_LOSS, int(truncated), 0, 0, None
+    fields = PAYLOAD[kind].names
+    tokens = sum(len(v) for name, v in zip(fields, payload) if name.endswith("_ids"))
+    loss_tokens = sum(int(v.sum()) for name, v in zip(fields, payload) if name.endswith("loss_mask"))
+    return OK, int(truncated), tokens, loss_tokens, payload
 
 
 # ---------------------------------------------------------------- row encoders
-# Each returns (item or None when no token is left to train on, was_truncated).
+# Per kind: the chats a row needs encoded, and its payload from them (None when no token is
+# left to train on) with whether it was truncated.
 
 
-def encode_sft(sample_id: int, ex: Chat, data, encoder: ChatEncoder):
-    enc = encoder.encode_chat(ex.messages)
+def sft_requests(ex: Chat) -> list[Request]:
+    return [Request(ex.messages)]
+
+
+def build_sft(ex: Chat, encs: list[Encoded], data: Limits, encoder: ChatEncoder):
+    (enc,) = encs
     ids, mask, cut = truncate(enc.input_ids, enc.loss_mask, data.seq_length, data.truncation)
-    return ((sample_id, ids, mask) if any(mask) else None), cut
+    return ((ids, mask) if mask.any() else None), cut
 
 
-def encode_preference(sample_id: int, ex: PreferencePair, data, encoder: ChatEncoder):
+def preference_requests(ex: PreferencePair) -> list[Request]:
+    return [Request(ex.prompt + ex.chosen, len(ex.prompt)), Request(ex.prompt + ex.rejected, len(ex.prompt))]
+
+
+def build_preference(ex: PreferencePair, encs: list[Encoded], data: Limits, encoder: ChatEncoder):
     """Both sequences share the prompt tokens, cut to max_prompt_length first."""
-    chosen = encoder.encode_chat(ex.prompt + ex.chosen, train_from=len(ex.prompt))
-    rejected = encoder.encode_chat(ex.prompt + ex.rejected, train_from=len(ex.prompt))
+    chosen, rejected = encs
     p = chosen.prompt_length
-    if rejected.prompt_length != p or rejected.input_ids[:p] != chosen.input_ids[:p]:
+    if rejected.prompt_length != p or not np.array_equal(rejected.input_ids[:p], chosen.input_ids[:p]):
         raise ValueError("chat template renders the same prompt differently for chosen and rejected")
-    prompt, _, cut_prompt = truncate(chosen.input_ids[:p], [0] * p, data.max_prompt_length, data.truncation)
+    prompt, prompt_mask, cut_prompt = truncate(chosen.input_ids[:p], chosen.loss_mask[:p], data.max_prompt_length, data.truncation)
     budget = data.seq_length - len(prompt)
     seqs, cut = [], cut_prompt
     for enc in (chosen, rejected):
         ids, mask, cut_reply = truncate(enc.input_ids[p:], enc.loss_mask[p:], budget, "keep_start")
-        seqs.append((prompt + ids, [0] * len(prompt) + mask))
+        seqs += [np.concatenate([prompt, ids]), np.concatenate([prompt_mask, mask])]
         cut |= cut_reply
-    if not all(any(mask) for _, mask in seqs):
+    if not (seqs[1].any() and seqs[3].any()):
         return None, cut
-    return (sample_id, len(prompt), *seqs[0], *seqs[1]), cut
+    return (len(prompt), *seqs), cut
 
 
-def encode_prompt(sample_id: int, ex: PromptAnswer, data, encoder: ChatEncoder):
-    text, ids = encoder.encode_prompt(ex.prompt)
-    kept, _, cut = truncate(ids, [0] * len(ids), data.max_prompt_length, data.truncation)
-    if cut:
-        text = encoder.tokenizer.decode(kept)
-    return (sample_id, kept, text, ex.answer), cut
+def prompt_requests(ex: PromptAnswer) -> list[Request]:
+    return [Request(ex.prompt, generation_prompt=True)]
 
 
-ENCODERS = {"sft": encode_sft, "preference": encode_preference, "prompts": encode_prompt}
+def build_prompt(ex: PromptAnswer, encs: list[Encoded], data: Limits, encoder: ChatEncoder):
+    (enc,) = encs
+    kept, _, cut = truncate(enc.input_ids, enc.loss_mask, data.max_prompt_length, data.truncation)
+    return (kept, encoder.tokenizer.decode(kept.tolist()) if cut else enc.text, ex.answer), cut
 
 
-# ---------------------------------------------------------------- tables
+@dataclass(frozen=True)
+class RowKind:
+    requests: Callable[..., list[Request]]
+    build: Callable[..., tuple[tuple | None, bool]]
 
 
-def list_array(seqs: list[list[int]], dtype) -> pa.ListArray:
-    """A list column built from one flat buffer (no per-row Python objects in Arrow)."""
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
-    np.cumsum([len(s) for s in seqs], out=offsets[1:])
-    flat = np.fromiter((t for s in seqs for t in s), dtype=dtype, count=int(offsets[-1]))
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+ROWS = {
+    "sft": RowKind(sft_requests, build_sft),
+    "preference": RowKind(preference_requests, build_preference),
+    "prompts": RowKind(prompt_requests, build_prompt),
+}
+# The spilled payload of a row: its output columns, less what prep adds when it writes shards.
+PAYLOAD = {
+    "sft": pa.schema([SCHEMAS["sft"].field("input_ids"), SCHEMAS["sft"].field("loss_mask")]),
+    "preference": pa.schema([f for f in SCHEMAS["preference"] if f.name != "sample_id"]),
+    "prompts": pa.schema([f for f in SCHEMAS["prompts"] if f.name != "sample_id"]),
+}
 
 
-def sft_table(items: list, counts: Counts, cfg) -> tuple[pa.Table, dict]:
-    """Packed rows (BFD, then shuffled) or one document per row."""
-    lengths = [len(ids) for _, ids, _ in items]
-    counts.tokens = sum(lengths)
-    counts.loss_tokens = sum(sum(mask) for _, _, mask in items)
-    extra = {}
-    if cfg.data.packing:
-        bins = pack_bfd(lengths, cfg.data.seq_length)
-        bins = [bins[i] for i in np.random.default_rng(cfg.data.seed).permutation(len(bins))]
-        extra = asdict(packing_stats(lengths, bins, cfg.data.seq_length))
-        del extra["tokens"]
-    else:
-        bins = [[i] for i in range(len(items))]
-    return table_of("sft", [
-        list_array([[t for i in b for t in items[i][1]] for b in bins], np.int32),
-        list_array([[t for i in b for t in items[i][2]] for b in bins], np.int8),
-        list_array([np.cumsum([0] + [lengths[i] for i in b]).tolist() for b in bins], np.int32),
-        list_array([[items[i][0] for i in b] for b in bins], np.int64),
-    ]), extra
+def spill_schema(kind: str) -> pa.Schema:
+    return pa.schema([pa.field("sample_id", pa.int64()), *INDEX, *PAYLOAD[kind]])
 
 
-def preference_table(items: list, counts: Counts, cfg) -> tuple[pa.Table, dict]:
-    cols = list(zip(*items)) or [[]] * 6
-    counts.tokens = sum(len(ids) for ids in cols[2]) + sum(len(ids) for ids in cols[4])
-    counts.loss_tokens = sum(sum(m) for m in cols[3]) + sum(sum(m) for m in cols[5])
-    return table_of("preference", [pa.array(cols[0], pa.int64()), pa.array(cols[1], pa.int32()), list_array(cols[2], np.int32),
-                                   list_array(cols[3], np.int8), list_array(cols[4], np.int32), list_array(cols[5], np.int8)]), {}
+def spill_batch(kind: str, rows: list[tuple]) -> pa.RecordBatch:
+    """(sample_id, status, truncated, tokens, loss_tokens, payload) rows as one record batch; a
+    row without payload has empty lists and nulls there."""
+    schema = spill_schema(kind)
+    columns = [pa.array([row[i] for row in rows], f.type) for i, f in enumerate(list(schema)[:5])]
+    for i, f in enumerate(PAYLOAD[kind]):
+        values = [row[5][i] if row[5] is not None else None for row in rows]
+        columns.append(token_lists(values, f.type) if pa.types.is_list(f.type) else pa.array(values, f.type))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
-def prompts_table(items: list, counts: Counts, cfg) -> tuple[pa.Table, dict]:
-    cols = list(zip(*items)) or [[]] * 4
-    counts.tokens = sum(len(ids) for ids in cols[1])
-    return table_of("prompts", [pa.array(cols[0], pa.int64()), list_array(cols[1], np.int32), pa.array(cols[2], pa.string()),
-                                pa.array(cols[3], pa.string())]), {}
+def token_lists(arrays: list[np.ndarray | None], type: pa.DataType) -> pa.ListArray:
+    """Token arrays as one list column, from one flat buffer (None: an empty list)."""
+    present = [a for a in arrays if a is not None]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([0 if a is None else len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(present) if present else np.zeros(0, np.int8)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type.value_type))
 
 
-TABLES = {"sft": sft_table, "preference": preference_table, "prompts": prompts_table}
+# ---------------------------------------------------------------- splits and counts
 
 
-def table_of(dataset: str, arrays: list) -> pa.Table:
-    """The arrays as the dataset's table, in the order of its schema (`alignflow.data.prepared`)."""
-    return pa.Table.from_arrays(arrays, schema=SCHEMAS[dataset])
+def split_rows(spec, lengths: dict[str, int], seed: int) -> dict[str, tuple[str, np.ndarray]]:
+    """{split: (source, which of its rows are the split's)}: train and val from their own
+    sources, or val cut from train (val_fraction of its rows, seeded)."""
+    train = ("train", np.ones(lengths["train"], dtype=bool))
+    if spec.val is not None:
+        return {"train": train, "val": ("val", np.ones(lengths["val"], dtype=bool))}
+    if not spec.val_fraction:
+        return {"train": train}
+    n = lengths["train"]
+    is_val = np.zeros(n, dtype=bool)
+    is_val[np.random.default_rng(seed).permutation(n)[: int(round(n * spec.val_fraction))]] = True
+    return {"train": ("train", ~is_val), "val": ("train", is_val)}
 
 
+def check_val_fraction(spec) -> None:
+    if spec.val is None and spec.val_fraction and not 0 < spec.val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {spec.val_fraction}")
+
+
+def counts(index: dict[str, np.ndarray], rows: np.ndarray) -> Counts:
+    """The counts of a split, its rows a mask over its source's index."""
+    status, ok = index["status"], rows & (index["status"] == OK)
+    return Counts(
+        rows_in=int(rows.sum()),
+        rows=int(ok.sum()),
+        skipped_rows=int((rows & (status == SKIPPED)).sum()),
+        truncated_rows=int(index["truncated"].sum(where=rows, dtype=np.int64)),
+        no_loss_rows=int((rows & (status == NO_LOSS)).sum()),
+        tokens=int(index["tokens"].sum(where=ok, dtype=np.int64)),
+        loss_tokens=int(index["loss_tokens"].sum(where=ok, dtype=np.int64)),
+    )
+
+
+# ---------------------------------------------------------------- packing
+
+
+def sft_layout(docs: np.ndarray, lengths: np.ndarray, data) -> tuple[Layout, dict]:
+    """A split's good documents (sample ids, token counts) in packed rows (BFD over the whole
+    split, then shuffled) or one per row; with the packing figures."""
+    if not data.packing:
+        return Layout(docs, lengths, np.arange(len(docs), dtype=np.int32), np.arange(len(docs) + 1)), {}
+    order, offsets = shuffled(*pack_bfd_flat(lengths, data.seq_length), data.seed)
+    stats = asdict(packing_stats(lengths, len(offsets) - 1, data.seq_length))
+    del stats["tokens"]
+    return Layout(docs, lengths, order, offsets), stats
+
+
+def shuffled(items: np.ndarray, offsets: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The bins in a seeded random order (BFD emits them longest-first)."""
+    perm = np.random.default_rng(seed).permutation(len(offsets) - 1)
+    sizes = np.diff(offsets)[perm]
+    new = np.zeros(len(perm) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=new[1:])
+    at = np.repeat((offsets[:-1][perm] - new[:-1]).astype(items.dtype), sizes)
+    at += np.arange(len(items), dtype=items.dtype)
+    return items[at], new
