@@ -29,6 +29,7 @@ from megatron.core.transformer import utils as transformer_utils
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from alignflow.convert.llama import ModelShape, model_shape
@@ -120,6 +121,20 @@ class DocumentWindowAttention(DotProductAttention):
         allowed = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [sq, b, heads * dim]
+
+
+def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
+    """Per-token cross entropy [b, s] from a GPTModel chunk on the last pipeline stage (its
+    hidden states elsewhere). At TP=1 torch's fused cross_entropy on the logits: Megatron's
+    vocab-parallel cross entropy gives the same numbers through a custom autograd function of
+    a dozen small ops, which on small models costs as much as the layers (a quarter of a
+    reference pass). Under TP the vocabulary is split over ranks: Megatron's."""
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return model(tokens, position_ids, attention_mask, labels=labels, **kwargs)
+    out = model(tokens, position_ids, attention_mask, **kwargs)
+    if not get_attr_wrapped_model(model, "post_process"):
+        return out
+    return F.cross_entropy(out.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
 
 
 def packed_thd() -> bool:

@@ -23,6 +23,7 @@ from alignflow.data import logprobs
 from alignflow.data.prepared import SIDES, Prepared
 from alignflow.megatron import checkpoint, runtime
 from alignflow.megatron.model import build_gpt
+from alignflow.stages.sft import sft_forward
 from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
 from alignflow.train.engine import schedule
 from alignflow.train.workspace import cache_dir, local_model
@@ -81,5 +82,4 @@ def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -
 def _forward_step(data_iterator, model):
     """Per-token negative log-likelihood [b, s] on the last stage; no loss function, so the
     schedule hands the outputs back as they are."""
-    batch = next(data_iterator)
-    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]), None
+    return sft_forward(model, next(data_iterator)), None

@@ -34,7 +34,7 @@ Simplified:
 import torch
 
 from alignflow.data.prepared import Prepared
-from alignflow.megatron.model import packed_thd, thd_params
+from alignflow.megatron.model import packed_thd, thd_params, token_nll
 from alignflow.train.datasets import PackedSFT, optional
 from alignflow.train.engine import LossTerms, Objective, finish, training
 from alignflow.train.loop import Supervised, supervised
@@ -45,9 +45,9 @@ def sft_forward(model, batch: dict) -> torch.Tensor:
     attention the micro batch is one flat sequence of documents [1, b * s] (see the top)."""
     tokens, labels = batch["tokens"], batch["labels"]
     if not packed_thd():
-        return model(tokens, batch["position_ids"], batch["attention_mask"], labels=labels)
-    out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None, labels=labels.view(1, -1),
-                packed_seq_params=thd_params(batch["cu_seqlens"], batch["max_seqlen"]))
+        return token_nll(model, tokens, batch["position_ids"], batch["attention_mask"], labels)
+    out = token_nll(model, tokens.view(1, -1), batch["position_ids"].view(1, -1), None, labels.view(1, -1),
+                    packed_seq_params=thd_params(batch["cu_seqlens"], batch["max_seqlen"]))
     return out.view(tokens.shape) if out.dim() == 2 else out
 
 
