@@ -74,7 +74,8 @@ def docs(row):
 
 
 def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    """Rows as lines: a dict as JSON, a str as UTF-8, bytes as they are."""
+    path.write_bytes(b"".join((r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode()) + b"\n" for r in rows))
     return path
 
 
@@ -292,10 +293,12 @@ def test_mixed_formats_in_one_source_are_bad_rows(assets, tmp_path):
 
 GOOD = json.dumps(SFT_CASES["messages"])
 BAD_ROWS = {
-    "not a list": ('{"messages": "hello"}', "field 'messages': expected a list of {role, content}"),
+    "not a list": ('{"messages": "hello"}', "field 'messages': expected a non-empty list of {role, content}, got str 'hello'"),
     "invalid json": ('{"messages": [', "invalid JSON"),
     "missing field": ('{"chat": []}', "field 'messages': missing"),
-    "wrong content type": ('{"messages": [{"role": "user", "content": 3}]}', "field 'messages': expected a list"),
+    "wrong content type": ('{"messages": [{"role": "user", "content": 42}]}', "field 'messages[0].content': expected a string, got int 42"),
+    "missing role": ('{"messages": [{"content": "hi"}]}', "field 'messages[0].role': expected a string, got nothing (missing or null)"),
+    "not utf-8": (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not UTF-8: byte 0xe9 at column 47"),
     "empty assistant": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}',
                         "field 'messages': empty assistant content"),
     "no assistant": ('{"messages": [{"role": "user", "content": "hi"}]}', "field 'messages': no assistant turn"),
@@ -335,12 +338,23 @@ def test_line_numbers_survive_read_blocks_and_parts(assets, tmp_path, monkeypatc
     assert [r["sample_ids"] for r in read(out, "sft")] == [[0], [1], [2], [4]] and metrics["sft.train.skipped_rows"] == 1
 
 
+def test_a_data_set_with_no_usable_row_fails_in_prep_and_commits_nothing(assets, tmp_path):
+    """seq_length so short that no response token fits: the error names the key, the file and
+    why, here and not later in sft (an empty output is never written)."""
+    f = write_jsonl(tmp_path / "sft.jsonl", [GOOD] * 5)
+    with pytest.raises(ValueError, match=rf"^data\.sft\.train: no usable row in {re.escape(str(f))}: 5 read, 0 skipped as bad, "
+                                         r"5 with nothing left to train on within data\.seq_length=4"):
+        run_prep(make_cfg(assets, sft=spec(f), seq_length=4, max_prompt_length=2), tmp_path)
+    assert not (tmp_path / "out" / "metadata.json").exists()
+
+
 def test_skip_bad_rows_counts_them(assets, tok, tmp_path):
     lines = [GOOD] + [line for line, _ in BAD_ROWS.values()] + [GOOD]
     f = write_jsonl(tmp_path / "sft.jsonl", lines)
     metrics, out = run_prep(make_cfg(assets, sft=spec(f), prep_={"skip_bad_rows": True}, packing=False), tmp_path)
-    assert (metrics["sft.train.rows_in"], metrics["sft.train.rows"], metrics["sft.train.skipped_rows"]) == (9, 2, 7)
-    assert [r["sample_ids"] for r in read(out, "sft")] == [[0], [8]]
+    bad = len(BAD_ROWS)
+    assert (metrics["sft.train.rows_in"], metrics["sft.train.rows"], metrics["sft.train.skipped_rows"]) == (bad + 2, 2, bad)
+    assert [r["sample_ids"] for r in read(out, "sft")] == [[0], [bad + 1]]
 
 
 # ---------------------------------------------------------------- truncation
@@ -564,6 +578,6 @@ def test_a_bad_row_deep_in_a_large_file_on_another_rank_fails_the_stage_and_comm
     f = write_chats(tmp_path / "big.jsonl", 20_000, bad=13_457)  # chunk 13 of 1000 rows: rank 1's
     stage = prep_stage([*base_overrides, f"data.sft.train={f}", "data.sft.val=null", "prep.resources.tasks_per_node=2",
                         "prep.chunk_rows=1000"])
-    with pytest.raises(StageFailed, match=rf"data\.sft\.train: {re.escape(str(f))} line 13457: field 'messages': expected a list"):
+    with pytest.raises(StageFailed, match=rf"data\.sft\.train: {re.escape(str(f))} line 13457: field 'messages\[0\]\.content': expected a string, got int 7"):
         run_stage(stage, {}, log=lambda line: None)
     assert not list((tmp_path / "store" / "prep").glob("*/_SUCCESS.json"))

@@ -112,16 +112,27 @@ def parse_text(value, field: str, nonempty: bool = False) -> str:
 
 
 def parse_messages(value, field: str) -> list[Message]:
-    """A list of {role, content} with string contents (multimodal parts are not supported)."""
-    ok = isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-    )
-    if not ok:
-        raise RowError(field, "expected a list of {role, content}")
-    for m in value:
+    """A list of {role, content} with string contents (multimodal parts are not supported); an
+    error names the message and key at fault (`messages[1].content`)."""
+    if not isinstance(value, list) or not value:
+        raise RowError(field, f"expected a non-empty list of {{role, content}}, got {_shown(value)}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise RowError(f"{field}[{i}]", f"expected {{role, content}}, got {_shown(m)}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise RowError(f"{field}[{i}].{key}", f"expected a string, got {_shown(m.get(key))}")
         if m["role"] not in ROLES:
-            raise RowError(field, f"unknown role {m['role']!r}; expected one of {', '.join(ROLES)}")
+            raise RowError(f"{field}[{i}].role", f"unknown role {m['role']!r}; expected one of {', '.join(ROLES)}")
     return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _shown(value) -> str:
+    """A wrong value as a user recognises it: `int 42`, `missing`, `list [...]`."""
+    if value is None:
+        return "nothing (missing or null)"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def parse_turns(value, field: str, role: str) -> list[Message]:

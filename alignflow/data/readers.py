@@ -215,9 +215,11 @@ class _Lines:
             return Record(self.source, "line", number, None, self.error)
         try:
             row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-            return Record(self.source, "line", number, None, f"invalid JSON: {detail}")
+        except json.JSONDecodeError as e:
+            return Record(self.source, "line", number, None, f"invalid JSON: {e.msg} at column {e.colno}")
+        except UnicodeDecodeError as e:
+            return Record(self.source, "line", number, None,
+                          f"not UTF-8: byte 0x{e.object[e.start]:02x} at column {e.start + 1} (re-encode the file as UTF-8)")
         return _checked(self.source, "line", number, row)
 
 

@@ -142,10 +142,22 @@ def prepare(kind: str, cfg, encoder: ChatEncoder, spill: Spill, ranks: Ranks, pr
     progress.report()
     if (failure := spill.first_failure(kind)) is not None:
         raise ValueError(failure)
+    check_rows_left(kind, spec, spill, cfg.data.seq_length)
     info = plan(kind, fmt, cfg, spill) if ranks.rank == 0 else None
     ranks.barrier()  # the plan written
     write_shards(spill, ranks, kind)
     return info
+
+
+def check_rows_left(kind: str, spec, spill: Spill, seq_length: int) -> None:
+    """Every rank: a data set with no usable training row fails here, saying why, not later in
+    the stage that trains on it (and its empty output is never committed)."""
+    status = spill.index(kind, "train")["status"]
+    if len(status) and not (status == OK).any():
+        raise ValueError(
+            f"data.{kind}.train: no usable row in {spec.train}: {len(status)} read, {int((status == SKIPPED).sum())} skipped as "
+            f"bad, {int((status == NO_LOSS).sum())} with nothing left to train on within data.seq_length={seq_length} (a prompt "
+            "as long as the sequence, or an empty response); raise data.seq_length or data.max_prompt_length, or check the data")
 
 
 def plan(kind: str, fmt: str, cfg, spill: Spill) -> dict:
