@@ -234,20 +234,21 @@ def job_record(job: submitit.Job) -> JobRecord:
 # ----------------------------------------------------------------------------- waiting
 
 
-def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, record: JobRecord | None = None) -> Any:
-    """Block until the job ends, forwarding rank 0's output and its state changes (kept in
-    `record.state`); returns rank 0's result.
+def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, record: JobRecord | None = None,
+         output: Callable[[str], None] | None = None) -> Any:
+    """Block until the job ends, forwarding its state changes (kept in `record.state`) to `log`
+    and rank 0's output to `output` (default: `log` too); returns rank 0's result.
 
     If the caller is interrupted (Ctrl-C in this thread, or its flow run cancelled) the job is
     cancelled too.
     """
     record = record or job_record(job)
-    tail, state, scope = _Tail(job), _State(job, record, log), _scope.get()
+    tail, state, scope, output = _Tail(job), _State(job, record, log), _scope.get(), output or log
     try:
         while not (cancelled := scope is not None and scope.cancelled.is_set()) and not state.done():
-            tail.forward(log)
+            tail.forward(output)
             time.sleep(poll_s)
-        tail.drain(log, quiet_s=SLURM_LOG_QUIET_S if state.slurm else 0.0)  # a local job's files are complete at its exit
+        tail.drain(output, quiet_s=SLURM_LOG_QUIET_S if state.slurm else 0.0)  # a local job's files are complete at its exit
         if cancelled:  # the scope has scancelled the job: its end is no failure to retry
             state.cancel()
             raise JobCancelled(f"job {job.job_id} cancelled with its flow run", asdict(record))

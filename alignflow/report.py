@@ -84,13 +84,18 @@ def stage_report(stage: str, manifest: dict, records: list[dict]) -> str:
 
 
 def pipeline_report(title: str, stages: list[dict]) -> str:
-    """`stages`: {name, kind, state, fingerprint, uri, metrics} per stage, in pipeline order."""
+    """`stages`: {name, kind, state, fingerprint, uri, metrics} per stage, in pipeline order (no uri: no output)."""
     rows = "".join(
-        f"<tr><td><a href='{html.escape(s['uri'])}/{REPORT}'>{html.escape(s['name'])}</a></td><td>{html.escape(s['kind'])}</td>"
+        f"<tr><td>{_link(s['name'], s['uri'])}</td><td>{html.escape(s['kind'])}</td>"
         f"<td>{html.escape(s['state'])}</td><td><code>{s['fingerprint']}</code></td>"
         f"<td>{html.escape(', '.join(f'{k}={_fmt(v)}' for k, v in list(s['metrics'].items())[:4]))}</td></tr>" for s in stages)
     return _page(title, f"<h1>{html.escape(title)}</h1><table><tr><th>stage</th><th>kind</th><th>state</th><th>fingerprint</th>"
                         f"<th>headline metrics</th></tr>{rows}</table>")
+
+
+def _link(name: str, uri: str) -> str:
+    """The stage's report, where it has an output."""
+    return f"<a href='{html.escape(uri)}/{REPORT}'>{html.escape(name)}</a>" if uri else html.escape(name)
 
 
 def _page(title: str, body: str) -> str:

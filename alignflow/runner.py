@@ -95,8 +95,10 @@ def _why_not_committed(store: Store, name: str, ident: dict) -> str:
     return f"since {previous['fingerprint']}: " + "; ".join(changes or ["(no difference recorded)"])
 
 
-def run_stage(stage: Stage, upstream: dict[str, StageResult], log: Callable[[str], None] = _log.info) -> StageResult:
-    """Produce `stage`'s output, or return the committed one (a cache hit submits no job)."""
+def run_stage(stage: Stage, upstream: dict[str, StageResult], log: Callable[[str], None] = _log.info,
+              output: Callable[[str], None] | None = None) -> StageResult:
+    """Produce `stage`'s output, or return the committed one (a cache hit submits no job).
+    `log` gets what the runner does, `output` the job's output (default: `log`)."""
     store, cfg, name = store_of(stage.cfg), stage.cfg, stage.name
     ident = stage_identity(stage, {up: r.fingerprint for up, r in upstream.items()})
     fp = fingerprint(ident)
@@ -111,11 +113,11 @@ def run_stage(stage: Stage, upstream: dict[str, StageResult], log: Callable[[str
             return _result(store, name, fp, manifest, cached=True)
         if forced or not stage.spec.resumable:
             store.clear_staging(name, fp)
-        return _execute(stage, store, ident, upstream, lease, log)
+        return _execute(stage, store, ident, upstream, lease, log, output or log)
 
 
 def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageResult], lease: Lease,
-             log: Callable[[str], None]) -> StageResult:
+             log: Callable[[str], None], output: Callable[[str], None]) -> StageResult:
     spec, cfg, name, started, fp = stage.spec, stage.cfg, stage.name, time.time(), fingerprint(ident)
     inputs = _by_role(stage, {up: r.uri for up, r in upstream.items()})
     staging = store.uri(store.staging_path(name, fp))
@@ -125,8 +127,8 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
     job = submit(cfg.launcher, stage.section, f"{name}-{fp}", run_stage_job, stage.kind, for_job(cfg, paths), inputs, staging,
                  storage_options, lease.fence(), ident["code"], resumable=spec.resumable)
     record = job_record(job)
-    log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}; stdout {record.stdout}; stderr {record.stderr}")
-    metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0), record=record)
+    log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}, log {record.stdout}")
+    metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0), record=record, output=output)
     summary = {"stage": name, "kind": stage.kind, "fingerprint": fp, "metrics": headline_first(metrics, spec.headline),
                "config": masked(cfg, paths)}
     if records := read_metrics(staging, options_for(staging, cfg)):  # a training stage: its curves beside its output

@@ -55,6 +55,10 @@ class Store:
         """A full URI (with protocol) for a path of this store's filesystem."""
         return path if isinstance(self.fs, LocalFileSystem) else self.fs.unstrip_protocol(path)
 
+    def path(self, *parts: str) -> str:
+        """A path under the store's root, for the filesystem's calls."""
+        return "/".join([self._root_path, *parts])
+
     def output_path(self, stage: str, fp: str) -> str:
         return f"{self._root_path}/{stage}/{fp}"
 

@@ -138,10 +138,17 @@ def _configure_storage(out: str, storage_options: dict) -> None:
         fsspec.config.conf.setdefault(protocol, {}).update(resolved)
 
 
+# How alignflow's records look in the job log, and how the orchestrator finds them there: only
+# these reach the Prefect logs (at their level); submitit's lines, library warnings and prints
+# stay in the job log.
+LOG_FORMAT = "[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_RECORD = re.compile(r"^\[rank \d+\] \S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) (?P<name>alignflow[\w.]*): (?P<message>.*)")
+
+
 def _log_to_stdout(rank: int) -> None:
     """alignflow's loggers to stdout with the rank, which the orchestrator forwards to Prefect."""
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(asctime)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
     logger = logging.getLogger("alignflow")
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)

@@ -6,32 +6,38 @@ is submitted until the whole config has validated. Cancelling the flow run (SIGT
 the Prefect worker, or Ctrl-C) cancels the stages' jobs too.
 """
 
-import re
 import time
 
 import fsspec
+import httpx
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
+from prefect.states import Cancelled
 
+from alignflow import runs
 from alignflow.config.compose import compose
 from alignflow.launch import cancel_jobs_on_interrupt
 from alignflow.orphans import reap_on_exit
 from alignflow.pipeline import Pipeline
 from alignflow.report import pipeline_report
 from alignflow.runner import StageResult
-from alignflow.store import options_for
-from tasks.stage import format_value, task_for
+from alignflow.store import options_for, store_of
+from tasks.stage import Upstream, format_value, task_for
+
+RENAME_WAIT_S = 10.0  # how long a submitted task run may take to reach the server
+CANCEL_WAIT_S = 20.0  # how long a cancelled stage may take to cancel its job and end
 
 
 def run_name() -> str:
-    """`sft_dpo · slurm · s3 · 11-23 14:05`: the pipeline and where it runs, at a glance in the UI."""
+    """`sft_dpo · slurm · s3 · 11-23 14:05:09`: the pipeline and where it runs, at a glance in the UI."""
     parameters = flow_run.parameters
     overrides = dict(o.split("=", 1) for o in parameters.get("overrides") or [] if "=" in o)
     store = overrides.get("store.root", "")
     where = store.split("://", 1)[0] if "://" in store else "local store"
-    return f"{parameters.get('pipeline', 'sft_dpo')} · {overrides.get('launcher', 'local')} · {where} · {time.strftime('%m-%d %H:%M')}"
+    return f"{parameters.get('pipeline', 'sft_dpo')} · {overrides.get('launcher', 'local')} · {where} · {time.strftime('%m-%d %H:%M:%S')}"
 
 
 @flow(name="align", flow_run_name=run_name, log_prints=True)
@@ -43,35 +49,74 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
     progress = create_progress_artifact(progress=0.0, description=f"align {pipeline}: stages done")
 
     futures: dict[str, PrefectFuture] = {}
-    with cancel_jobs_on_interrupt():  # the signal lands here, in the main thread, not in the tasks' threads
-        for stage in stages:
-            upstream = {name: futures[name] for name in stage.upstream()}
-            futures[stage.name] = task_for(stage).submit(stage.name, pipeline, tuple(overrides), upstream)
+    try:
+        with cancel_jobs_on_interrupt():  # the signal lands here, in the main thread, not in the tasks' threads
+            for stage in stages:
+                upstream = {name: futures[name] for name in stage.upstream()}
+                futures[stage.name] = task_for(stage).submit(stage.name, pipeline, tuple(overrides), Upstream(upstream),
+                                                             wait_for=list(upstream.values()))
+            _name_task_runs(futures)
 
-        for done, future in enumerate(futures.values(), start=1):
-            future.wait()
-            update_progress_artifact(progress, progress=100.0 * done / len(futures))
+            for done, future in enumerate(futures.values(), start=1):
+                future.wait()
+                update_progress_artifact(progress, progress=100.0 * done / len(futures))
+    except BaseException:  # cancelled (TerminationSignal, Ctrl-C): the running stages end Cancelled themselves
+        _cancel_unfinished(futures)
+        raise
 
     _publish_summary(pipeline, stages, futures)
     return {stage: future.result() for stage, future in futures.items()}
 
 
+def _name_task_runs(futures: dict[str, PrefectFuture]) -> None:
+    """Each stage's task run named after it from the start: Prefect records a task run under
+    `dpo-ea7` and sends its name with its next state, which for a stage waiting on others
+    comes when they end (`tasks.stage.Upstream`)."""
+    with get_client(sync_client=True) as client:
+        for name, future in futures.items():
+            deadline = time.monotonic() + RENAME_WAIT_S
+            while True:  # the run exists once the server has recorded its first state
+                try:
+                    client.set_task_run_name(future.task_run_id, name)
+                    break
+                except httpx.HTTPStatusError as err:
+                    if err.response.status_code != 404 or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+
+def _cancel_unfinished(futures: dict[str, PrefectFuture]) -> None:
+    """Every stage of a cancelled flow run ends Cancelled. The running ones do so themselves as
+    their jobs are cancelled; those waiting on them then give up as Prefect's NotReady
+    (Pending), which the UI would show for ever: once every stage's thread is done, those are
+    marked Cancelled."""
+    for future in futures.values():
+        future.wait(timeout=CANCEL_WAIT_S)
+    with get_client(sync_client=True) as client:
+        for name, future in futures.items():
+            if not future.state.is_final():
+                client.set_task_run_state(future.task_run_id, Cancelled(message=f"{name}: its flow run was cancelled"), force=True)
+
+
 def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, PrefectFuture]) -> None:
-    """The summary artifact (a table narrow enough for a laptop screen) and the run's report.html."""
+    """The summary artifact (a table narrow enough for a laptop screen), the run's report.html
+    and its run record (`align compare` reads it)."""
     lines = [f"# align `{pipeline}`", "", "| stage | kind | state | fingerprint | headline metrics |", "|---|---|---|---|---|"]
     rows = []
     for name, future in futures.items():
         state = future.state
         result = future.result(raise_on_failure=False) if state.is_completed() else None
-        if isinstance(result, StageResult):
-            metrics = ", ".join(f"{k}={format_value(v)}" for k, v in list(result.metrics.items())[:3])
-            lines.append(f"| {name} | {stages[name].kind} | {state.name} | `{result.fingerprint}` | {metrics} |")
-            rows.append({"name": name, "kind": stages[name].kind, "state": state.name, "fingerprint": result.fingerprint,
-                         "uri": result.uri, "metrics": result.metrics})
-        else:
-            lines.append(f"| {name} | {stages[name].kind} | {state.name} | | |")
+        done = isinstance(result, StageResult)
+        rows.append({"name": name, "kind": stages[name].kind, "state": state.name, "fingerprint": result.fingerprint if done else "",
+                     "uri": result.uri if done else "", "metrics": result.metrics if done else {}})
+        metrics = ", ".join(f"{k}={format_value(v)}" for k, v in list(rows[-1]["metrics"].items())[:3])
+        lines.append(f"| {name} | {stages[name].kind} | {state.name} | {f'`{result.fingerprint}`' if done else ''} | {metrics} |")
+    store = store_of(next(iter(stages)).cfg)
     report = _write_report(stages, rows)
-    lines += ["", f"report: `{report}` (every stage's curves and config)"]
+    record = runs.write(store, flow_run.name or "align", {"pipeline": stages.name, "flow_run_id": str(flow_run.id),
+                                                          "overrides": list(flow_run.parameters.get("overrides") or []), "stages": rows})
+    lines += ["", f"report: `{report}` (every stage's curves and config)",
+              f"compare with another run: `align compare '{flow_run.name}' OTHER_RUN` (record: `{record}`)"]
     create_markdown_artifact(markdown="\n".join(lines), key=f"align-{pipeline}".replace("_", "-"), description="pipeline summary")
     get_run_logger().info("\n".join(lines))
 
@@ -79,8 +124,7 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
 def _write_report(stages: Pipeline, rows: list[dict]) -> str:
     """`{store.root}/_reports/<run name>.html`, linking each stage's report.html."""
     cfg = next(iter(stages)).cfg
-    slug = re.sub(r"[^\w.-]+", "_", flow_run.name or "align")
-    uri = f"{cfg.store.root.rstrip('/')}/_reports/{slug}.html"
+    uri = f"{cfg.store.root.rstrip('/')}/_reports/{runs.slug(flow_run.name or 'align')}.html"
     with fsspec.open(uri, "w", auto_mkdir=True, **options_for(uri, cfg)) as f:
         f.write(pipeline_report(f"align {stages.name}: {flow_run.name}", rows))
     return uri

@@ -4,6 +4,8 @@
   align plan   [--json] [overrides...] the DAG: fingerprints, output URIs, what would run and why
   align config [overrides...]         the resolved config and each stage instance's, secrets masked
   align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL)
+  align compare [--json] RUN_A RUN_B [overrides...]
+                                      two runs' stages side by side: which differ, why, headline metrics
 
 `pipeline=NAME` picks the pipeline (conf/pipeline/NAME.yaml); `force=[prep]` re-runs stages.
 """
@@ -93,16 +95,48 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from alignflow import runs
+    from alignflow.store import store_of
+
+    _, overrides = _split(args.overrides)
+    store = store_of(compose(None, overrides, check_paths=False))  # store.root and its options, as the runs had them
+    try:
+        a, b = runs.read(store, args.run_a), runs.read(store, args.run_b)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    rows = runs.compare(store, a, b)
+    if args.json:
+        print(json.dumps([asdict(row) for row in rows], indent=2, default=str))
+        return 0
+    table = Table(title=f"align compare\n  A: {a['name']}\n  B: {b['name']}", title_justify="left")
+    for column in ("stage", "kind", "A", "B", "why", "headline metrics (A -> B)"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        fingerprints = (row.a, row.b) if not row.same else (row.a, "[green]same[/]")
+        metrics = ", ".join(f"{k} {_value(x)} -> {_value(y)}" for k, (x, y) in row.metrics.items())
+        table.add_row(row.stage, row.kind, *fingerprints, escape("; ".join(row.why)), escape(metrics))
+    Console(width=max(console.width, 160)).print(table)
+    return 0
+
+
+def _value(value) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="align", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"alignflow {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
-    for name, fn in (("run", cmd_run), ("plan", cmd_plan), ("config", cmd_config), ("demo", cmd_demo)):
+    for name, fn in (("run", cmd_run), ("plan", cmd_plan), ("config", cmd_config), ("demo", cmd_demo), ("compare", cmd_compare)):
         sub = verbs.add_parser(name, help=fn.__name__)
+        if name == "compare":
+            sub.add_argument("run_a", help="a run's name as the Prefect UI shows it (or its record's file name under {store.root}/_runs)")
+            sub.add_argument("run_b")
         sub.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. pipeline=sft_dpo data.seq_length=512")
         sub.set_defaults(fn=fn)
-        if name == "plan":
-            sub.add_argument("--json", action="store_true", help="the plan as JSON (stage, fingerprint, uri, status, reason)")
+        if name in ("plan", "compare"):
+            sub.add_argument("--json", action="store_true", help="as JSON")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

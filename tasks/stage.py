@@ -9,14 +9,16 @@ curves (sparklines in markdown; report.html in the output has the charts) and th
 per step as a table.
 """
 
+import logging
 import re
+import time
 from functools import lru_cache
-from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Completed, State
 
 from alignflow.config.compose import compose
@@ -25,6 +27,7 @@ from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, curves_markdown, read_metrics
 from alignflow.runner import StageResult, run_stage
 from alignflow.store import options_for
+from alignflow.worker import LOG_RECORD
 
 HEADLINE_METRICS = 5
 STEP_ROWS = 40  # per-step metrics shown per stage: evenly spaced, first and last included
@@ -45,14 +48,29 @@ def _infrastructure_failure(task, task_run, state) -> bool:
     return False
 
 
+class Upstream:
+    """A stage's upstream futures, out of Prefect's sight. Prefect resolves the futures among a
+    task's parameters before it names the task run, so a stage waiting on others showed as
+    `dpo-ea7`; submitted with these futures as `wait_for`, it is named first, waits (and ends
+    NotReady if one failed), and reads their results here. A plain class: Prefect looks into
+    dicts, lists and dataclasses for futures."""
+
+    def __init__(self, futures: dict[str, PrefectFuture]):
+        self.futures = futures
+
+    def results(self) -> dict[str, StageResult]:
+        return {name: future.result() for name, future in self.futures.items()}
+
+
 @task(cache_policy=NO_CACHE, retry_condition_fn=_infrastructure_failure, retry_delay_seconds=5)
-def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], upstream: dict[str, StageResult]) -> State:
+def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], upstream: Upstream) -> State:
     """The stage's result in the state the UI should show: Completed, Cached (a committed
     output, no job) or Cancelled (its flow run was); a failure raises, as Failed."""
     stage = _pipeline(pipeline, tuple(overrides))[name]
     logger = get_run_logger()
     try:
-        result = run_stage(stage, upstream, log=JobLogWatcher(name, logger.info))
+        watcher = JobLogWatcher(name, logger)
+        result = run_stage(stage, upstream.results(), log=watcher, output=watcher.job_output)
     except JobCancelled as err:
         _publish_table(name, [{"field": "state", "value": "cancelled"}, *_job_rows(err.job)])
         return Cancelled(message=str(err))
@@ -68,33 +86,57 @@ def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], upstream: d
 
 
 class JobLogWatcher:
-    """Forwards the job's log lines to Prefect and turns some of them into artifacts while the
-    job runs: a training step line ("step 40/300: ...") or a progress line ("42.0% done, ...",
-    prep's) moves the stage's progress bar, and a wandb run URL (online runs log it) becomes a
-    link artifact."""
+    """A stage's job as the flow log and the UI show it while it runs.
+
+    The runner's lines (submission, job states, commit) and the job's own alignflow records,
+    at their level, reach the flow log; submitit's lines, library warnings and prints stay in
+    the job log (its path is on the submission line and in the stage's artifact). A training
+    step line ("step 40/300: loss 1.2, ...") or a progress line ("42.0% done, ...", prep's)
+    moves the stage's progress bar, whose description carries the latest step, loss and ETA;
+    a wandb run URL (online runs log it) becomes a link artifact."""
 
     STEP = re.compile(r"\bstep (\d+)/(\d+): ")
+    LOSS = re.compile(r"\bloss (\S+?),?(?:\s|$)")
     DONE = re.compile(r"\b(\d+(?:\.\d+)?)% done\b")
     WANDB = re.compile(r"\bwandb run (https?://\S+)")
 
-    def __init__(self, stage: str, log: Callable[[str], None]):
-        self.stage, self.log, self.progress_id = stage, log, None
+    def __init__(self, stage: str, logger: logging.Logger | logging.LoggerAdapter):
+        self.stage, self.logger, self.progress_id, self.first_step = stage, logger, None, None
 
     def __call__(self, line: str) -> None:
-        self.log(line)
-        if step := self.STEP.search(line):
-            self.progress(100.0 * int(step.group(1)) / max(int(step.group(2)), 1))
-        elif done := self.DONE.search(line):
-            self.progress(float(done.group(1)))
-        elif wandb := self.WANDB.search(line):
+        self.logger.info(line)
+
+    def job_output(self, line: str) -> None:
+        if (record := LOG_RECORD.match(line)) is None:
+            return
+        message = record["message"]
+        self.logger.log(getattr(logging, record["level"]), f"{self.stage}: {message}")
+        if step := self.STEP.search(message):
+            done, total = int(step.group(1)), max(int(step.group(2)), 1)
+            loss = self.LOSS.search(message)
+            self.progress(100.0 * done / total, f"step {done}/{total}" + (f", loss {loss.group(1)}" if loss else "") + self.eta(done, total))
+        elif done := self.DONE.search(message):
+            self.progress(float(done.group(1)), message)
+        elif wandb := self.WANDB.search(message):
             create_link_artifact(link=wandb.group(1), link_text=f"{self.stage} on wandb", key=_key("wandb", self.stage),
                                  description=f"{self.stage}: the wandb run")
 
-    def progress(self, percent: float) -> None:
+    def eta(self, step: int, total: int) -> str:
+        """From the steps seen by this watcher (a resumed run's earlier steps took no time here)."""
+        if self.first_step is None:
+            self.first_step = (step, time.monotonic())
+            return ""
+        first, at = self.first_step
+        if step <= first:
+            return ""
+        return f", ETA {round((time.monotonic() - at) / (step - first) * (total - step))} s"
+
+    def progress(self, percent: float, status: str) -> None:
+        description = f"{self.stage}: {status}"
         if self.progress_id is None:
-            self.progress_id = create_progress_artifact(percent, key=_key("progress", self.stage), description=f"{self.stage}: progress")
+            self.progress_id = create_progress_artifact(percent, key=_key("progress", self.stage), description=description)
         else:
-            update_progress_artifact(self.progress_id, percent)
+            update_progress_artifact(self.progress_id, percent, description=description)
 
 
 def _key(kind: str, stage: str) -> str:

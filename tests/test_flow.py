@@ -2,11 +2,14 @@
 
 import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import ArtifactSort
 
 from flows.align import align
@@ -68,7 +71,7 @@ def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
     assert {row["model"] for row in rows} == {"sft", "convert"} and {"accuracy", "val_loss", "perplexity"} <= set(rows[0])
 
 
-def test_changed_input_config_reruns_and_force_reruns(base_overrides, tmp_path):
+def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(base_overrides, tmp_path, capsys):
     first = align(pipeline="demo", overrides=base_overrides)
     shorter = align(pipeline="demo", overrides=[*base_overrides, "data.seq_length=128"])
     assert shorter["prep"].fingerprint != first["prep"].fingerprint and not shorter["prep"].cached
@@ -78,6 +81,41 @@ def test_changed_input_config_reruns_and_force_reruns(base_overrides, tmp_path):
     assert forced["prep"].fingerprint == first["prep"].fingerprint and not forced["prep"].cached
     assert all(forced[s].cached for s in STAGES[1:])
     assert jobs_submitted(tmp_path) == 5 + 4 + 1
+
+    records = sorted((tmp_path / "store" / "_runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    assert len(records) == 3
+    names = [json.loads(p.read_text())["name"] for p in records[:2]]
+    assert main(["compare", "--json", *names, *base_overrides]) == 0
+    rows = {row["stage"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["convert"]["same"] and not rows["prep"]["same"] and not rows["sft"]["same"]
+    assert "config data.seq_length: 256 -> 128" in rows["prep"]["why"]
+    assert any(why.startswith("input data: changed") for why in rows["sft"]["why"]), rows["sft"]["why"]
+    assert main(["compare", names[0], "no-such-run", *base_overrides]) == 2
+    assert "no run 'no-such-run'" in capsys.readouterr().out
+
+
+def test_waiting_stages_show_in_the_ui_by_name_from_the_start(base_overrides, tmp_path):
+    """While sft trains, eval and export (waiting on it) are already task runs named eval and
+    export, not Prefect's `eval-3fa` placeholder."""
+    overrides = [*base_overrides, "sft.trainer.max_steps=60"]
+    run = threading.Thread(target=align, kwargs={"pipeline": "demo", "overrides": overrides}, daemon=True)
+    run.start()
+    seen, deadline = None, time.time() + 600
+    try:
+        with get_client(sync_client=True) as client:
+            while seen is None and run.is_alive() and time.time() < deadline:
+                for flow_run in client.read_flow_runs():
+                    if flow_run.parameters.get("overrides") != overrides:
+                        continue
+                    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+                    states = {t.name: t.state.type if t.state else None for t in tasks}
+                    if states.get("sft") == StateType.RUNNING and len(states) == len(STAGES):
+                        seen = states
+                time.sleep(0.5)
+    finally:
+        run.join(timeout=600)
+    assert seen is not None, "never saw sft running with every stage's task run"
+    assert set(seen) == set(STAGES) and seen["eval"] == seen["export"] == StateType.PENDING, seen
 
 
 def test_plan_marks_committed_stages(base_overrides, capsys):
