@@ -23,6 +23,7 @@ record is kept in the output's manifest, so `align plan` can say which part chan
 import ast
 import hashlib
 import json
+import threading
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -102,7 +103,7 @@ def _alignflow_imports(name: str, path: Path) -> set[str]:
     both a and a.b (b may be a submodule); only alignflow's."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_parse(path)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -114,6 +115,16 @@ def _alignflow_imports(name: str, path: Path) -> set[str]:
     return {m for m in found if m.split(".")[0] == "alignflow"}
 
 
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(path: Path) -> ast.Module:
+    """One parse at a time: CPython 3.11's ast.parse is not thread-safe (concurrent parses fail
+    with "AST constructor recursion depth mismatch"), and the flow's stage tasks are threads."""
+    with _PARSE_LOCK:
+        return ast.parse(path.read_text(), str(path))
+
+
 def _stat(path: Path) -> tuple[int, int]:
     st = path.stat()
     return st.st_mtime_ns, st.st_size
@@ -123,7 +134,7 @@ def _stat(path: Path) -> tuple[int, int]:
 def _source_digest(path: Path, mtime_ns: int, size: int) -> str:
     """sha256 of the module's AST without docstrings (comments are not in the AST); the
     (mtime, size) arguments only key the cache."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
