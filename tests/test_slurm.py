@@ -14,6 +14,9 @@ from pathlib import Path
 import cloudpickle
 import pytest
 from omegaconf import OmegaConf
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import StateType
 
 from alignflow import PROJECT_ROOT
 from alignflow.config.schema import LauncherConfig
@@ -173,6 +176,10 @@ def test_a_cancelled_flow_run_leaves_no_slurm_job(prefect_server, base_overrides
     assert [squeue(j) for j in job_ids] == [""] * len(job_ids), output[-3000:]
     assert [sacct_state(j) for j in job_ids] == ["CANCELLED"] * len(job_ids), output[-3000:]
     assert f"job {job_id}: CANCELLED" in output and flow.returncode != 0
+    with get_client(sync_client=True) as client:  # every stage Cancelled: the running one and those waiting on it
+        flow_run = next(r for r in client.read_flow_runs() if r.parameters.get("overrides") == overrides)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    assert sorted((t.name, t.state.type) for t in tasks) == sorted((s, StateType.CANCELLED) for s in ("prep", "convert", "sft", "eval", "export"))
 
 
 @pytest.mark.slow

@@ -91,6 +91,15 @@ class PrefectStack:
             output += f"\n--- {self.state / 'prefect-worker.log'} ---\n{_tail(self.state / 'prefect-worker.log', 60)}"
         return DeploymentRun(match.group(1), done.returncode, output)
 
+    def screenshot(self, path: str, out: Path) -> tuple[Path, str]:
+        """The UI page at `path` (e.g. /runs/flow-run/ID) as a 1400x1000 PNG and its rendered DOM."""
+        png, dom = out / f"{path.strip('/').replace('/', '-')}.png", out / f"{path.strip('/').replace('/', '-')}.html"
+        shot = subprocess.run([str(REPO / "infra" / "chromium.sh"), "shot", f"{self.ui}{path}", str(png), str(dom)], cwd=REPO,
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "ALIGNFLOW_INFRA_DIR": str(self.state)})
+        assert shot.returncode == 0 and png.exists(), shot.stdout + shot.stderr
+        print(f"\nscreenshot of {self.ui}{path}: {png}")
+        return png, dom.read_text(errors="replace")
+
     def client(self):
         from prefect.client.orchestration import SyncPrefectClient
 
@@ -187,4 +196,11 @@ def run_overrides(demo_dir, workdir, store, slurm_cluster):
 @pytest.fixture(scope="module")
 def first_run(prefect_stack, run_overrides):
     """`prefect deployment run align/sft-dpo --param overrides=[...] --watch` on a fresh store."""
+    return prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.loss.beta=0.2"]})
+
+
+@pytest.fixture(scope="module")
+def cached_run(prefect_stack, first_run, run_overrides):
+    """The same deployment run again: every stage a cache hit."""
+    assert first_run.returncode == 0, first_run.output[-2000:]
     return prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.loss.beta=0.2"]})

@@ -6,6 +6,7 @@
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections import Counter
@@ -29,6 +30,8 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import FlowRunSort
 
+from alignflow import runs
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SFT_DPO = ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"]
@@ -43,31 +46,88 @@ def summary(stack, flow_run_id: str) -> str:
     return found[0].data
 
 
-def test_sft_dpo_deployment_runs_on_slurm_with_outputs_on_s3_then_hits_the_cache(prefect_stack, first_run, run_overrides, workdir, store):
+def test_sft_dpo_deployment_runs_on_slurm_with_outputs_on_s3_then_hits_the_cache(prefect_stack, first_run, cached_run, workdir, store):
     assert first_run.returncode == 0 and "finished successfully in 'Completed'" in first_run.output, first_run.output[-4000:]
     with prefect_stack.client() as client:
         flow_run = client.read_flow_run(first_run.flow_run_id)
         deployment = client.read_deployment(flow_run.deployment_id)
     assert flow_run.state.type == StateType.COMPLETED and deployment.name == "sft-dpo"
     assert flow_run.parameters["pipeline"] == "sft_dpo" and "dpo.loss.beta=0.2" in flow_run.parameters["overrides"]
+    assert flow_run.name.startswith("sft_dpo · slurm · s3 · "), flow_run.name  # the pipeline and where it runs
 
     first = summary(prefect_stack, first_run.flow_run_id)
     for stage in SFT_DPO:
         row = next(line for line in first.splitlines() if line.startswith(f"| {stage} |"))
-        assert "| ran |" in row and f"`{store.root}/{stage}/" in row, row
+        assert f"| {stage} | Completed |" in row, row
         fingerprint = row.split("`")[1]
         manifest = store.manifest(stage, fingerprint)
         assert manifest["fingerprint"] == fingerprint and manifest["job"]["launcher"] == "slurm", manifest["job"]
+    record = json.loads(store.fs.cat(f"{store.root}/_runs/{runs.slug(flow_run.name)}.json"))  # what `align compare` reads
+    assert [s["name"] for s in record["stages"]] == SFT_DPO and all(s["uri"].startswith(f"{store.root}/{s['name']}/") for s in record["stages"])
     assert store.glob("export/*/model*.safetensors") and store.glob("dpo/*/checkpoints/step-*/complete")
     jobs = len(list((workdir / "jobs").glob("*/*")))
     assert jobs == len(SFT_DPO)
 
-    again = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.loss.beta=0.2"]})
-    assert again.returncode == 0, again.output[-4000:]
-    second = summary(prefect_stack, again.flow_run_id)
+    assert cached_run.returncode == 0, cached_run.output[-4000:]
+    second = summary(prefect_stack, cached_run.flow_run_id)
     for stage in SFT_DPO:
-        assert f"| {stage} | cache hit |" in second, second
+        assert f"| {stage} | {stage} | Cached |" in second, second
     assert len(list((workdir / "jobs").glob("*/*"))) == jobs  # cache hits submit no job
+
+
+def test_the_ui_shows_curves_and_cached_stages(prefect_stack, first_run, cached_run, tmp_path_factory):
+    """Screenshots: the sft stage's curves artifact renders as a table of sparklines, and the
+    cached run's stages are Cached (Prefect's own state name, in the task run list)."""
+    from PIL import Image
+
+    out = tmp_path_factory.mktemp("screenshots")
+    with prefect_stack.client() as client:
+        curves = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["curves-sft"]),
+                                                                      flow_run_id=ArtifactFilterFlowRunId(any_=[first_run.flow_run_id])))
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[cached_run.flow_run_id])))
+    assert curves, "no curves-sft artifact"
+    png, dom = prefect_stack.screenshot(f"/artifacts/artifact/{curves[0].id}", out)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", dom, flags=re.S)  # the markdown table, rendered
+    assert any(re.sub(r"<[^>]+>", "", c).strip() == "loss" for c in cells), dom[-3000:]
+    assert any(re.search("[▁▂▃▄▅▆▇█]{2,}", c) for c in cells), "no sparkline rendered"
+    image = Image.open(png).convert("RGB")
+    dark = sum(1 for r, g, b in image.getdata() if r + g + b < 200)
+    assert dark > 2000, f"{png}: almost no text drawn ({dark} dark pixels)"
+
+    assert sorted((t.name, t.state.name) for t in task_runs) == sorted((s, "Cached") for s in SFT_DPO)
+    _, dom = prefect_stack.screenshot(f"/runs/flow-run/{cached_run.flow_run_id}", out)
+    assert "Cached" in dom, "the flow run page does not show the Cached state"
+
+
+def test_a_cancelled_run_shows_its_stages_cancelled(prefect_stack, first_run, run_overrides, tmp_path_factory):
+    """`prefect flow-run cancel` while sft trains on Slurm: sft and every stage after it end
+    Cancelled (not Failed, not Pending for ever), and the flow run page says so."""
+    assert first_run.returncode == 0, first_run.output[-2000:]
+    overrides = [*run_overrides, "dpo.loss.beta=0.2", "sft.trainer.max_steps=2000"]
+    started = prefect_stack.prefect("deployment", "run", "align/sft-dpo", "--param", f"overrides={json.dumps(overrides)}")
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
+
+    def stage_states() -> dict:
+        with prefect_stack.client() as client:
+            return {t.name: t.state for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))}
+
+    deadline = time.monotonic() + 300
+    while (states := stage_states()).get("sft") is None or not states["sft"].is_running():
+        assert time.monotonic() < deadline, {k: v.name for k, v in states.items()}
+        time.sleep(1)
+    time.sleep(10)  # its Slurm job submitted and training
+    cancel = prefect_stack.prefect("flow-run", "cancel", flow_run_id)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    deadline = time.monotonic() + 180
+    while True:
+        states = stage_states()
+        if len(states) == len(SFT_DPO) and all(state.is_final() for state in states.values()):
+            break
+        assert time.monotonic() < deadline, {k: v.name for k, v in states.items()}
+        time.sleep(2)
+    assert {k: v.name for k, v in states.items()} == {"prep": "Cached", "convert": "Cached", **{s: "Cancelled" for s in SFT_DPO[2:]}}
+    _, dom = prefect_stack.screenshot(f"/runs/flow-run/{flow_run_id}", tmp_path_factory.mktemp("cancelled"))
+    assert "Cancelled" in dom, "the flow run page does not show the Cancelled state"
 
 
 def test_nightly_is_scheduled_at_two_utc(prefect_stack):
@@ -75,12 +135,12 @@ def test_nightly_is_scheduled_at_two_utc(prefect_stack):
         deadline = time.monotonic() + wait_s
         while True:
             with prefect_stack.client() as client:
-                runs = client.read_flow_runs(
+                scheduled = client.read_flow_runs(
                     deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
                     flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
                     sort=FlowRunSort.EXPECTED_START_TIME_ASC)
-            if len(runs) >= at_least or time.monotonic() > deadline:
-                return [run.expected_start_time.astimezone(timezone.utc) for run in runs]
+            if len(scheduled) >= at_least or time.monotonic() > deadline:
+                return [run.expected_start_time.astimezone(timezone.utc) for run in scheduled]
             time.sleep(2)
 
     with prefect_stack.client() as client:
@@ -154,7 +214,7 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
                                                          "force": ["sft", "dpo"]})
     assert run.returncode == 0, run.output[-4000:]
     rows = {line.split("|")[1].strip(): line for line in summary(prefect_stack, run.flow_run_id).splitlines() if line.startswith("| ")}
-    assert "| ran |" in rows["sft"] and "| ran |" in rows["dpo"] and "| cache hit |" in rows["eval"], rows
+    assert "| Completed |" in rows["sft"] and "| Completed |" in rows["dpo"] and "| Cached |" in rows["eval"], rows
 
     # the secret reached the flow run (the saved config shows it is set, masked) and wandb ran in the jobs
     for stage in ("sft", "dpo"):
@@ -164,8 +224,7 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
 
     texts: dict[str, str] = {"cli output": run.output + first_run.output}
     with prefect_stack.client() as client:
-        runs = client.read_flow_runs()
-        for flow_run in runs:
+        for flow_run in client.read_flow_runs():
             texts[f"flow run {flow_run.name} parameters/job variables"] = json.dumps(
                 [flow_run.parameters, flow_run.job_variables, flow_run.model_dump(mode="json")], default=str)
             logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200)
