@@ -1,5 +1,6 @@
-"""Deterministic offline demo assets: a byte-level BPE tokenizer, a tiny random Llama and
-an arithmetic task ("What is 17 + 25?" -> "42") whose answers a reward function can check.
+"""Deterministic offline demo assets: a byte-level BPE tokenizer, a tiny random Llama (and a
+smaller one sharing its tokenizer: the distill pipeline's student) and an arithmetic task
+("What is 17 + 25?" -> "42") whose answers a reward function can check.
 
 There is no model hub here, so the demo and the tests build everything they need from seeds.
 Runs on the orchestrator side: no torch, no transformers; only tokenizers, numpy and
@@ -66,16 +67,23 @@ MODEL_CONFIG = {
     "rope_theta": 10000.0,
 }
 
+# The distill pipeline's student: the demo Llama narrowed (hidden 48, heads of 12), about half
+# its non-embedding parameters; same tokenizer, so it can learn from the teacher's top-k.
+STUDENT_CONFIG = {**MODEL_CONFIG, "hidden_size": 48, "intermediate_size": 128}
+MODELS = {"tiny-llama": MODEL_CONFIG, "tiny-llama-student": STUDENT_CONFIG}
+
 
 def build(dest: str | Path) -> Path:
-    """Write tokenizer/, tiny-llama/ and data/ under dest (idempotent) and return dest."""
+    """Write tokenizer/, tiny-llama/, tiny-llama-student/ and data/ under dest (idempotent)
+    and return dest."""
     dest = Path(dest)
     tokenizer = train_tokenizer()
     tok_files = tokenizer_files(tokenizer)
     for name, data in tok_files.items():
         write_if_changed(dest / "tokenizer" / name, data)
-    for name, data in {**model_files(tokenizer), **tok_files}.items():
-        write_if_changed(dest / "tiny-llama" / name, data)
+    for folder, shape in MODELS.items():
+        for name, data in {**model_files(tokenizer, shape), **tok_files}.items():
+            write_if_changed(dest / folder / name, data)
     for name, data in data_files().items():
         write_if_changed(dest / "data" / name, data)
     return dest
@@ -210,8 +218,7 @@ def tokenizer_files(tok: Tokenizer) -> dict[str, bytes]:
 # ---------------------------------------------------------------- tiny Llama
 
 
-def llama_config(vocab_size: int, ids: dict[str, int]) -> dict:
-    c = MODEL_CONFIG
+def llama_config(vocab_size: int, ids: dict[str, int], c: dict = MODEL_CONFIG) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -264,9 +271,9 @@ def init_weights(cfg: dict) -> dict[str, np.ndarray]:
     return weights
 
 
-def model_files(tok: Tokenizer) -> dict[str, bytes]:
+def model_files(tok: Tokenizer, shape: dict = MODEL_CONFIG) -> dict[str, bytes]:
     ids = token_ids(tok)
-    cfg = llama_config(tok.get_vocab_size(with_added_tokens=True), ids)
+    cfg = llama_config(tok.get_vocab_size(with_added_tokens=True), ids, shape)
     generation = {**ids, "do_sample": False, "max_new_tokens": 8}
     return {
         "config.json": dump_json(cfg),

@@ -81,6 +81,12 @@ class DPOLoss(StrEnum):
     ipo = "ipo"
 
 
+class KLType(StrEnum):
+    forward = "forward"  # KL(teacher || student): mass-covering
+    reverse = "reverse"  # KL(student || teacher): mode-seeking
+    mixed = "mixed"  # mixed_kl_weight x forward + (1 - mixed_kl_weight) x reverse
+
+
 class ExportDtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -309,8 +315,35 @@ class RefLogprobsConfig(ModelStageBase):
 
 
 @dataclass
+class TeacherLogprobsConfig(ModelStageBase):
+    """The teacher's top-k next-token log-probs at every loss position of prep's SFT rows."""
+
+    topk_logits_k: int = 64  # NeMo-RL's distillation.topk_logits_k
+
+
+@dataclass
 class SFTConfig(TrainStageBase):
     pass
+
+
+@dataclass
+class DistillationLossConfig:
+    """Knowledge distillation's loss (`alignflow.losses.distillation`), NeMo-RL's `loss_fn` names,
+    plus the weight of the SFT term (NeMo Customizer's DPO name for such a term):
+    loss = (1 - sft_loss_weight) x KL over the teacher's top-k + sft_loss_weight x SFT loss."""
+
+    kl_type: KLType = KLType.forward
+    mixed_kl_weight: float = 0.5  # with kl_type mixed: the forward KL's weight
+    zero_outside_topk: bool = False  # forward only: the student's full-vocab log-probs, not renormalised over the top-k
+    sft_loss_weight: float = 0.0
+
+
+@dataclass
+class DistillationConfig(TrainStageBase):
+    """NeMo Customizer's training_type distillation: the teacher is an input role
+    (`teacher_logprobs`, a stage that ran the teacher once), not a setting."""
+
+    loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
 
 
 @dataclass

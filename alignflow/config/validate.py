@@ -4,6 +4,7 @@ Every problem is reported with the config key it is about, all at once, so a use
 a config in one round trip instead of one GPU-hour at a time.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -39,6 +40,8 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"
         shape = _model_shape(stage.cfg, problems, shapes) if check_paths and "parallel" in stage.section else None
         problems += _check_stage(stage, key, shape)
+        problems += KIND_CHECKS.get(stage.kind, lambda key, section: [])(key, stage.section)
+        problems += _check_lineage(pipeline, stage, cfg if check_paths else None)
         if stage.kind == "prep":
             problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
         if stage.kind == "convert" and check_paths:
@@ -192,6 +195,87 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
         except ValueError as err:
             problems.append(f"{key}.environment[{i}].name: {err}")
     return problems
+
+
+def _check_distillation(key: str, section: DictConfig) -> list[str]:
+    loss, problems = section.loss, []
+    if not 0 <= loss.sft_loss_weight <= 1:
+        problems.append(f"{key}.loss.sft_loss_weight: must be in [0, 1] (loss = (1 - w) x KL + w x SFT), got {loss.sft_loss_weight}")
+    if not 0 <= loss.mixed_kl_weight <= 1:
+        problems.append(f"{key}.loss.mixed_kl_weight: must be in [0, 1], got {loss.mixed_kl_weight}")
+    if loss.zero_outside_topk and loss.kl_type != "forward":
+        problems.append(f"{key}.loss.zero_outside_topk: only with kl_type forward (NeMo-RL's entropy correction for reverse and "
+                        "mixed KL is not built)")
+    return problems
+
+
+def _check_teacher_logprobs(key: str, section: DictConfig) -> list[str]:
+    return [] if section.topk_logits_k >= 1 else [f"{key}.topk_logits_k: must be >= 1, got {section.topk_logits_k}"]
+
+
+KIND_CHECKS = {"distillation": _check_distillation, "teacher_logprobs": _check_teacher_logprobs}
+
+# Lineage rules between a stage's inputs. The tokenizer of a stage's output is that of the input
+# named here (default: `model`), up to the stage whose own config names it (convert, prep).
+TOKENIZER_ROLE = {"teacher_logprobs": "teacher"}
+# Input roles whose outputs must share one tokenizer (the teacher's token ids index the
+# student's vocab), and roles that must be the very same upstream stage as a role of another
+# input (the teacher's top-k are joined to prep's rows by row index).
+SAME_TOKENIZER = {"teacher_logprobs": ("data", "teacher"), "distillation": ("model", "teacher_logprobs")}
+SAME_UPSTREAM = {"distillation": (("data", "teacher_logprobs", "data"),)}
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def _check_lineage(pipeline: Pipeline, stage: Stage, cfg: DictConfig | None) -> list[str]:
+    """SAME_UPSTREAM and SAME_TOKENIZER for `stage`. Tokenizers at different URIs are compared by
+    content, so only when paths are checked (`cfg` given; `align config` does not read files)."""
+    key, problems = f"pipeline.stages.{stage.name}.inputs", []
+    for role, via, upstream_role in SAME_UPSTREAM.get(stage.kind, ()):
+        mine, theirs = stage.inputs[role], pipeline[stage.inputs[via]].inputs[upstream_role]
+        if mine != theirs:
+            problems.append(f"{key}.{role}: '{mine}' is not the {upstream_role} '{theirs}' that its {via} "
+                            f"'{stage.inputs[via]}' was computed on; give both the same {role}")
+    roles = SAME_TOKENIZER.get(stage.kind)
+    if roles:
+        (chain_a, tok_a), (chain_b, tok_b) = (output_tokenizer(pipeline, stage.inputs[role]) for role in roles)
+        if tok_a != tok_b and cfg is not None and _vocab_digest(tok_a, cfg) != _vocab_digest(tok_b, cfg):
+            problems.append(f"{key}: {roles[0]} '{chain_a[0]}' has the tokenizer {tok_a} (from {' <- '.join(chain_a)}) and "
+                            f"{roles[1]} '{chain_b[0]}' the tokenizer {tok_b} (from {' <- '.join(chain_b)}); they differ, and "
+                            f"{stage.kind} needs one tokenizer (student and teacher may differ in size, not in vocabulary)")
+    return problems
+
+
+def output_tokenizer(pipeline: Pipeline, name: str) -> tuple[list[str], str]:
+    """The tokenizer URI of stage `name`'s output, and the stages it was followed through, from
+    `name` up to the one whose config names it."""
+    stage = pipeline[name]
+    upstream = stage.inputs.get(TOKENIZER_ROLE.get(stage.kind, "model"))
+    if isinstance(upstream, str):
+        chain, uri = output_tokenizer(pipeline, upstream)
+        return [name, *chain], uri
+    return [name], str(stage.cfg.model.tokenizer)
+
+
+def _vocab_digest(uri: str, cfg: DictConfig) -> str | None:
+    """A digest of the files that map text to token ids in tokenizer folder `uri` (tokenizer.json's
+    model, normalizer, pre-tokenizer and added tokens; sentencepiece or BPE vocab files), so two
+    copies of one tokenizer agree and a chat template or max length may differ; None if unreadable."""
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **options_for(uri, cfg))
+    except (OSError, ValueError):
+        return None
+    digest, found = hashlib.sha256(), False
+    for name in VOCAB_FILES:
+        try:
+            data = fs.cat_file(f"{path.rstrip('/')}/{name}")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
+        if name == "tokenizer.json":
+            spec = json.loads(data)
+            data = json.dumps({k: spec.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}, sort_keys=True).encode()
+        digest.update(name.encode() + b"\0" + data)
+        found = True
+    return digest.hexdigest() if found else None
 
 
 def _check_data(cfg: DictConfig, instance_key: str, check_paths: bool) -> list[str]:

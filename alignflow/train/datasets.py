@@ -8,6 +8,8 @@ format) and implements `alignflow.train.data.Dataset`: `__len__`, `collate(indic
 - `PreferencePairs`: pairs packed into rows, no padding to the data set's longest sequence;
   with reference log-probs (`alignflow.data.logprobs`) each micro batch also carries the
   reference's per-pair sums.
+- `DistillRows`: packed SFT rows with the teacher's top-k (`alignflow.data.teacher_topk`) at
+  each loss position, as [rows, length, k] tensors aligned to the packed rows.
 - `Prompts`: RL prompts with their rendered text and ground-truth answer (not collated: GRPO
   generates from them).
 """
@@ -17,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from alignflow.data import logprobs
+from alignflow.data import logprobs, teacher_topk
 from alignflow.data.packing import pack_bfd
 from alignflow.data.prepared import SIDES, Prepared, list_column
 from alignflow.train.data import packed_rows
@@ -47,6 +49,38 @@ class PackedSFT:
 
     def num_tokens(self, indices: Sequence[int]) -> int:
         return int(sum(self.ids_off[i + 1] - self.ids_off[i] for i in indices))
+
+
+class DistillRows:
+    """`PackedSFT` rows plus `teacher_ids` [b, s, k] (int64) and `teacher_logp` [b, s, k] (fp32):
+    the teacher's top-k at every position the loss trains on (zeros elsewhere, never read
+    there). The teacher's positions must be exactly the collated loss positions: a teacher
+    output computed on other rows fails here rather than training on misaligned targets."""
+
+    KIND = "sft"
+
+    def __init__(self, prepared: Prepared, split: str, teacher_uri: str):
+        self.rows = PackedSFT(prepared, split)
+        self.seq_length = self.rows.seq_length
+        self.teacher = teacher_topk.read(teacher_uri, split, len(self.rows))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def num_tokens(self, indices: Sequence[int]) -> int:
+        return self.rows.num_tokens(indices)
+
+    def collate(self, indices: Sequence[int]) -> dict:
+        batch = self.rows.collate(indices)
+        ids = np.zeros((*batch["tokens"].shape, self.teacher.k), dtype=np.int64)
+        logp = np.zeros(ids.shape, dtype=np.float32)
+        for r, i in enumerate(int(i) for i in indices):
+            positions, top_ids, top_logp = self.teacher.row(i)
+            expected = np.flatnonzero(batch["loss_mask"][r].numpy())
+            if self.teacher.tokens[i] != self.rows.num_tokens([i]) or not np.array_equal(positions, expected):
+                raise ValueError(f"teacher top-k of row {i} do not line up with its loss positions: computed on other data?")
+            ids[r, positions], logp[r, positions] = top_ids, top_logp
+        return batch | {"teacher_ids": torch.from_numpy(ids), "teacher_logp": torch.from_numpy(logp)}
 
 
 class PreferencePairs:

@@ -1,0 +1,110 @@
+"""The teacher_logprobs stage: the teacher's top-k next-token log-probs on prep's SFT rows, once.
+
+NeMo-RL's distillation runs the teacher beside the student at every step; here the teacher
+runs forward only, once per (teacher, data, k) fingerprint, and the distillation stage reads
+the result, so the teacher never sits beside the student (as ref_logprobs does for DPO).
+Supported: any model in the `alignflow.checkpoint` layout at the configured TP/PP/DP
+(`teacher_logprobs.parallel`, `.resources`): the rows are shared among the DP ranks, the
+top-k taken over the vocab split across TP ranks (`alignflow.megatron.vocab_parallel`), on
+the last pipeline stage. Rows are prep's packed SFT rows as the training stages collate them
+(documents never attend across each other), so the positions line up with the student's.
+
+Output: the format of `alignflow.data.teacher_topk`, one shard per DP rank, for the train and
+val splits of prep's SFT data: at each loss position the `topk_logits_k` most likely next
+tokens and their full-vocab log-probs (fp32 forward, whatever `precision` says).
+Metrics: rows and loss positions per split, and the mean top-1 log-prob (how sure the teacher is).
+"""
+
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from alignflow.data import teacher_topk
+from alignflow.data.prepared import Prepared
+from alignflow.megatron import checkpoint, runtime
+from alignflow.megatron.model import build_gpt, packed_thd, thd_params
+from alignflow.megatron.vocab_parallel import topk_logprobs
+from alignflow.train.datasets import PackedSFT, optional
+from alignflow.train.engine import device, schedule
+from alignflow.train.workspace import cache_dir, local_model
+
+log = logging.getLogger("alignflow.teacher_logprobs")
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    section, data = cfg.teacher_logprobs, Prepared(inputs["data"])
+    teacher = local_model(inputs["teacher"], cache_dir(cfg))
+    runtime.init_parallel(section.parallel, seed=0)
+    try:
+        built = build_gpt(teacher.hf_config, section.parallel, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        chunks = [c.eval() for c in (built if isinstance(built, list) else [built])]
+        checkpoint.load(chunks, teacher.weights)
+        metrics = {}
+        for split in ("train", "val"):
+            rows = optional(PackedSFT, data, split)
+            if rows is None:
+                continue
+            columns = row_topk(chunks, rows, section.micro_batch_size, section.topk_logits_k, teacher.hf_config["vocab_size"])
+            if columns is not None:
+                teacher_topk.write(columns, section.topk_logits_k, out, split, parallel_state.get_data_parallel_rank())
+            metrics |= summary(split, columns, section.topk_logits_k)
+        dist.barrier()
+    finally:
+        runtime.teardown()
+    return metrics
+
+
+def logits_forward(model, batch: dict) -> torch.Tensor:
+    """Logits [b, s, V / TP] on the last pipeline stage (hidden states elsewhere); with THD
+    attention the micro batch runs as one flat sequence of documents (as `sft_forward`)."""
+    tokens = batch["tokens"]
+    if not packed_thd():
+        return model(tokens, batch["position_ids"], batch["attention_mask"])
+    out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None,
+                packed_seq_params=thd_params(batch["cu_seqlens"], batch["max_seqlen"]))
+    return out.view(*tokens.shape, -1) if getattr(model, "module", model).post_process else out
+
+
+def row_topk(chunks: list, rows: PackedSFT, micro_batch_size: int, k: int, vocab_size: int) -> dict | None:
+    """This DP rank's share of the rows through the teacher, `micro_batch_size` rows per micro
+    batch; the columns of `alignflow.data.teacher_topk` on the rank that writes them."""
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    share = np.array_split(np.arange(len(rows)), dp_size)[dp_rank]
+    micro = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+    batches = [rows.collate(m) for m in micro]
+
+    def forward_step(data_iterator, model):
+        return logits_forward(model, next(data_iterator)), _topk
+
+    def _topk(logits):
+        logp, ids = topk_logprobs(logits, k, vocab_size)
+        return logits.new_zeros(()), torch.tensor(1), {"logp": logp.cpu(), "ids": ids.cpu()}
+
+    with torch.no_grad():
+        outputs = schedule(chunks, forward_step, batches, rows.seq_length, micro_batch_size, forward_only=True)
+    if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
+        return None
+    columns: dict[str, list] = {name: [] for name in teacher_topk.SCHEMA.names}
+    for m, batch, top in zip(micro, batches, outputs):
+        for r, i in enumerate(m):
+            positions = np.flatnonzero(batch["loss_mask"][r].numpy())
+            columns["row"].append(int(i))
+            columns["tokens"].append(rows.num_tokens([i]))
+            columns["positions"].append(positions.tolist())
+            columns["ids"].append(top["ids"][r, positions].flatten().tolist())
+            columns["logprobs"].append(top["logp"][r, positions].flatten().tolist())
+    return columns
+
+
+def summary(split: str, columns: dict | None, k: int) -> dict:
+    """Rows, loss positions and the mean top-1 log-prob of a split over every DP rank's share
+    (only the writing rank of each share has columns; the sums are all-reduced)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device())
+    if columns is not None:
+        top1 = [row[j] for row in columns["logprobs"] for j in range(0, len(row), k)]
+        sums += torch.tensor([len(columns["row"]), len(top1), sum(top1)], dtype=torch.float64, device=device())
+    dist.all_reduce(sums)
+    return {f"{split}.rows": int(sums[0]), f"{split}.positions": int(sums[1]), f"{split}.mean_top1_logp": float(sums[2] / max(sums[1], 1))}
