@@ -4,6 +4,14 @@
     {out}/model/       the torch_dist checkpoint (global tensors, any TP/PP loads it)
     {out}/hf/          config.json and generation_config.json of the HF model it came from
     {out}/tokenizer/   the tokenizer files
+
+A LoRA output (`finetuning_type: lora`) has no model/ but, beside hf/ and tokenizer/:
+
+    {out}/adapter/     torch_dist: the adapter matrices only (`alignflow.convert.lora.adapter_key`)
+    {out}/lora.json    {"base": URI of the model output it adapts (itself possibly a LoRA
+                       output), "adapter_dim", "alpha", "adapter_dropout", "target_modules"}
+
+Its weights are the base's with the adapter merged in (`alignflow.megatron.lora.load_output`).
 """
 
 import json
@@ -15,6 +23,8 @@ import fsspec
 MODEL_DIR = "model"
 HF_DIR = "hf"
 TOKENIZER_DIR = "tokenizer"
+ADAPTER_DIR = "adapter"
+LORA_FILE = "lora.json"
 HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
@@ -36,6 +46,16 @@ class ModelOutput:
     @property
     def tokenizer(self) -> str:
         return f"{self.uri.rstrip('/')}/{TOKENIZER_DIR}"
+
+    @property
+    def adapter(self) -> str:
+        return f"{self.uri.rstrip('/')}/{ADAPTER_DIR}"
+
+    @cached_property
+    def lora(self) -> dict | None:
+        """A LoRA output's lora.json (see the top); None for full weights."""
+        fs, root = fsspec.core.url_to_fs(f"{self.uri.rstrip('/')}/{LORA_FILE}")
+        return json.loads(fs.cat_file(root)) if fs.exists(root) else None
 
     @cached_property
     def hf_config(self) -> dict:

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, OmegaConf
 
 from alignflow import PROJECT_ROOT
+from alignflow.convert.lora import DEFAULT_TARGETS
 
 # Resolvers the defaults below use; registered wherever the schema is (orchestrator and jobs).
 OmegaConf.register_new_resolver("af.project", lambda: str(PROJECT_ROOT), replace=True)
@@ -102,6 +103,14 @@ class WandbMode(StrEnum):
 class MonitorMode(StrEnum):
     min = "min"
     max = "max"
+
+
+class FinetuningType(StrEnum):
+    """NeMo Customizer's `finetuning_type`."""
+
+    all_weights = "all_weights"
+    lora = "lora"  # train adapters; the output is the base model (by reference) + the adapter
+    lora_merged = "lora_merged"  # train adapters; the output is the merged weights, an ordinary model
 
 
 # ----------------------------------------------------------------------------- shared
@@ -273,6 +282,18 @@ class ModelStageBase(StageBase):
 
 
 @dataclass
+class LoRAConfig:
+    """NeMo Customizer's `lora` object, same names and defaults (`alignflow.megatron.lora`;
+    `target_modules` as `alignflow.convert.lora` reads them). PEFT's names: r = adapter_dim,
+    lora_alpha = alpha, lora_dropout = adapter_dropout; the update is (alpha / adapter_dim) B A x."""
+
+    adapter_dim: int = 8
+    alpha: int = 16
+    adapter_dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+
+
+@dataclass
 class TrainStageBase(ModelStageBase):
     retries: int = not_identity(3)  # every retry resumes from the latest checkpoint, so a retry is cheap
     global_batch_size: int = 32
@@ -286,6 +307,8 @@ class TrainStageBase(ModelStageBase):
     recompute_granularity: RecomputeGranularity = not_identity(RecomputeGranularity.none)
     recompute_method: RecomputeMethod = not_identity(RecomputeMethod.uniform)  # with full only
     recompute_num_layers: int = not_identity(1)  # with full only: layers per chunk (uniform) or per stage (block)
+    finetuning_type: FinetuningType = FinetuningType.all_weights
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # with finetuning_type lora / lora_merged
 
 
 # ----------------------------------------------------------------------------- stages

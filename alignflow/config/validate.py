@@ -16,7 +16,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from omegaconf import DictConfig, OmegaConf
 
-from alignflow.config.schema import RecomputeGranularity, RecomputeMethod
+from alignflow.config.schema import FinetuningType, RecomputeGranularity, RecomputeMethod
+from alignflow.convert import lora as lora_targets
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.data.formats import FORMATS
 from alignflow.pipeline import Pipeline, PipelineError, Stage
@@ -83,6 +84,8 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
         problems += _check_optim(key, section)
     if "recompute_granularity" in section:
         problems += _check_recompute(key, section, shape)
+    if "finetuning_type" in section and section.finetuning_type != FinetuningType.all_weights:
+        problems += _check_lora(key, section, shape)
     if kind == "dpo":
         if section.loss.beta <= 0:
             problems.append(f"{key}.loss.beta: must be > 0, got {section.loss.beta}")
@@ -173,6 +176,27 @@ def _check_recompute(stage: str, section: DictConfig, shape: ModelShape | None) 
     if section.recompute_method == RecomputeMethod.block and stage_layers and n > stage_layers:
         return [f"{key}: {n} exceeds the {stage_layers} layers of a pipeline stage (model.source) with recompute_method block"]
     return []
+
+
+def _check_lora(stage: str, section: DictConfig, shape: ModelShape | None) -> list[str]:
+    """LoRA's settings, and its targets against the model (every pattern must select something)."""
+    lora, key, problems = section.lora, f"{stage}.lora", []
+    if lora.adapter_dim < 1:
+        problems.append(f"{key}.adapter_dim: must be >= 1, got {lora.adapter_dim}")
+    if lora.alpha <= 0:
+        problems.append(f"{key}.alpha: must be > 0, got {lora.alpha}")
+    if not 0 <= lora.adapter_dropout < 1:
+        problems.append(f"{key}.adapter_dropout: must be in [0, 1), got {lora.adapter_dropout}")
+    if section.recompute_granularity == RecomputeGranularity.full:
+        problems.append(f"{stage}.recompute_granularity: full recompute with LoRA is not supported (a recomputed layer's "
+                        "output would not carry its adapters' gradients); use selective or none")
+    patterns = list(lora.target_modules)
+    problems += lora_targets.target_problems(f"{key}.target_modules", patterns, shape.num_layers if shape else None)
+    par = section.parallel
+    if shape is not None and not problems and shape.num_layers % (par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)) == 0:
+        problems += lora_targets.stage_problems(f"{key}.target_modules", patterns, shape.num_layers, par.pipeline_model_parallel_size,
+                                                par.virtual_pipeline_model_parallel_size)
+    return problems
 
 
 def _check_grpo(key: str, section: DictConfig) -> list[str]:

@@ -21,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 
 from alignflow.megatron import cpu_shim
+from alignflow.megatron.lora import is_adapter_key
 
 EXTRA_STATE = "_extra_state"
 # The distributed optimizer's state in the format that reshards over TP, PP and DP; to save,
@@ -29,14 +30,19 @@ OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib
                     "chained_optim_avoid_prefix": True}
 
 
-def sharded_state_dict(chunks: Sequence[GPTModel]) -> dict:
+# Which tensors a checkpoint holds: all, the base weights, or LoRA adapters only
+# (`alignflow.megatron.lora`: a LoRA run's checkpoints, whose base is its frozen input model).
+SELECT = {"all": lambda key: True, "base": lambda key: not is_adapter_key(key), "adapters": is_adapter_key}
+
+
+def sharded_state_dict(chunks: Sequence[GPTModel], select: str = "all") -> dict:
     """The chunks' weights as Megatron ShardedTensors (what dist_checkpointing saves and loads;
-    Megatron's optimizers map their states onto it)."""
-    sharded = {}
+    Megatron's optimizers map their states onto it), those `select` names."""
+    sharded, keep = {}, SELECT[select]
     for i, chunk in enumerate(chunks):
         state = chunk.sharded_state_dict()
         sharded[_chunk_key(i, len(chunks))] = {
-            k: v for k, v in state.items() if not (isinstance(v, ShardedObject) and k.endswith(EXTRA_STATE))
+            k: v for k, v in state.items() if keep(k) and not (isinstance(v, ShardedObject) and k.endswith(EXTRA_STATE))
         }
     return sharded
 
@@ -45,35 +51,38 @@ def _chunk_key(i: int, n: int) -> str:
     return f"model{i}" if n > 1 else "model"
 
 
-def save(chunks: Sequence[GPTModel], uri: str) -> None:
-    """Write the model's weights as a torch_dist checkpoint (every rank calls this)."""
+def save(chunks: Sequence[GPTModel], uri: str, select: str = "all") -> None:
+    """Write the model's weights (those `select` names) as a torch_dist checkpoint (every rank calls this)."""
     cpu_shim.apply()
     os.makedirs(uri, exist_ok=True)  # Megatron's writer wants the directory to exist
-    dist_checkpointing.save(sharded_state_dict(chunks), uri)
+    dist_checkpointing.save(sharded_state_dict(chunks, select), uri)
 
 
-def load(chunks: Sequence[GPTModel], uri: str) -> None:
-    """Load weights saved at any TP/PP layout into this rank's chunks; every parameter must be found."""
+def load(chunks: Sequence[GPTModel], uri: str, select: str = "all") -> None:
+    """Load weights saved at any TP/PP layout into this rank's chunks; every parameter `select`
+    names must be found."""
     cpu_shim.apply()
-    loaded = dist_checkpointing.load(sharded_state_dict(chunks), uri)
+    loaded = dist_checkpointing.load(sharded_state_dict(chunks, select), uri)
+    keep = SELECT[select]
     for i, chunk in enumerate(chunks):
         result = chunk.load_state_dict(loaded[_chunk_key(i, len(chunks))], strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE) and keep(k)]
         if missing or result.unexpected_keys:
             raise KeyError(f"{uri}: missing {missing}, unexpected {result.unexpected_keys}")
 
 
-def save_optimizer(optimizer: MegatronOptimizer, chunks: Sequence[GPTModel], uri: str) -> None:
-    """Write the state of Megatron's optimizer over `chunks` as a torch_dist checkpoint (every rank)."""
+def save_optimizer(optimizer: MegatronOptimizer, chunks: Sequence[GPTModel], uri: str, select: str = "all") -> None:
+    """Write the state of Megatron's optimizer over `chunks` as a torch_dist checkpoint (every
+    rank); `select` names the weights it trains."""
     os.makedirs(uri, exist_ok=True)
-    dist_checkpointing.save(optimizer.sharded_state_dict(sharded_state_dict(chunks), metadata=OPTIMIZER_FORMAT), uri)
+    dist_checkpointing.save(optimizer.sharded_state_dict(sharded_state_dict(chunks, select), metadata=OPTIMIZER_FORMAT), uri)
 
 
-def load_optimizer(optimizer: MegatronOptimizer, chunks: Sequence[GPTModel], uri: str) -> None:
+def load_optimizer(optimizer: MegatronOptimizer, chunks: Sequence[GPTModel], uri: str, select: str = "all") -> None:
     """Load an optimizer state saved at any layout. Call it before loading the weights: with
     torch's Adam it may step the optimizer once (see `_torch_adam_states`)."""
     with _torch_adam_states(optimizer):
-        sharded = optimizer.sharded_state_dict(sharded_state_dict(chunks), is_loading=True, metadata=OPTIMIZER_FORMAT)
+        sharded = optimizer.sharded_state_dict(sharded_state_dict(chunks, select), is_loading=True, metadata=OPTIMIZER_FORMAT)
         optimizer.load_state_dict(dist_checkpointing.load(sharded, uri))
 
 

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from torch import Tensor
 
+from alignflow.megatron.lora import effective_weight
+
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
     "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False, "qk_layernorm": False,
@@ -69,12 +71,13 @@ class LayerWeights:
 
 
 def layer_weights(layer) -> LayerWeights:
-    """A TransformerLayer's parameters (local spec: separate norms; TE: norms fused into the linears)."""
+    """A TransformerLayer's parameters (local spec: separate norms; TE: norms fused into the
+    linears); a LoRA-adapted linear's weight merged with its adapter, as its forward applies it."""
     attention, mlp = layer.self_attention, layer.mlp
     return LayerWeights(
-        norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=attention.linear_qkv.weight,
-        qkv_bias=_bias(attention.linear_qkv), proj=attention.linear_proj.weight,
-        norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=mlp.linear_fc1.weight, fc2=mlp.linear_fc2.weight)
+        norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=effective_weight(attention.linear_qkv),
+        qkv_bias=_bias(attention.linear_qkv), proj=effective_weight(attention.linear_proj),
+        norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc2=effective_weight(mlp.linear_fc2))
 
 
 def _bias(linear) -> Optional[Tensor]:

@@ -33,11 +33,11 @@ from alignflow.config import schema
 # Output formats (README "Stages and the store"): where each is written and read.
 OUTPUTS = {
     "prep": "Parquet token tables + metadata.json (alignflow.data.prepared)",
-    "model": "Megatron torch_dist model/ + hf/ + tokenizer/ (alignflow.checkpoint)",
+    "model": "Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.checkpoint)",
     "ref_logprobs": "Parquet per-pair reference log-probs (alignflow.stages.ref_logprobs)",
     "teacher_logprobs": "Parquet per-row teacher top-k token ids and log-probs at the loss positions (alignflow.data.teacher_topk)",
     "eval": "eval.json: metrics per model and samples (alignflow.stages.eval)",
-    "hf": "HF safetensors shards + config + tokenizer (alignflow.stages.export)",
+    "hf": "HF safetensors shards + config + tokenizer, + adapter/ (HF PEFT) for LoRA (alignflow.stages.export)",
 }
 
 

@@ -5,7 +5,10 @@ conservative DPO via `label_smoothing`), `sft_loss_weight`, `preference_loss_wei
 `preference_average_log_probs` and `sft_average_log_probs`, on the training engine of
 `alignflow.train` (TP/PP/DP, checkpoints and exact resume, as SFT). The reference model never
 runs here: `inputs["ref_logprobs"]` holds its per-pair log-prob sums and token counts,
-computed once by the ref_logprobs stage and joined on sample_id. The chosen and rejected
+computed once by the ref_logprobs stage and joined on sample_id. With LoRA (`finetuning_type`
+lora / lora_merged) the policy is the input model's frozen base plus adapters; reference
+log-probs computed on that same input model are the base's, so no second copy is needed.
+The chosen and rejected
 sequences of a pair share a packed row (`alignflow.train.datasets.PreferencePairs`: pairs
 packed into rows, no padding to the data set's longest), so a pair's loss is computed where
 both are.

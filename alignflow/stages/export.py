@@ -7,6 +7,12 @@ stream one layer at a time into safetensors shards (+ index.json past `max_shard
 files go beside them, so `AutoModelForCausalLM.from_pretrained(out)` loads it with no missing
 or unexpected keys. With `export.destination` the finished directory is also published
 there (local path or s3://), never as a mix of two exports (`publish`).
+
+A LoRA output (`finetuning_type: lora`) exports as its base model, HF weights as above (a base
+that is itself a LoRA output merged in), plus `adapter/`: an HF PEFT LoRA adapter
+(`alignflow.convert.peft`) that `PeftModel.from_pretrained(AutoModelForCausalLM
+.from_pretrained(out), f"{out}/adapter")` loads onto it. A `lora_merged` output is an ordinary
+model: its merged weights export as any other.
 """
 
 import json
@@ -21,10 +27,10 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from alignflow.checkpoint import ModelOutput
-from alignflow.checkpoint.dist_io import DistCheckpointReader
+from alignflow.checkpoint import ADAPTER_DIR, ModelOutput
 from alignflow.checkpoint.safetensors_io import write_sharded
 from alignflow.convert.llama import model_shape
+from alignflow.convert.peft import model_reader, write_adapter
 from alignflow.convert.streaming import dist_to_hf
 from alignflow.stages.convert import TOKENIZER_FILES, copy_files
 
@@ -39,8 +45,13 @@ def run(cfg, inputs: dict, out: str) -> dict:
     hf_config = model.hf_config
     shape = model_shape(hf_config)
     dtype_name = cfg.export.dtype
-    specs, tensors = dist_to_hf(DistCheckpointReader(model.weights), shape, getattr(torch, dtype_name))
+    weights = model if model.lora is None else ModelOutput(model.lora["base"])  # a LoRA output exports its base + adapter/
+    specs, tensors = dist_to_hf(model_reader(weights, shape), shape, getattr(torch, dtype_name))
     files = write_sharded(out, specs, tensors, parse_size(cfg.export.max_shard_size))
+    adapter = {}
+    if model.lora is not None:
+        adapter = write_adapter(f"{out.rstrip('/')}/{ADAPTER_DIR}", model, shape.num_layers, getattr(torch, dtype_name),
+                                cfg.export.destination)
     copy_files(model.hf, ("generation_config.json",), out)
     copy_files(model.tokenizer, TOKENIZER_FILES, out)
     dtype_key = "torch_dtype" if "torch_dtype" in hf_config and "dtype" not in hf_config else "dtype"
@@ -55,6 +66,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
         "megabytes": round(sum(s.nbytes for s in specs) / 1e6, 3),
         "destination": cfg.export.destination or out,
         "seconds": round(time.time() - started, 3),
+        **adapter,
     }
 
 

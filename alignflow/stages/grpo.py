@@ -25,9 +25,12 @@ the rollouts per second of step time).
 As NeMo-RL: the training log-probs are taken at the generation temperature (logits / T), and
 the rollouts' generation log-probs are those of the distribution each token was drawn from
 (`Completion.sampling_logps`), so the ratio and the importance weights compare one policy.
+With `finetuning_type` lora / lora_merged and `ref_model` the same output as `model`, the
+reference is the policy's own frozen base with its adapters disabled (no second copy);
+generation reads each adapted weight merged with its adapter (`alignflow.megatron.lora`).
 Simplified: generation and training share the weights in one process (no separate inference
-engine, so no weight refit); the reference model is a second copy of the model in the same
-layout and dtype.
+engine, so no weight refit); any other reference model is a second copy of the model in the
+same layout and dtype.
 """
 
 import json
@@ -51,7 +54,7 @@ from alignflow.config.validate import grpo_batch_problems
 from alignflow.data.prepared import Prepared
 from alignflow.generation import Completion, Sampling, generate
 from alignflow.losses.policy import group_advantages, policy_loss
-from alignflow.megatron import checkpoint as megatron_checkpoint
+from alignflow.megatron import lora
 from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match, resolve
 from alignflow.stages.sft import sft_forward
@@ -59,7 +62,7 @@ from alignflow.train import engine
 from alignflow.train.data import packed_rows
 from alignflow.train.datasets import Prompts
 from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, device, every, finish, training
-from alignflow.train.workspace import cache_dir, local_model
+from alignflow.train.workspace import cache_dir, load_model_output, local_model
 
 log = logging.getLogger("alignflow.grpo")
 LOSS_METRICS = ("kl", "clip_fraction", "ratio")
@@ -168,18 +171,22 @@ class Environment:
     pad_id: int
     sampling: Sampling
     rewards: list  # (reward function, its kwargs)
-    ref_chunks: list | None  # the reference model (None without a KL term)
+    ref_chunks: list | None  # the reference model (None without a KL term); run with its adapters disabled
 
 
-def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutput, divisible_by: int) -> Environment:
+def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutput, divisible_by: int, same_model: bool = False) -> Environment:
+    """What a step needs; `same_model`: the reference is the run's input model, so a LoRA run
+    refers to its own frozen base."""
     tokenizer = AutoTokenizer.from_pretrained(run.init.tokenizer)
     sampling = Sampling(max_new_tokens=section.max_new_tokens, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
                         temperature=section.generation_temperature, top_p=section.generation_top_p, top_k=section.generation_top_k)
     ref_chunks = None
-    if section.loss.ref_policy_kl_penalty > 0:
+    if section.loss.ref_policy_kl_penalty > 0 and run.lora and same_model:
+        ref_chunks = run.chunks
+    elif section.loss.ref_policy_kl_penalty > 0:
         built = build_gpt(ref_model.hf_config, section.parallel, params_dtype=run.dtype, make_vocab_size_divisible_by=divisible_by)
         ref_chunks = built if isinstance(built, list) else [built]
-        megatron_checkpoint.load(ref_chunks, ref_model.weights)
+        load_model_output(ref_chunks, ref_model, run.cache)
     return Environment(tokenizer, prompts.pad_id, sampling, [(resolve(r.name), dict(r.kwargs or {})) for r in section.environment], ref_chunks)
 
 
@@ -219,7 +226,8 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     samples = np.arange(len(rollouts))
     micro = [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
     if env.ref_chunks is not None:
-        rollouts.store("ref_logp", micro, engine.per_token_logps(run, env.ref_chunks, objective.forward, micro, rollouts, rollouts.seq_length))
+        with lora.disabled(env.ref_chunks):
+            rollouts.store("ref_logp", micro, engine.per_token_logps(run, env.ref_chunks, objective.forward, micro, rollouts, rollouts.seq_length))
     if cfg.num_optimizer_steps_per_batch > 1:
         rollouts.store("old_logp", micro, engine.per_token_logps(run, run.chunks, objective.forward, micro, rollouts, rollouts.seq_length))
     per_update = len(micro) // cfg.num_optimizer_steps_per_batch
@@ -279,6 +287,6 @@ def run(cfg, inputs: dict, out: str) -> dict:
     with training("grpo", cfg, inputs, out, len(prompts), section.num_prompts_per_step) as run:
         if problems := grpo_batch_problems(section, run.dp_size):
             raise ValueError("; ".join(problems))
-        env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by)
+        env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by, inputs["ref_model"] == inputs["model"])
         result = train(run, prompts, env, grpo_objective(section.loss, section.generation_temperature))
     return finish(run, result)

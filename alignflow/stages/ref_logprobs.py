@@ -21,12 +21,12 @@ from megatron.core import parallel_state
 
 from alignflow.data import logprobs
 from alignflow.data.prepared import SIDES, Prepared
-from alignflow.megatron import checkpoint, runtime
+from alignflow.megatron import runtime
 from alignflow.megatron.model import build_gpt
 from alignflow.stages.sft import sft_forward
 from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
 from alignflow.train.engine import schedule
-from alignflow.train.workspace import cache_dir, local_model
+from alignflow.train.workspace import cache_dir, load_model_output, local_model
 
 log = logging.getLogger("alignflow.ref_logprobs")
 
@@ -38,7 +38,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     try:
         built = build_gpt(model.hf_config, section.parallel, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
         chunks = [c.eval() for c in (built if isinstance(built, list) else [built])]
-        checkpoint.load(chunks, model.weights)
+        load_model_output(chunks, model, cache_dir(cfg))
         metrics = {}
         for split in ("train", "val"):
             pairs = optional(PreferencePairs, data, split)

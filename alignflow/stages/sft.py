@@ -10,7 +10,8 @@ Returns the final train loss, final val loss, steps, tokens and tokens/s.
 Supported: everything `alignflow.train.engine` supports (TP, PP, virtual PP, DP, the
 distributed optimizer, bf16, activation recompute, gradient accumulation, schedules, clipping,
 validation, early stopping, top-k checkpoints, exact resume, resume at another layout,
-wandb). Each packed row is one sequence whose documents do not see each other: with
+wandb, LoRA with `finetuning_type` lora / lora_merged: `alignflow.megatron.lora`).
+Each packed row is one sequence whose documents do not see each other: with
 Transformer Engine a micro batch runs as THD packed sequences (`PackedSeqParams` from the
 rows' cu_seqlens, RoPE restarting per document); on Megatron's local spec through an
 explicit block-diagonal causal attention mask (bool, True = masked, Megatron's convention)

@@ -4,7 +4,8 @@ Layout under `{out}/checkpoints/`:
 
     step-00000010/
         model/               Megatron torch_dist: the weights as global tensors
-                             (`alignflow.megatron.checkpoint`), in the training dtype
+                             (`alignflow.megatron.checkpoint`), in the training dtype; a
+                             LoRA run's holds its adapters only (its base is its input model)
         optimizer/           Megatron torch_dist: the optimizer's sharded state (fp32 main
                              weights under bf16, Adam moments, step), mapped onto the weights'
                              global tensors; the distributed optimizer's in its
@@ -115,8 +116,9 @@ def layout() -> dict:
             "data": parallel_state.get_data_parallel_world_size()}
 
 
-def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState) -> Path:
-    """Write `step-N` atomically (every rank calls this); returns its path."""
+def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, select: str = "all") -> Path:
+    """Write `step-N` atomically (every rank calls this); returns its path. `select`: the
+    weights it holds (`alignflow.megatron.checkpoint.SELECT`; a LoRA run's: its adapters)."""
     rank = dist.get_rank()
     final, tmp = step_dir(root, state.step), root / f".tmp-step-{state.step:08d}"
     if rank == 0:
@@ -124,8 +126,8 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState) 
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    megatron_checkpoint.save(chunks, str(tmp / "model"))
-    megatron_checkpoint.save_optimizer(optimizer, chunks, str(tmp / "optimizer"))
+    megatron_checkpoint.save(chunks, str(tmp / "model"), select)
+    megatron_checkpoint.save_optimizer(optimizer, chunks, str(tmp / "optimizer"), select)
     torch.save({"layout": layout(), "rng": rng_states()}, tmp / f"rank-{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
@@ -137,11 +139,11 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState) 
     return final
 
 
-def load(path: Path, chunks, optimizer: MegatronOptimizer) -> TrainerState:
-    """Restore weights, optimizer and trainer state from a complete checkpoint written at any
-    layout, and the RNG states when it was written at this one."""
-    megatron_checkpoint.load_optimizer(optimizer, chunks, str(path / "optimizer"))  # first: it may step the optimizer
-    megatron_checkpoint.load(chunks, str(path / "model"))
+def load(path: Path, chunks, optimizer: MegatronOptimizer, select: str = "all") -> TrainerState:
+    """Restore weights (those `select` names), optimizer and trainer state from a complete
+    checkpoint written at any layout, and the RNG states when it was written at this one."""
+    megatron_checkpoint.load_optimizer(optimizer, chunks, str(path / "optimizer"), select)  # first: it may step the optimizer
+    megatron_checkpoint.load(chunks, str(path / "model"), select)
     rank_file = path / f"rank-{dist.get_rank():05d}.pt"
     saved = torch.load(rank_file, weights_only=False) if rank_file.exists() else {"layout": None}
     if saved["layout"] == layout():

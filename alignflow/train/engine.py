@@ -41,6 +41,13 @@ of weights, overlapped with the next forward where CUDA is). Activation recomput
 (`recompute_granularity` selective/full, `recompute_method`, `recompute_num_layers`) is
 Megatron's. Checkpoints (`alignflow.train.checkpointing`) reshard to another TP/PP/DP layout.
 
+LoRA (`finetuning_type` lora / lora_merged, `alignflow.megatron.lora`): `setup` loads the
+input model, then attaches the adapters and freezes the rest, so Megatron's DDP and optimizer
+hold the adapters only; checkpoints hold the adapters and their optimizer state (the frozen
+base is reloaded from the input model on resume); `finish` publishes the adapter (lora) or the
+merged weights (lora_merged). `trainable_params` and `optimizer_state_bytes` are in every
+training stage's metrics.
+
 Simplified / missing: no fp16 (loss scaling) and no fp8; bf16 training starts from the input
 weights rounded to bf16 (main weights are fp32 from then on; an HF model is usually bf16
 anyway); no context parallelism, and sequence parallelism only with Transformer Engine
@@ -48,6 +55,7 @@ anyway); no context parallelism, and sequence parallelism only with Transformer 
 """
 
 import functools
+import json
 import logging
 import shutil
 from contextlib import contextmanager
@@ -66,16 +74,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR, ModelOutput
+from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
 from alignflow.megatron import checkpoint as megatron_checkpoint
-from alignflow.megatron import runtime
+from alignflow.megatron import lora, runtime
 from alignflow.megatron.model import build_gpt, packed_thd
 from alignflow.train import checkpointing
 from alignflow.train.checkpointing import TrainerState
 from alignflow.train.data import Dataset, GlobalBatches, dp_micro_batches
 from alignflow.train.metrics import MetricsLog
 from alignflow.train.schedule import lr_at
-from alignflow.train.workspace import CHECKPOINTS, Workspace, cache_dir, local_model, workspace_for
+from alignflow.train.workspace import CHECKPOINTS, Workspace, cache_dir, load_model_output, local_model, workspace_for
 
 log = logging.getLogger("alignflow.train")
 
@@ -113,6 +121,7 @@ class TrainResult:
     stopped_early: bool
     checkpoint: Path  # the final checkpoint folder
     summary: dict = field(default_factory=dict)  # stage-specific headline metrics, listed first
+    weights: Optional[Path] = None  # what `finish` publishes (`final_weights`)
 
 
 def check_supported(parallel: Any) -> None:
@@ -137,6 +146,8 @@ class Run:
     kind: str
     cfg: Any  # the stage's typed section
     init: ModelOutput  # the model it starts from (a local folder)
+    source: str  # the URI of that model as the pipeline gave it (a LoRA output's base)
+    cache: Path  # where input models from object stores are copied (`alignflow.train.workspace`)
     workspace: Workspace
     dtype: torch.dtype
     rank: int
@@ -155,6 +166,17 @@ class Run:
     @property
     def out(self) -> Path:
         return self.workspace.dir
+
+    @property
+    def lora(self) -> bool:
+        """Whether it trains LoRA adapters on a frozen base (finetuning_type lora / lora_merged)."""
+        return self.cfg.finetuning_type != "all_weights"
+
+    @property
+    def trained(self) -> str:
+        """The weights its checkpoints hold (`alignflow.megatron.checkpoint.SELECT`): a LoRA
+        run's base never changes and is its input model, so they hold the adapters only."""
+        return "adapters" if self.lora else "all"
 
     @property
     def checkpoints(self) -> Path:
@@ -186,10 +208,13 @@ def setup(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_s
                       hidden_dropout=section.hidden_dropout, attention_dropout=section.attention_dropout,
                       calculate_per_token_loss=True, **recompute_settings(section))
     chunks = built if isinstance(built, list) else [built]
+    if section.finetuning_type != "all_weights":  # the frozen base first, then its adapters: all the optimizer sees
+        load_model_output(chunks, init, cache)
+        lora.attach(chunks, lora.LoRASettings.of(section.lora), seed=section.trainer.seed)
     model = wrap_ddp(chunks, ddp_config(section.parallel))
     batches = GlobalBatches(num_rows, rows_per_step, section.trainer.seed)
     trainer = section.trainer
-    run = Run(kind, section, init, workspace_for(out, cache), dtype, dist.get_rank(), parallel_state.get_data_parallel_rank(),
+    run = Run(kind, section, init, inputs["model"], cache, workspace_for(out, cache), dtype, dist.get_rank(), parallel_state.get_data_parallel_rank(),
               parallel_state.get_data_parallel_world_size(), chunks, model, build_optimizer(model, section, dtype), batches,
               trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * batches.per_epoch)
     run.state = resume_or_start(run)
@@ -207,11 +232,12 @@ def resume_or_start(run: Run) -> TrainerState:
     steps = checkpointing.complete_steps(run.checkpoints)
     if steps:
         path = checkpointing.step_dir(run.checkpoints, steps[-1])
-        state = checkpointing.load(path, run.chunks, run.optimizer)
+        state = checkpointing.load(path, run.chunks, run.optimizer, run.trained)
         if run.rank == 0:
             log.info("resumed from %s (step %d of %d)", path, state.step, run.total_steps)
         return state
-    megatron_checkpoint.load(run.chunks, run.init.weights)
+    if not run.lora:  # a LoRA run loaded its base before attaching its adapters (`setup`)
+        load_model_output(run.chunks, run.init, run.cache)
     run.optimizer.reload_model_params()  # fp32 main weights from the loaded ones
     if run.rank == 0:
         log.info("starting from %s: %d steps of %d rows", run.init.uri, run.total_steps, run.batches.size)
@@ -348,7 +374,7 @@ def log_step(run: Run, record: dict) -> None:
 
 def save_checkpoint(run: Run) -> None:
     gather_weights(run.model)
-    path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state)
+    path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state, run.trained)
     if run.rank == 0:
         ckpt = run.cfg.checkpoint
         deleted = checkpointing.prune(run.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
@@ -358,23 +384,64 @@ def save_checkpoint(run: Run) -> None:
 
 
 def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> TrainResult:
-    """The run's result after its loop; saves a last checkpoint unless the loop just did."""
+    """The run's result after its loop; saves a last checkpoint unless the loop just did, and
+    the merged weights of a lora_merged run."""
     final = checkpointing.complete_steps(run.checkpoints)
     if not final or final[-1] != run.state.step:  # e.g. zero steps ran: nothing to resume from yet
         save_checkpoint(run)
     state = run.state
+    checkpoint = checkpointing.step_dir(run.checkpoints, state.step)
+    footprint = {"trainable_params": lora.trainable_params(run.chunks), "optimizer_state_bytes": optimizer_state_bytes(run.optimizer)}
     return TrainResult(
         steps=state.step, train_loss=state.last_loss, val_loss=state.last_val_loss, tokens=state.tokens,
         tokens_per_s=(state.tokens - first_tokens) / max(run.step_seconds, 1e-9), stopped_early=state.stopped_early,
-        checkpoint=checkpointing.step_dir(run.checkpoints, state.step), summary=summary or {},
+        checkpoint=checkpoint, summary=(summary or {}) | footprint, weights=final_weights(run, checkpoint),
     )
 
 
-def finish(run: Run, result: TrainResult) -> dict:
-    """After `training`: publish the final weights as `{out}/model` beside the input model's hf/
-    and tokenizer/ (uploaded with the outputs on an object store); the stage's metrics."""
+MERGED = ".merged-model"  # a lora_merged run's final weights, until `finish` publishes them
+
+
+def final_weights(run: Run, checkpoint: Path) -> Path:
+    """The folder to publish as the output's weights: the last checkpoint's (all weights, or a
+    LoRA run's adapters), or for lora_merged the adapters folded into the base, written here."""
+    if run.cfg.finetuning_type != "lora_merged":
+        return checkpoint / "model"
+    merged = run.out / MERGED
     if run.rank == 0:
-        publish(result.checkpoint, run.init, run.out)
+        shutil.rmtree(merged, ignore_errors=True)
+    dist.barrier()
+    gather_weights(run.model)
+    lora.merge(run.chunks)
+    megatron_checkpoint.save(run.chunks, str(merged))
+    dist.barrier()
+    return merged
+
+
+def optimizer_state_bytes(optimizer: MegatronOptimizer) -> int:
+    """Bytes of the optimizer's state over all ranks: Adam's moments and, under bf16, the fp32
+    main weights (what a LoRA run saves most of)."""
+    local = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        local += sum(t.numel() * t.element_size() for state in inner.optimizer.state.values() for t in state.values()
+                     if isinstance(t, Tensor) and t.dim() > 0)
+        for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):  # Float16Optimizer's, DistributedOptimizer's
+            local += sum(p.numel() * p.element_size() for group in getattr(inner, name, None) or [] for p in group)
+    total = torch.tensor(local, dtype=torch.int64, device=device())
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def finish(run: Run, result: TrainResult) -> dict:
+    """After `training`: publish the final weights as `{out}/model` (a LoRA run's adapter as
+    `{out}/adapter` + lora.json) beside the input model's hf/ and tokenizer/ (uploaded with the
+    outputs on an object store); the stage's metrics."""
+    if run.rank == 0:
+        publish(result.weights, run.init, run.out, ADAPTER_DIR if run.cfg.finetuning_type == "lora" else MODEL_DIR)
+        if run.cfg.finetuning_type == "lora":
+            settings = OmegaConf.to_container(run.cfg.lora, resolve=True)
+            (run.out / LORA_FILE).write_text(json.dumps({"base": run.source, **settings}, indent=2) + "\n")
+        shutil.rmtree(run.out / MERGED, ignore_errors=True)
         run.workspace.push_outputs()
     return result.summary | {
         "train_loss": result.train_loss,
@@ -386,16 +453,16 @@ def finish(run: Run, result: TrainResult) -> dict:
     }
 
 
-def publish(checkpoint: Path, init: ModelOutput, out: Path) -> None:
-    """The final checkpoint's weights as `{out}/model`, with the input model's hf/ and tokenizer/."""
-    for name, source in ((MODEL_DIR, checkpoint / "model"), (HF_DIR, Path(init.hf)), (TOKENIZER_DIR, Path(init.tokenizer))):
-        tmp = out / f".tmp-{name}"
+def publish(weights: Path, init: ModelOutput, out: Path, name: str = MODEL_DIR) -> None:
+    """The final weights as `{out}/{name}`, with the input model's hf/ and tokenizer/."""
+    for dest, source in ((name, weights), (HF_DIR, Path(init.hf)), (TOKENIZER_DIR, Path(init.tokenizer))):
+        tmp = out / f".tmp-{dest}"
         shutil.rmtree(tmp, ignore_errors=True)
         if source.exists():
             shutil.copytree(source, tmp)
-            shutil.rmtree(out / name, ignore_errors=True)
-            tmp.rename(out / name)
-    log.info("final model at %s", out / MODEL_DIR)
+            shutil.rmtree(out / dest, ignore_errors=True)
+            tmp.rename(out / dest)
+    log.info("final %s at %s", name, out / name)
 
 
 # ---------------------------------------------------------------------- shared pieces

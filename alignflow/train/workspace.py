@@ -36,7 +36,7 @@ import fsspec
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR, TOKENIZER_DIR, ModelOutput
+from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
 from alignflow.store import MANIFEST
 from alignflow.train.checkpointing import COMPLETE, WANDB_RUN_ID, pruned_steps, step_dir
 
@@ -68,12 +68,22 @@ def local_model(uri: str, cache: Path) -> ModelOutput:
     with _locked(dest):
         if not dest.exists():
             tmp = _fresh_tmp(dest)
-            for part in (MODEL_DIR, HF_DIR, TOKENIZER_DIR):
+            for part in (MODEL_DIR, HF_DIR, TOKENIZER_DIR, ADAPTER_DIR):
                 if fs.exists(f"{root}/{part}"):
                     fs.get(f"{root}/{part}/", f"{tmp}/{part}/", recursive=True)
+            if fs.exists(f"{root}/{LORA_FILE}"):  # a LoRA output: its base is fetched by its own URI when loaded
+                fs.get(f"{root}/{LORA_FILE}", f"{tmp}/{LORA_FILE}")
             tmp.rename(dest)
             log.info("downloaded %s to %s", uri, dest)
     return ModelOutput(str(dest))
+
+
+def load_model_output(chunks: list, output: ModelOutput, cache: Path) -> None:
+    """A model stage output's weights into plain chunks, at any layout; a LoRA output's are
+    its base's (fetched like any input) with its adapter merged in."""
+    from alignflow.megatron import checkpoint, lora  # megatron costs a job ~110 MB of RSS
+
+    lora.load_output(chunks, output, lambda uri: local_model(uri, cache), checkpoint.load)
 
 
 def workspace_for(out: str, cache: Path) -> "Workspace":
