@@ -125,11 +125,11 @@ class DocumentWindowAttention(DotProductAttention):
 
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
     """Per-token cross entropy [b, s] from a GPTModel chunk on the last pipeline stage (its
-    hidden states elsewhere). At TP=1 torch's fused cross_entropy on the logits: Megatron's
+    hidden states elsewhere; the logits when `labels` is None). At TP=1 torch's fused cross_entropy on the logits: Megatron's
     vocab-parallel cross entropy gives the same numbers through a custom autograd function of
     a dozen small ops, which on small models costs as much as the layers (a quarter of a
     reference pass). Under TP the vocabulary is split over ranks: Megatron's."""
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+    if labels is None or parallel_state.get_tensor_model_parallel_world_size() > 1:  # no labels: the logits
         return model(tokens, position_ids, attention_mask, labels=labels, **kwargs)
     out = model(tokens, position_ids, attention_mask, **kwargs)
     if not get_attr_wrapped_model(model, "post_process"):
