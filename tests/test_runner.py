@@ -3,6 +3,7 @@ killed run leaves no process behind and its rerun resumes."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,7 +132,8 @@ def test_killing_the_flow_process_leaves_no_orphan_and_the_rerun_resumes(base_ov
                 process.kill()
 
     output = (tmp_path / "second.log").read_text()
-    assert "resumed from" in output and "step-00000003 (step 3 of 9)" in output, output[-3000:]
+    resumed = re.search(r"resumed from \S+/step-\d+ \(step (\d+) of 9\)", output)  # a checkpoint of the killed run's (steps are fast)
+    assert resumed and int(resumed.group(1)) in (3, 6), output[-3000:]
     committed = next((tmp_path / "store" / "sft").glob("*/metrics.jsonl"))
     assert [json.loads(line)["step"] for line in committed.read_text().splitlines()] == list(range(1, 10))
 
