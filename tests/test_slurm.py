@@ -206,7 +206,7 @@ def test_cancelling_the_flow_run_in_prefect_cancels_its_slurm_jobs(prefect_serve
     """The real path: a Prefect runner (what a process worker uses) runs the flow in a child
     process; the run is set Cancelling; the runner signals the cancel intent and SIGTERMs the
     child, whose engine raises TerminationSignal in the flow's thread. Every Slurm job ends
-    CANCELLED, the stage tasks fail as cancelled (not retried) and the run ends Cancelled."""
+    CANCELLED, the stage tasks end Cancelled (not retried) and the run ends Cancelled."""
     import asyncio
 
     from prefect.client.orchestration import get_client
@@ -248,4 +248,4 @@ def test_cancelling_the_flow_run_in_prefect_cancels_its_slurm_jobs(prefect_serve
         time.sleep(0.5)
     assert [(squeue(j), sacct_state(j)) for j in job_ids] == [("", "CANCELLED")] * len(job_ids)
     for j in job_ids:
-        assert f"job {j}: CANCELLED" in logs and any(f"JobCancelled: job {j} cancelled with its flow run" in m for m in logs), logs[-20:]
+        assert f"job {j}: CANCELLED" in logs and any(f"Cancelled('job {j} cancelled with its flow run')" in m for m in logs), logs[-20:]
