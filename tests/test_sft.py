@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from alignflow import PROJECT_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import (LAYOUT_TOLERANCE, convert_demo, job_args, job_env, metrics_lines, prep_demo, run_sft,  # noqa: E402
+from train_ranks import (LAYOUT_TOLERANCE, assert_same_steps, convert_demo, job_args, job_env, metrics_lines, prep_demo, run_sft,  # noqa: E402
                          sft_cfg, torchrun, weights)
 
 
@@ -71,13 +71,7 @@ def test_two_ranks_match_one_rank(demo_dir, inputs, other_models, tmp_path, tp, 
     cfg = sft_cfg(demo_dir, tp=tp, pp=pp, precision=precision, resources={"tasks_per_node": tp * pp * dp},
                   trainer={"val_check_interval": 5}, parallel={"virtual_pipeline_model_parallel_size": vp})
     torchrun(tp * pp * dp, cfg, inputs, parallel)
-    expected, got = metrics_lines(reference), metrics_lines(parallel)
-    print(f"{precision} tp{tp} pp{pp} dp{dp} vp{vp}: max |loss - tp1| = {max(abs(a['loss'] - b['loss']) for a, b in zip(expected, got)):.2e}")
-    assert [line["step"] for line in got] == [1, 2, 3, 4, 5]
-    for a, b in zip(expected, got):
-        for key in ("loss", "grad_norm", "val_loss"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], abs=LAYOUT_TOLERANCE[precision]), (key, a, b)
+    assert_same_steps(reference, parallel, LAYOUT_TOLERANCE[precision])
     assert json.loads((parallel / "result.json").read_text())["steps"] == 5
 
 

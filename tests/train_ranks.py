@@ -142,6 +142,17 @@ def metrics_lines(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_steps(reference: Path, other: Path, tolerance: float, keys=("loss", "grad_norm", "val_loss"), steps: int = 5) -> None:
+    """`other`'s metrics lines are `reference`'s, step for step, within `tolerance` on `keys`."""
+    expected, got = metrics_lines(reference), metrics_lines(other)
+    print(f"{other.name}: max |loss - {reference.name}| = {max(abs(a['loss'] - b['loss']) for a, b in zip(expected, got)):.2e}")
+    assert [line["step"] for line in got] == list(range(1, steps + 1))
+    for a, b in zip(expected, got):
+        for key in keys:
+            if key in a:
+                assert abs(b[key] - a[key]) <= tolerance, (key, a, b)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("cfg")

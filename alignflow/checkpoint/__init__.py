@@ -54,10 +54,15 @@ class ModelOutput:
     @cached_property
     def lora(self) -> dict | None:
         """A LoRA output's lora.json (see the top); None for full weights."""
-        fs, root = fsspec.core.url_to_fs(f"{self.uri.rstrip('/')}/{LORA_FILE}")
-        return json.loads(fs.cat_file(root)) if fs.exists(root) else None
+        return _read_json(f"{self.uri.rstrip('/')}/{LORA_FILE}", missing_ok=True)
 
     @cached_property
     def hf_config(self) -> dict:
-        with fsspec.open(f"{self.hf}/config.json", "r") as f:
-            return json.load(f)
+        return _read_json(f"{self.hf}/config.json")
+
+
+def _read_json(uri: str, missing_ok: bool = False) -> dict | None:
+    fs, path = fsspec.core.url_to_fs(uri)
+    if missing_ok and not fs.exists(path):
+        return None
+    return json.loads(fs.cat_file(path))

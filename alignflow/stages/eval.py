@@ -31,13 +31,12 @@ from transformers import AutoTokenizer
 from alignflow.data.prepared import Prepared
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
-from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match
 from alignflow.stages.ref_logprobs import pair_logprobs
 from alignflow.stages.sft import SFT
 from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
 from alignflow.train.engine import device, loss_sums
-from alignflow.train.workspace import cache_dir, load_model_output, local_model
+from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.eval")
 SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
@@ -76,11 +75,9 @@ def load_chunks(uri: str, parallel, divisible_by: int, cache: Path | None = None
     """This rank's chunks of the model of a stage output (`alignflow.checkpoint` layout, read at
     any layout) in eval mode, and its tokenizer's decode."""
     output = local_model(uri, cache or cache_dir())
-    built = build_gpt(output.hf_config, parallel, make_vocab_size_divisible_by=divisible_by)
-    chunks = built if isinstance(built, list) else [built]
-    load_model_output(chunks, output, cache or cache_dir())
+    chunks = frozen_chunks(output, parallel, divisible_by, cache or cache_dir())
     tokenizer = AutoTokenizer.from_pretrained(output.tokenizer)
-    return [c.eval() for c in chunks], lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return chunks, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def load_model(uri: str, divisible_by: int, cache: Path | None = None):

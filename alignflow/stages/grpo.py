@@ -55,14 +55,13 @@ from alignflow.data.prepared import Prepared
 from alignflow.generation import Completion, Sampling, generate
 from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import lora
-from alignflow.megatron.model import build_gpt
 from alignflow.rewards import exact_match, resolve
 from alignflow.stages.sft import sft_forward
 from alignflow.train import engine
 from alignflow.train.data import packed_rows
 from alignflow.train.datasets import Prompts
 from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, device, every, finish, training
-from alignflow.train.workspace import cache_dir, load_model_output, local_model
+from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.grpo")
 LOSS_METRICS = ("kl", "clip_fraction", "ratio")
@@ -184,9 +183,7 @@ def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutpu
     if section.loss.ref_policy_kl_penalty > 0 and run.lora and same_model:
         ref_chunks = run.chunks
     elif section.loss.ref_policy_kl_penalty > 0:
-        built = build_gpt(ref_model.hf_config, section.parallel, params_dtype=run.dtype, make_vocab_size_divisible_by=divisible_by)
-        ref_chunks = built if isinstance(built, list) else [built]
-        load_model_output(ref_chunks, ref_model, run.cache)
+        ref_chunks = frozen_chunks(ref_model, section.parallel, divisible_by, run.cache, params_dtype=run.dtype)
     return Environment(tokenizer, prompts.pad_id, sampling, [(resolve(r.name), dict(r.kwargs or {})) for r in section.environment], ref_chunks)
 
 

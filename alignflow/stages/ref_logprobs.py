@@ -22,11 +22,10 @@ from megatron.core import parallel_state
 from alignflow.data import logprobs
 from alignflow.data.prepared import SIDES, Prepared
 from alignflow.megatron import runtime
-from alignflow.megatron.model import build_gpt
 from alignflow.stages.sft import sft_forward
 from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
 from alignflow.train.engine import schedule
-from alignflow.train.workspace import cache_dir, load_model_output, local_model
+from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.ref_logprobs")
 
@@ -36,9 +35,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     model = local_model(inputs["model"], cache_dir(cfg))
     runtime.init_parallel(section.parallel, seed=0)
     try:
-        built = build_gpt(model.hf_config, section.parallel, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-        chunks = [c.eval() for c in (built if isinstance(built, list) else [built])]
-        load_model_output(chunks, model, cache_dir(cfg))
+        chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
         metrics = {}
         for split in ("train", "val"):
             pairs = optional(PreferencePairs, data, split)

@@ -24,12 +24,12 @@ from megatron.core import parallel_state
 
 from alignflow.data import teacher_topk
 from alignflow.data.prepared import Prepared
-from alignflow.megatron import checkpoint, runtime
-from alignflow.megatron.model import build_gpt, packed_thd, thd_params
+from alignflow.megatron import runtime
+from alignflow.megatron.model import packed_thd, thd_params
 from alignflow.megatron.vocab_parallel import topk_logprobs
 from alignflow.train.datasets import PackedSFT, optional
 from alignflow.train.engine import device, schedule
-from alignflow.train.workspace import cache_dir, local_model
+from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.teacher_logprobs")
 
@@ -39,9 +39,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     teacher = local_model(inputs["teacher"], cache_dir(cfg))
     runtime.init_parallel(section.parallel, seed=0)
     try:
-        built = build_gpt(teacher.hf_config, section.parallel, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-        chunks = [c.eval() for c in (built if isinstance(built, list) else [built])]
-        checkpoint.load(chunks, teacher.weights)
+        chunks = frozen_chunks(teacher, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
         metrics = {}
         for split in ("train", "val"):
             rows = optional(PackedSFT, data, split)
