@@ -60,7 +60,7 @@ def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options:
         _check_code(kind, code)
     config = typed(cfg)
     module = importlib.import_module(worker_module(kind))
-    logging.getLogger("alignflow.worker").info("stage %s -> %s", kind, out)
+    logging.getLogger("alignflow.worker").debug("stage %s -> %s", kind, out)
     try:
         metrics = module.run(config, inputs, out)
     except (KeyboardInterrupt, SystemExit):
@@ -139,8 +139,8 @@ def _configure_storage(out: str, storage_options: dict) -> None:
 
 
 # How alignflow's records look in the job log, and how the orchestrator finds them there: only
-# these reach the Prefect logs (at their level); submitit's lines, library warnings and prints
-# stay in the job log.
+# these reach the Prefect logs (at their level), DEBUG ones (where files go: staging, checkpoints,
+# downloads) excepted; those, submitit's lines, library warnings and prints stay in the job log.
 LOG_FORMAT = "[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_RECORD = re.compile(r"^\[rank \d+\] \S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) (?P<name>alignflow[\w.]*): (?P<message>.*)")
 
@@ -151,7 +151,7 @@ def _log_to_stdout(rank: int) -> None:
     handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
     logger = logging.getLogger("alignflow")
     logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.DEBUG)
 
 
 def _setup_rank() -> int:

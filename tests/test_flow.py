@@ -2,13 +2,15 @@
 
 import asyncio
 import json
+import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId, LogFilter,
+                                            LogFilterFlowRunId)
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import ArtifactSort
 
@@ -19,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1",
         "eval.num_generation_samples=4", "eval.limit_batches=1"]
 STAGES = ["prep", "convert", "sft", "eval", "export"]
+PROGRESS = re.compile(r"% done|: step \d+/\d+")
 
 
 @pytest.fixture
@@ -37,8 +40,22 @@ async def artifact(key: str):
     return found[0] if found else None
 
 
+async def flow_log_lines_per_task(flow_run_id) -> dict[str, list[str]]:
+    """The flow run's Prefect log lines by task run name, progress lines left out."""
+    async with get_client() as client:
+        tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+    names = {t.id: t.name for t in tasks}
+    lines: dict[str, list[str]] = {}
+    for log in logs:
+        if log.task_run_id is not None and not PROGRESS.search(log.message):
+            lines.setdefault(names[log.task_run_id], []).append(log.message)
+    return lines
+
+
 def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
-    results = align(pipeline="demo", overrides=base_overrides)
+    state = align(pipeline="demo", overrides=base_overrides, return_state=True)
+    results = state.result()
     assert list(results) == STAGES
     first = results["prep"]
     assert not any(r.cached for r in results.values()) and first.job["launcher"] == "local"
@@ -48,6 +65,12 @@ def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
     export_manifest = json.loads((tmp_path / "store" / "export" / results["export"].fingerprint / "_SUCCESS.json").read_text())
     assert export_manifest["inputs"]["sft"]["uri"] == results["sft"].uri
     assert jobs_submitted(tmp_path) == 5
+    # quiet: per stage its submission, the job's state changes, what the stage itself says
+    # (eval: a line per model), the commit and Prefect's final state; no file-level detail
+    lines = asyncio.run(flow_log_lines_per_task(state.state_details.flow_run_id))
+    assert set(lines) == set(STAGES) and all(len(v) <= 6 for k, v in lines.items() if k != "eval"), lines
+    assert len(lines["eval"]) <= 6 + 2, lines
+    assert not [m for v in lines.values() for m in v if "_staging" in m or "checkpoint" in m]
 
     again = align(pipeline="demo", overrides=base_overrides)
     assert all(r.cached for r in again.values())

@@ -29,7 +29,8 @@ def test_job_log_watcher_reads_progress_and_wandb_links():
 
 def test_only_alignflow_records_reach_the_flow_log_at_their_level():
     """The job's lines as the worker's log format writes them: submitit's, library warnings,
-    prints and other libraries' records stay in the job log."""
+    prints, other libraries' records and alignflow's DEBUG records (where files go) stay in the
+    job log."""
     from alignflow.worker import LOG_FORMAT
     from tasks.stage import JobLogWatcher
 
@@ -49,6 +50,7 @@ def test_only_alignflow_records_reach_the_flow_log_at_their_level():
                  "    and md.size != obj.size()", "hello from a print",
                  record("alignflow.sft", logging.WARNING, "validation set has 3 rows"),
                  record("megatron.core.models", logging.INFO, "building the model"),
+                 record("alignflow.train.engine", logging.DEBUG, "checkpoint /x/checkpoints/step-00000100"),
                  record("alignflow.worker", logging.ERROR, "stopping: the run is gone")):
         watcher.job_output(line)
     watcher("sft ab12: submitted local job 1, log /x/1_0_log.out")

@@ -164,4 +164,4 @@ def apply() -> None:
     for owner, name in CUDA_BY_NAME:
         setattr(owner, name, _on_cpu(getattr(owner, name)))
     _applied = True
-    log.info("CUDA absent: Megatron-Core runs on CPU with alignflow.megatron.cpu_shim")
+    log.debug("CUDA absent: Megatron-Core runs on CPU with alignflow.megatron.cpu_shim")

@@ -47,7 +47,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
         entries = dist_to_dist_entries(DistCheckpointReader(source), shape)
     else:
         entries = hf_to_dist_entries(SafetensorsReader(source), shape, padded)
-    log.info("converting %s (%s, %d layers) to %s", source, shape.architecture, shape.num_layers, out)
+    log.info("converting %s (%s, %d layers)", source, shape.architecture, shape.num_layers)
     save_lazy(f"{out}/{MODEL_DIR}", entries)
     copy_files(config_dir, HF_CONFIG_FILES, f"{out}/{HF_DIR}", required=("config.json",))
     copy_files(cfg.model.tokenizer, TOKENIZER_FILES, f"{out}/{TOKENIZER_DIR}")

@@ -378,7 +378,7 @@ def save_checkpoint(run: Run) -> None:
     if run.rank == 0:
         ckpt = run.cfg.checkpoint
         deleted = checkpointing.prune(run.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
-        log.info("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
+        log.debug("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
         run.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
     dist.barrier()
 
@@ -462,7 +462,7 @@ def publish(weights: Path, init: ModelOutput, out: Path, name: str = MODEL_DIR) 
             shutil.copytree(source, tmp)
             shutil.rmtree(out / dest, ignore_errors=True)
             tmp.rename(out / dest)
-    log.info("final %s at %s", name, out / name)
+    log.debug("final %s at %s", name, out / name)
 
 
 # ---------------------------------------------------------------------- shared pieces

@@ -74,7 +74,7 @@ def local_model(uri: str, cache: Path) -> ModelOutput:
             if fs.exists(f"{root}/{LORA_FILE}"):  # a LoRA output: its base is fetched by its own URI when loaded
                 fs.get(f"{root}/{LORA_FILE}", f"{tmp}/{LORA_FILE}")
             tmp.rename(dest)
-            log.info("downloaded %s to %s", uri, dest)
+            log.debug("downloaded %s to %s", uri, dest)
     return ModelOutput(str(dest))
 
 
@@ -146,7 +146,7 @@ class ObjectStoreWorkspace(Workspace):
         for name in (METRICS, f"{CHECKPOINTS}/{WANDB_RUN_ID}"):
             if self.fs.exists(f"{self.root}/{name}"):
                 self.fs.get_file(f"{self.root}/{name}", str(self.dir / name))
-        log.info("downloaded checkpoint %s to %s", self.fs.unstrip_protocol(remote), local)
+        log.debug("downloaded checkpoint %s to %s", self.fs.unstrip_protocol(remote), local)
 
     def check_shared(self) -> None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -174,7 +174,7 @@ class ObjectStoreWorkspace(Workspace):
         for step in deleted:
             self.fs.rm(f"{self._step(step)}/{COMPLETE}")  # no longer a checkpoint before it is half deleted
             self.fs.rm(self._step(step), recursive=True)
-        log.info("uploaded checkpoint %s%s", self.fs.unstrip_protocol(remote), f" (removed steps {deleted})" if deleted else "")
+        log.debug("uploaded checkpoint %s%s", self.fs.unstrip_protocol(remote), f" (removed steps {deleted})" if deleted else "")
 
     def push_outputs(self) -> None:
         for entry in sorted(self.dir.iterdir()):
