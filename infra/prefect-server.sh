@@ -8,7 +8,9 @@
 #                                            PREFECT_DB=sqlite|postgres switches (restarts the server).
 #   infra/prefect-server.sh worker [--postgres]  `up`, then create work pool `align-process` (type
 #                                            process, default working_dir = repo root) and start a
-#                                            worker on it, in the repo root with .venv/bin first on PATH
+#                                            worker on it, in the repo root with .venv/bin first on PATH;
+#                                            a running worker started with other credentials
+#                                            (AWS_*, WANDB_API_KEY, HF_TOKEN) is restarted with these
 #   infra/prefect-server.sh status           server, worker, database
 #   infra/prefect-server.sh down             stop the worker, the server, and PostgreSQL if it started it
 # Logs and pidfiles in .infra/ (prefect-server.log, prefect-worker.log).
@@ -18,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD state=${ALIGNFLOW_INFRA_DIR:-$PWD/.infra}; mkdir -p "$state"
-pidfile=$state/prefect-server.pid wpidfile=$state/prefect-worker.pid dbfile=$state/prefect-server.db
+pidfile=$state/prefect-server.pid wpidfile=$state/prefect-worker.pid wenvfile=$state/prefect-worker.secrets dbfile=$state/prefect-server.db
 port=${PREFECT_SERVER_PORT:-4200} pool=${PREFECT_POOL:-align-process}
 db=${PREFECT_DB:-$(cat "$dbfile" 2>/dev/null || echo sqlite)}  # asked for, else the running one
 [ "${2:-}" = --postgres ] && db=postgres
@@ -26,6 +28,13 @@ export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_API_URL=http://127.0.0.1:$port/api PATH=$root/.venv/bin:$PATH
 pg_url=postgresql+asyncpg://prefect:prefect@127.0.0.1:5432/prefect
 
+# what a flow run's jobs need from the worker's environment, by digest (values never written)
+secret_vars() { env | grep -E '^(AWS_[A-Z_]+|WANDB_API_KEY|HF_TOKEN)=' | sort || true; }
+secret_digest() {  # salted per state dir, so that the digest of a weak secret is no lookup away
+  [ -s "$state/salt" ] || od -An -tx1 -N16 /dev/urandom | tr -d ' \n' >"$state/salt"
+  { cat "$state/salt"; secret_vars; } | sha256sum | cut -c1-16
+}
+secret_names() { local n; n=$(secret_vars | cut -d= -f1 | paste -sd, -); echo "${n:-none set}"; }
 running() { local p; p=$(cat "$1" 2>/dev/null) && kill -0 "$p" 2>/dev/null; }
 healthy() { curl -sf "$PREFECT_API_URL/health" >/dev/null; }
 stop() {  # stop <pidfile>: TERM its process group, wait up to 20 s
@@ -91,7 +100,15 @@ import json, sys; t = json.load(sys.stdin)
 t["variables"]["properties"]["working_dir"]["default"] = sys.argv[1]; print(json.dumps(t))' "$root" >"$state/$pool.json"
     prefect work-pool create "$pool" --type process --base-job-template "$state/$pool.json" >/dev/null
   fi
+  # the worker passes its environment (the store's and wandb's credentials) to every flow run:
+  # one started with other credentials than these is restarted, not silently kept
+  local secrets; secrets=$(secret_digest)
+  if running "$wpidfile" && [ "$(cat "$wenvfile" 2>/dev/null)" != "$secrets" ]; then
+    echo "restarting the worker: it runs with other credentials ($(secret_names)) than this shell"
+    stop "$wpidfile"
+  fi
   if ! running "$wpidfile"; then
+    echo "$secrets" >"$wenvfile"
     set -m  # else the background worker ignores SIGINT, and `down` could not stop its children
     nohup prefect worker start --pool "$pool" --type process >"$state/prefect-worker.log" 2>&1 &
     echo $! >"$wpidfile"

@@ -32,6 +32,8 @@ from prefect.client.schemas.sorting import FlowRunSort
 
 from alignflow import runs
 
+from .conftest import SECRETS, WORKER_AWS
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SFT_DPO = ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"]
@@ -258,3 +260,24 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
         data = path.read_bytes()
         leaks += [f"{path} holds {name}" for name, value in prefect_stack.secrets.items() if value.encode() in data]
     assert not leaks, "\n".join(leaks)
+
+
+def test_the_worker_is_restarted_when_its_credentials_change(prefect_stack):
+    """The whole-stack block run again from a shell with other credentials does not keep the
+    worker that lacks them (its flow runs would fail with NoCredentialsError); the same
+    credentials keep it."""
+    script, pidfile = str(REPO / "infra" / "prefect-server.sh"), prefect_stack.state / "prefect-worker.pid"
+    with_secrets = {**prefect_stack.env, **WORKER_AWS, **SECRETS}
+
+    def worker(env: dict) -> str:
+        run = subprocess.run([script, "worker"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return run.stdout
+
+    first = pidfile.read_text()
+    assert "restarting" not in worker(with_secrets) and pidfile.read_text() == first
+    assert "restarting the worker: it runs with other credentials (none set)" in worker(prefect_stack.env)
+    assert pidfile.read_text() != first
+    out = worker(with_secrets)  # back as the stack started it
+    assert "restarting the worker" in out and "AWS_SECRET_ACCESS_KEY" in out and "WANDB_API_KEY" in out, out
+    assert not any(value in (prefect_stack.state / "prefect-worker.secrets").read_text() for value in SECRETS.values())
