@@ -15,7 +15,7 @@ from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, 
 from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
 from alignflow.megatron import runtime
-from alignflow.megatron.model import build_gpt, checkpoint_names, load_megatron_state, megatron_state
+from alignflow.megatron.model import build_gpt, checkpoint_names, load_megatron_state, megatron_state, token_nll
 from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
@@ -29,21 +29,25 @@ def test_one_rank_logits_match_hf(one_rank, case, tmp_path):
 
 def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank, tmp_path):
     """A packed row of three documents through Mistral with a 4-token window: each document's
-    per-token loss equals HF's on that document alone (the window narrows the document mask).
-    Megatron's own attention replaced the mask by the window, so documents saw their neighbours."""
+    per-token loss equals HF's on that document alone, whether the documents attend one by one
+    (`sft_forward`) or through the block-diagonal mask (Megatron's path for bf16 training and
+    dropout: the window narrows the mask). Megatron's own attention replaced the mask by the
+    window, so documents saw their neighbours."""
     hf_model, config = tiny_hf_model("mistral_window")
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
     cu, ids = np.array([0, 9, 20, 27]), tokens(batch=1, seq=27)[0].numpy()  # then 5 tokens of padding
     batch = vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0))
     with torch.no_grad():
         per_token = sft_forward(model, batch)[0]
+        masked = token_nll(model, batch["tokens"], batch["position_ids"], batch["attention_mask"], batch["labels"])[0]
         for a, e in zip(cu, cu[1:]):
             logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
             padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
             expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
             torch.testing.assert_close(per_token[a : e - 1], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(masked[a : e - 1], expected, atol=1e-5, rtol=1e-5)
         causal = torch.ones(32, 32, dtype=torch.bool).triu(1)[None, None]  # the window alone, as before
-        leaked = sft_forward(model, dict(batch, attention_mask=causal))[0]
+        leaked = sft_forward(model, dict(batch, attention_mask=causal, cu_seqlens=torch.tensor([0, 32])))[0]
         assert not torch.allclose(leaked[cu[1] : cu[1] + 3], per_token[cu[1] : cu[1] + 3], atol=1e-3)
 
 

@@ -120,8 +120,8 @@ def test_prune_keeps_the_top_k_and_the_latest(tmp_path):
 
 
 def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
-    """Every document's loss in a packed row equals its loss run alone (block-diagonal mask,
-    positions restarting; RoPE is relative, so equal up to float rounding)."""
+    """Every document's loss in a packed row equals its loss run alone (each document attends
+    on its own; RoPE is relative, so equal up to float rounding)."""
     from alignflow.data.prepared import Prepared
     from alignflow.megatron import runtime
     from alignflow.megatron.model import build_gpt
@@ -145,8 +145,10 @@ def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
                     loss_alone = (sft_forward(model, alone) * alone["loss_mask"])[0, : e - a]
                     assert alone["loss_mask"].sum() > 0
                     torch.testing.assert_close(per_token[b, a:e], loss_alone, atol=1e-5, rtol=1e-5)
-            # and the mask matters: without it the later documents' losses change
-            unmasked = dict(packed, attention_mask=torch.triu(torch.ones(SEQ_LENGTH, SEQ_LENGTH, dtype=torch.bool), 1)[None, None])
+            # and the documents matter: each row as one document, the later documents' losses change
+            rows_only = torch.arange(0, packed["tokens"].numel() + 1, SEQ_LENGTH, dtype=torch.int32)
+            unmasked = dict(packed, attention_mask=torch.triu(torch.ones(SEQ_LENGTH, SEQ_LENGTH, dtype=torch.bool), 1)[None, None],
+                            cu_seqlens=rows_only)
             assert not torch.allclose(sft_forward(model, unmasked) * packed["loss_mask"], per_token, atol=1e-3)
     finally:
         runtime.teardown()

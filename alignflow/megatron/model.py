@@ -6,10 +6,12 @@ sliding window), under TP, PP (with virtual chunks) and, with Transformer Engine
 Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local
 modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
 
-Packed rows (several documents per row) never attend across documents: with Transformer Engine
-they run as THD packed sequences (`packed_seq_params`: cu_seqlens per document, no mask, RoPE
-restarting per document); on the local spec through an explicit block-diagonal mask, which a
-sliding window (Mistral) narrows further (`DocumentWindowAttention`) instead of replacing.
+Packed rows (several documents per row) never attend across documents (`document_params`):
+with Transformer Engine they run as THD packed sequences (cu_seqlens per document, no mask,
+RoPE restarting per document); on the local spec each document attends on its own
+(`DocumentWindowAttention`: cost sum(document^2), not rows x length^2), or, on Megatron's own
+path, through the explicit block-diagonal mask, which a sliding window (Mistral) narrows
+further instead of replacing.
 
 The two specs name the norms differently in `state_dict()` (local: `input_layernorm.weight`;
 TE and every checkpoint: `self_attention.linear_qkv.layer_norm_weight`), so states enter and
@@ -92,35 +94,58 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
 
 
 class DocumentWindowAttention(DotProductAttention):
-    """Megatron's local attention with the sliding window applied on top of the mask it is
-    given, computed by torch's fused `scaled_dot_product_attention` (fp32, or without gradients)
-    where no dropout applies.
+    """Megatron's local attention confined to each document of a packed row, narrowed by the
+    sliding window, computed by torch's fused `scaled_dot_product_attention` (fp32, or without
+    gradients) where no dropout applies: one causal call per document (`document_params`
+    says where they lie), so padding and the other documents cost nothing; without document
+    offsets, the given mask (documents, causal) narrowed by the window.
 
     Megatron's softmax swaps a given mask for the window mask when the model has a window, so
-    the documents of a packed row would see each other; here a given mask (documents, causal)
-    is narrowed by the window, and without one (KV-cached decoding) the window alone applies.
-    Megatron's own path (scores, fp32 softmax, dropout under the TP RNG tracker) runs with
-    attention dropout and for bf16 training, so those stay bit-reproducible across resumes."""
+    the documents of a packed row would see each other; here the window narrows the mask, and
+    without one (KV-cached decoding) the window alone applies. Megatron's own path (scores,
+    fp32 softmax, dropout under the TP RNG tracker, the mask) runs with attention dropout and
+    for bf16 training, so those stay bit-reproducible across resumes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.window_size, self.scale_mask_softmax.window_size = self.scale_mask_softmax.window_size, None
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], *args, **kwargs):
-        if self.window_size is not None:  # query [sq, b, heads, dim], key [sk, ...]; True = masked
-            window = transformer_utils.get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size)
-            attention_mask = window if attention_mask is None else attention_mask | window
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], *args,
+                packed_seq_params: Optional[PackedSeqParams] = None, **kwargs):
         dropout = self.training and self.attention_dropout.p > 0
         bf16_backward = torch.is_grad_enabled() and query.dtype != torch.float32  # its CPU kernel is not bit-reproducible
-        if dropout or bf16_backward or self.softmax_offset is not None or (attention_mask is None and query.shape[0] > 1):
+        if dropout or bf16_backward or self.softmax_offset is not None or (attention_mask is None and packed_seq_params is None and query.shape[0] > 1):
+            if self.window_size is not None:  # query [sq, b, heads, dim], key [sk, ...]; True = masked
+                window = transformer_utils.get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size)
+                attention_mask = window if attention_mask is None else attention_mask | window
             return super().forward(query, key, value, attention_mask, *args, **kwargs)
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
+        if packed_seq_params is not None:
+            return self._per_document(query, key, value, packed_seq_params.cu_seqlens_q.tolist())
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        if self.window_size is not None:
+            window = transformer_utils.get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size)
+            attention_mask = window if attention_mask is None else attention_mask | window
         allowed = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [sq, b, heads * dim]
+
+    def _per_document(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: list[int]) -> Tensor:
+        """[s, b, heads, dim] -> [s, b, heads * dim], each document (at `cu_seqlens` of the
+        flattened rows) attending causally within itself."""
+        s, b = query.shape[:2]
+        # [1, heads, b*s, dim]: 4-d, so that torch picks its fused (flash) CPU kernel
+        q, k, v = (t.transpose(0, 1).reshape(1, b * s, *t.shape[2:]).transpose(1, 2) for t in (query, key, value))
+        parts = []
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            n = end - start
+            window = None if self.window_size is None else ~transformer_utils.get_sliding_window_causal_mask(n, n, self.window_size)
+            parts.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], attn_mask=window,
+                                                        is_causal=window is None, scale=self.softmax_scale))
+        out = torch.cat(parts, dim=2)  # [1, heads, b*s, dim]
+        return out.transpose(1, 2).reshape(b, s, -1).transpose(0, 1)
 
 
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
@@ -142,11 +167,16 @@ def packed_thd() -> bool:
     return gpt_layer_specs.HAVE_TE
 
 
-def thd_params(cu_seqlens: Tensor, max_seqlen: int) -> PackedSeqParams:
-    """Transformer Engine's packed-sequence arguments: documents at `cu_seqlens` of the flattened batch."""
-    cu_seqlens = cu_seqlens.to(torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+def document_params(batch: dict) -> PackedSeqParams:
+    """Where the documents of a batch of packed rows lie (`cu_seqlens` of the flattened rows):
+    THD sequences for Transformer Engine's attention (the batch runs as one row [1, b * s]),
+    else the same offsets on the [s, b] layout for `DocumentWindowAttention` (max_seqlen is
+    then the row's length, which GPTModel computes RoPE for)."""
+    cu_seqlens = batch["cu_seqlens"].to(torch.int32)
+    thd = packed_thd()
+    longest = batch["max_seqlen"] if thd else batch["tokens"].shape[1]
+    return PackedSeqParams(qkv_format="thd" if thd else "sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def layer_spec() -> ModuleSpec:

@@ -13,9 +13,11 @@ validation, early stopping, top-k checkpoints, exact resume, resume at another l
 wandb, LoRA with `finetuning_type` lora / lora_merged: `alignflow.megatron.lora`).
 Each packed row is one sequence whose documents do not see each other: with
 Transformer Engine a micro batch runs as THD packed sequences (`PackedSeqParams` from the
-rows' cu_seqlens, RoPE restarting per document); on Megatron's local spec through an
-explicit block-diagonal causal attention mask (bool, True = masked, Megatron's convention)
-built from cu_seqlens, narrowed by a sliding window where the model has one. Labels are the
+rows' cu_seqlens, RoPE restarting per document); on Megatron's local spec each document
+attends on its own (`DocumentWindowAttention`), or on Megatron's own attention path (bf16
+training, attention dropout) through an explicit block-diagonal causal mask (bool, True =
+masked, Megatron's convention) built from cu_seqlens; either narrowed by a sliding window
+where the model has one. Labels are the
 next token, trained only where loss_mask marks it and within the same document; the loss is
 averaged over the loss tokens of the whole global batch.
 
@@ -35,7 +37,7 @@ Simplified:
 import torch
 
 from alignflow.data.prepared import Prepared
-from alignflow.megatron.model import packed_thd, thd_params, token_nll
+from alignflow.megatron.model import document_params, packed_thd, token_nll
 from alignflow.train.datasets import PackedSFT, optional
 from alignflow.train.engine import LossTerms, Objective, finish, training
 from alignflow.train.loop import Supervised, supervised
@@ -44,11 +46,10 @@ from alignflow.train.loop import Supervised, supervised
 def sft_forward(model, batch: dict) -> torch.Tensor:
     """Per-token cross entropy [b, s] on the last stage (hidden states elsewhere). With THD
     attention the micro batch is one flat sequence of documents [1, b * s] (see the top)."""
-    tokens, labels = batch["tokens"], batch["labels"]
+    tokens, labels, documents = batch["tokens"], batch["labels"], document_params(batch)
     if not packed_thd():
-        return token_nll(model, tokens, batch["position_ids"], batch["attention_mask"], labels)
-    out = token_nll(model, tokens.view(1, -1), batch["position_ids"].view(1, -1), None, labels.view(1, -1),
-                    packed_seq_params=thd_params(batch["cu_seqlens"], batch["max_seqlen"]))
+        return token_nll(model, tokens, batch["position_ids"], batch["attention_mask"], labels, packed_seq_params=documents)
+    out = token_nll(model, tokens.view(1, -1), batch["position_ids"].view(1, -1), None, labels.view(1, -1), packed_seq_params=documents)
     return out.view(tokens.shape) if out.dim() == 2 else out
 
 

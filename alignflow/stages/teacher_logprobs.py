@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 from alignflow.data import teacher_topk
 from alignflow.data.prepared import Prepared
 from alignflow.megatron import runtime
-from alignflow.megatron.model import packed_thd, thd_params
+from alignflow.megatron.model import document_params, packed_thd
 from alignflow.megatron.vocab_parallel import topk_logprobs
 from alignflow.train.datasets import PackedSFT, optional
 from alignflow.train.engine import device, schedule
@@ -58,11 +58,10 @@ def run(cfg, inputs: dict, out: str) -> dict:
 def logits_forward(model, batch: dict) -> torch.Tensor:
     """Logits [b, s, V / TP] on the last pipeline stage (hidden states elsewhere); with THD
     attention the micro batch runs as one flat sequence of documents (as `sft_forward`)."""
-    tokens = batch["tokens"]
+    tokens, documents = batch["tokens"], document_params(batch)
     if not packed_thd():
-        return model(tokens, batch["position_ids"], batch["attention_mask"])
-    out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None,
-                packed_seq_params=thd_params(batch["cu_seqlens"], batch["max_seqlen"]))
+        return model(tokens, batch["position_ids"], batch["attention_mask"], packed_seq_params=documents)
+    out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None, packed_seq_params=documents)
     return out.view(*tokens.shape, -1) if getattr(model, "module", model).post_process else out
 
 
