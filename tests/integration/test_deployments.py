@@ -56,6 +56,10 @@ def test_sft_dpo_deployment_runs_on_slurm_with_outputs_on_s3_then_hits_the_cache
     assert flow_run.state.type == StateType.COMPLETED and deployment.name == "sft-dpo"
     assert flow_run.parameters["pipeline"] == "sft_dpo" and "dpo.loss.beta=0.2" in flow_run.parameters["overrides"]
     assert flow_run.name.startswith("sft_dpo · slurm · s3 · "), flow_run.name  # the pipeline and where it runs
+    # `--watch` shows the run's log lines (each stage's submission), not only artifact events
+    watched = first_run.output
+    assert all(f"{stage} " in watched and "submitted slurm job" in watched for stage in SFT_DPO), watched[-4000:]
+    print(f"--watch: {len(watched.splitlines())} lines, {watched.count('prefect.artifact')} of them artifact events")
 
     first = summary(prefect_stack, first_run.flow_run_id)
     for stage in SFT_DPO:
