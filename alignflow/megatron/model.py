@@ -19,8 +19,11 @@ leave a model under checkpoint names (`load_megatron_state`, `megatron_state`), 
 `alignflow.convert` produces.
 """
 
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping, Optional, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -96,9 +99,9 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
 class DocumentWindowAttention(DotProductAttention):
     """Megatron's local attention confined to each document of a packed row, narrowed by the
     sliding window, computed by torch's fused `scaled_dot_product_attention` (fp32, or without
-    gradients) where no dropout applies: one causal call per document (`document_params`
-    says where they lie), so padding and the other documents cost nothing; without document
-    offsets, the given mask (documents, causal) narrowed by the window.
+    gradients) where no dropout applies: each document on its own (`Documents`, from
+    `document_params`), so the other documents cost nothing; without document offsets, the
+    given mask (documents, causal) narrowed by the window.
 
     Megatron's softmax swaps a given mask for the window mask when the model has a window, so
     the documents of a packed row would see each other; here the window narrows the mask, and
@@ -123,7 +126,7 @@ class DocumentWindowAttention(DotProductAttention):
         if groups > 1:
             key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
         if packed_seq_params is not None:
-            return self._per_document(query, key, value, packed_seq_params.cu_seqlens_q.tolist())
+            return self._per_document(query, key, value, packed_seq_params)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         if self.window_size is not None:
             window = transformer_utils.get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size)
@@ -132,20 +135,75 @@ class DocumentWindowAttention(DotProductAttention):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [sq, b, heads * dim]
 
-    def _per_document(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: list[int]) -> Tensor:
-        """[s, b, heads, dim] -> [s, b, heads * dim], each document (at `cu_seqlens` of the
-        flattened rows) attending causally within itself."""
-        s, b = query.shape[:2]
-        # [1, heads, b*s, dim]: 4-d, so that torch picks its fused (flash) CPU kernel
-        q, k, v = (t.transpose(0, 1).reshape(1, b * s, *t.shape[2:]).transpose(1, 2) for t in (query, key, value))
+    def _per_document(self, query: Tensor, key: Tensor, value: Tensor, documents: "Documents") -> Tensor:
+        """[s, b, heads, dim] -> [s, b, heads * dim], each document attending causally within
+        itself: one fused attention call per group of documents padded to one length."""
+        s, b, heads, dim = query.shape
+        flat = [t.transpose(0, 1).reshape(b * s, heads, dim) for t in (query, key, value)]
         parts = []
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            n = end - start
-            window = None if self.window_size is None else ~transformer_utils.get_sliding_window_causal_mask(n, n, self.window_size)
-            parts.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], attn_mask=window,
-                                                        is_causal=window is None, scale=self.softmax_scale))
-        out = torch.cat(parts, dim=2)  # [1, heads, b*s, dim]
-        return out.transpose(1, 2).reshape(b, s, -1).transpose(0, 1)
+        for length, where, real in documents.groups:
+            q, k, v = (t[where].view(-1, length, heads, dim).transpose(1, 2) for t in flat)  # [docs, heads, length, dim]
+            window = None if self.window_size is None else ~transformer_utils.get_sliding_window_causal_mask(length, length, self.window_size)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=window, is_causal=window is None, scale=self.softmax_scale)
+            out = out.transpose(1, 2)  # [docs, length, heads, dim]
+            parts.append(out.reshape(length, heads, dim) if real is None else out[real])  # each document's own positions
+        out = torch.cat(parts)[documents.order]  # back to the flattened rows' order
+        return out.reshape(b, s, heads * dim).transpose(0, 1)
+
+
+ALONE = 128  # documents longer than this attend in a call of their own (its overhead is small beside them)
+
+
+@dataclass
+class Documents(PackedSeqParams):
+    """`PackedSeqParams` for `DocumentWindowAttention`: the documents at `cu_seqlens_q` of the
+    flattened rows, grouped once per forward (every layer reuses it) by length: documents up to
+    ALONE tokens by their length rounded up to a power of two (>= 16), gathered and padded at
+    their end (causal attention never lets a real token see its padding), so short documents
+    do not cost a call each; longer ones alone, as views. `worthwhile`: whether that beats one
+    masked call over the whole rows (it does not on rows of a few short documents)."""
+
+    rows: int = 1
+
+    @cached_property
+    def lengths(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each document's start, length and group length (numpy: a batch's few documents,
+        without torch's per-op overhead)."""
+        cu = self.cu_seqlens_q.numpy().astype(np.int64)
+        starts, lengths = cu[:-1], np.diff(cu)
+        rounded = np.maximum(16, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
+        return starts, lengths, np.where(lengths > ALONE, lengths, rounded)
+
+    @cached_property
+    def groups(self) -> list[tuple[int, Tensor | slice, Tensor | None]]:
+        """(length, gather index [documents, length] or a long document's slice, real-position
+        mask [documents, length] or None for a slice)."""
+        starts, lengths, grouped = self.lengths
+        groups = [(int(n), slice(int(a), int(a + n)), None) for a, n in zip(starts, lengths) if n > ALONE]
+        short = lengths <= ALONE
+        for length in np.unique(grouped[short]).tolist():
+            picked = (grouped == length) & short
+            offsets = np.arange(length)
+            real = offsets[None] < lengths[picked, None]
+            index = np.where(real, starts[picked, None] + offsets[None], starts[picked, None])
+            groups.append((length, torch.from_numpy(index), torch.from_numpy(real)))
+        return groups
+
+    @cached_property
+    def order(self) -> Tensor:
+        """Where each flattened position lies in the groups' concatenated outputs."""
+        positions = np.concatenate([np.arange(where.start, where.stop) if real is None else where.numpy()[real.numpy()]
+                                    for _, where, real in self.groups])
+        order = np.empty_like(positions)
+        order[positions] = np.arange(len(positions))
+        return torch.from_numpy(order)
+
+    @cached_property
+    def worthwhile(self) -> bool:
+        """Attention work (query x key pairs, a call counted as 64^2) at most half the mask's."""
+        _, lengths, grouped = self.lengths
+        calls = int((lengths > ALONE).sum()) + len(np.unique(grouped[lengths <= ALONE]))
+        return 2 * (int((grouped ** 2).sum()) + calls * 64 * 64) <= self.rows * self.max_seqlen_q ** 2
 
 
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
@@ -167,16 +225,20 @@ def packed_thd() -> bool:
     return gpt_layer_specs.HAVE_TE
 
 
-def document_params(batch: dict) -> PackedSeqParams:
+def document_params(batch: dict) -> Optional[PackedSeqParams]:
     """Where the documents of a batch of packed rows lie (`cu_seqlens` of the flattened rows):
     THD sequences for Transformer Engine's attention (the batch runs as one row [1, b * s]),
     else the same offsets on the [s, b] layout for `DocumentWindowAttention` (max_seqlen is
-    then the row's length, which GPTModel computes RoPE for)."""
+    then the row's length, which GPTModel computes RoPE for), or None where one masked call
+    over the rows costs less (`Documents.worthwhile`): the batch's mask then applies."""
     cu_seqlens = batch["cu_seqlens"].to(torch.int32)
-    thd = packed_thd()
-    longest = batch["max_seqlen"] if thd else batch["tokens"].shape[1]
-    return PackedSeqParams(qkv_format="thd" if thd else "sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    if packed_thd():
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                               max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
+    rows, length = batch["tokens"].shape
+    documents = Documents(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=length, max_seqlen_kv=length,
+                          rows=rows)
+    return documents if documents.worthwhile else None
 
 
 def layer_spec() -> ModuleSpec:
