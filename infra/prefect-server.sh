@@ -25,6 +25,9 @@ port=${PREFECT_SERVER_PORT:-4200} pool=${PREFECT_POOL:-align-process}
 db=${PREFECT_DB:-$(cat "$dbfile" 2>/dev/null || echo sqlite)}  # asked for, else the running one
 [ "${2:-}" = --postgres ] && db=postgres
 export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+# the server streams a flow run's logs out, so `prefect deployment run --watch` shows them
+# between its events (off by default: --watch would show events only)
+export PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED=true PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED=true
 export PREFECT_API_URL=http://127.0.0.1:$port/api PATH=$root/.venv/bin:$PATH
 pg_url=postgresql+asyncpg://prefect:prefect@127.0.0.1:5432/prefect
 
