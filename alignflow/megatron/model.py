@@ -169,7 +169,7 @@ class Documents(PackedSeqParams):
     def lengths(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each document's start, length and group length (numpy: a batch's few documents,
         without torch's per-op overhead)."""
-        cu = self.cu_seqlens_q.numpy().astype(np.int64)
+        cu = self.cu_seqlens_q.cpu().numpy().astype(np.int64)
         starts, lengths = cu[:-1], np.diff(cu)
         rounded = np.maximum(16, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
         return starts, lengths, np.where(lengths > ALONE, lengths, rounded)
