@@ -16,39 +16,28 @@ import logging
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from alignflow.data import logprobs
 from alignflow.data.prepared import SIDES, Prepared
-from alignflow.megatron import runtime
 from alignflow.stages.sft import sft_forward
-from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
-from alignflow.train.engine import schedule
-from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
+from alignflow.train.datasets import PreferencePairs, sequence_sums
+from alignflow.train.engine import forward_only_splits, schedule
 
 log = logging.getLogger("alignflow.ref_logprobs")
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    section, data = cfg.ref_logprobs, Prepared(inputs["data"])
-    model = local_model(inputs["model"], cache_dir(cfg))
-    runtime.init_parallel(section.parallel, seed=0)
-    try:
-        chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
-        metrics = {}
-        for split in ("train", "val"):
-            pairs = optional(PreferencePairs, data, split)
-            if pairs is None:
-                continue
-            result = pair_logprobs(chunks, pairs, section.micro_batch_size)
-            if result is not None:
-                logprobs.write(result, out, split, parallel_state.get_data_parallel_rank())
-                metrics |= {f"{split}.pairs": len(result["sample_id"]), f"{split}.mean_chosen_logp": float(np.mean(result["chosen_logp"]))}
-        dist.barrier()
-    finally:
-        runtime.teardown()
-    return metrics
+    section = cfg.ref_logprobs
+
+    def each(model, chunks: list, pairs: PreferencePairs, split: str) -> dict:
+        result = pair_logprobs(chunks, pairs, section.micro_batch_size)
+        if result is None:
+            return {}
+        logprobs.write(result, out, split, parallel_state.get_data_parallel_rank())
+        return {f"{split}.pairs": len(result["sample_id"]), f"{split}.mean_chosen_logp": float(np.mean(result["chosen_logp"]))}
+
+    return forward_only_splits(cfg, section, inputs["model"], PreferencePairs, Prepared(inputs["data"]), each)
 
 
 def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -> dict | None:

@@ -24,35 +24,24 @@ from megatron.core import parallel_state
 
 from alignflow.data import teacher_topk
 from alignflow.data.prepared import Prepared
-from alignflow.megatron import runtime
 from alignflow.megatron.model import document_params, packed_thd
 from alignflow.megatron.vocab_parallel import topk_logprobs
-from alignflow.train.datasets import PackedSFT, optional
-from alignflow.train.engine import device, schedule
-from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
+from alignflow.train.datasets import PackedSFT
+from alignflow.train.engine import device, forward_only_splits, schedule
 
 log = logging.getLogger("alignflow.teacher_logprobs")
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
-    section, data = cfg.teacher_logprobs, Prepared(inputs["data"])
-    teacher = local_model(inputs["teacher"], cache_dir(cfg))
-    runtime.init_parallel(section.parallel, seed=0)
-    try:
-        chunks = frozen_chunks(teacher, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
-        metrics = {}
-        for split in ("train", "val"):
-            rows = optional(PackedSFT, data, split)
-            if rows is None:
-                continue
-            columns = row_topk(chunks, rows, section.micro_batch_size, section.topk_logits_k, teacher.hf_config["vocab_size"])
-            if columns is not None:
-                teacher_topk.write(columns, section.topk_logits_k, out, split, parallel_state.get_data_parallel_rank())
-            metrics |= summary(split, columns, section.topk_logits_k)
-        dist.barrier()
-    finally:
-        runtime.teardown()
-    return metrics
+    section = cfg.teacher_logprobs
+
+    def each(teacher, chunks: list, rows: PackedSFT, split: str) -> dict:
+        columns = row_topk(chunks, rows, section.micro_batch_size, section.topk_logits_k, teacher.hf_config["vocab_size"])
+        if columns is not None:
+            teacher_topk.write(columns, section.topk_logits_k, out, split, parallel_state.get_data_parallel_rank())
+        return summary(split, columns, section.topk_logits_k)
+
+    return forward_only_splits(cfg, section, inputs["teacher"], PackedSFT, Prepared(inputs["data"]), each)
 
 
 def logits_forward(model, batch: dict) -> torch.Tensor:

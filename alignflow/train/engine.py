@@ -75,15 +75,17 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
+from alignflow.data.prepared import Prepared
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import lora, runtime
 from alignflow.megatron.model import build_gpt, packed_thd
 from alignflow.train import checkpointing
 from alignflow.train.checkpointing import TrainerState
 from alignflow.train.data import Dataset, GlobalBatches, dp_micro_batches
+from alignflow.train.datasets import optional
 from alignflow.train.metrics import MetricsLog
 from alignflow.train.schedule import lr_at
-from alignflow.train.workspace import CHECKPOINTS, Workspace, cache_dir, load_model_output, local_model, workspace_for
+from alignflow.train.workspace import CHECKPOINTS, Workspace, cache_dir, frozen_chunks, load_model_output, local_model, workspace_for
 
 log = logging.getLogger("alignflow.train")
 
@@ -313,6 +315,24 @@ def schedule(chunks: list, forward_step, batches: list[dict], seq_length: int, r
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
         seq_length=length, micro_batch_size=rows, forward_only=forward_only,
     )
+
+
+def forward_only_splits(cfg, section, model_uri: str, dataset: type, data: Prepared, each: Callable) -> dict:
+    """The frame of a forward-only stage (ref_logprobs, teacher_logprobs): the model at
+    `model_uri` frozen at `section.parallel`, then `each(model, chunks, rows, split)` for each
+    split of `data` that has `dataset` rows, its metrics merged; the ranks meet before teardown."""
+    model = local_model(model_uri, cache_dir(cfg))
+    runtime.init_parallel(section.parallel, seed=0)
+    try:
+        chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
+        metrics = {}
+        for split in ("train", "val"):
+            if (rows := optional(dataset, data, split)) is not None:
+                metrics |= each(model, chunks, rows, split)
+        dist.barrier()
+    finally:
+        runtime.teardown()
+    return metrics
 
 
 @torch.no_grad()
