@@ -84,7 +84,7 @@ def trl(data: str, demo: str, work: str) -> None:
 def measure(commands: list[list[str]]) -> dict:
     """Run the commands as one process tree; their result (rank 0's) with the tree's peak memory
     and the CPU time it used (it is the figure a loaded machine changes least)."""
-    env = {**os.environ, **OFFLINE, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+    env = {**os.environ, **OFFLINE, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "LOCAL_WORLD_SIZE": str(len(commands))}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, text=True) for c in commands]
     peak_rss = peak_pss = 0

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from alignflow import demo
 from alignflow.config.schema import PrepConfig
 from alignflow.data.packing import pack_bfd
+from alignflow.data.tokenize import ChatEncoder, load_tokenizer
 from alignflow.stages import prep
 
 EOS = demo.EOS
@@ -434,6 +435,32 @@ def test_chat_template_override(assets, tok, tmp_path):
     (row,) = read(out, "sft")
     assert tok.decode(row["input_ids"]) == f"[user] What is 3 + 4?\n[assistant] 7{EOS}\n"
     assert masked(tok, row["input_ids"], row["loss_mask"]) == f"7{EOS}\n"
+
+
+# Templates in the shapes of real ones: Llama 3's headers, ChatML with a default system turn, and a
+# template that reads a special token and strips contents.
+TEMPLATES = [
+    "{{- bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim"
+    " + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'].strip() + eos_token }}{% else %}"
+    "{{ '[' + m['role'] | upper + '] ' + m['content'] + ' ' }}{% endif %}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_render_equals_apply_chat_template(assets, template):
+    """ChatEncoder renders through the compiled template directly: the text must be what
+    transformers' own apply_chat_template gives."""
+    tokenizer = load_tokenizer(str(assets / "tokenizer"), template)
+    chats = [[{"role": "user", "content": " What is 3 + 4? "}, {"role": "assistant", "content": " 7 "}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]]
+    for generation_prompt in (False, True):
+        assert ChatEncoder(tokenizer).render(chats, generation_prompt) == tokenizer.apply_chat_template(
+            chats, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 def test_config_errors(assets, tmp_path):
