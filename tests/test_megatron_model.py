@@ -15,7 +15,8 @@ from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, 
 from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
 from alignflow.megatron import runtime
-from alignflow.megatron.model import build_gpt, checkpoint_names, load_megatron_state, megatron_state, token_nll
+from alignflow.megatron.decoder import Scorer
+from alignflow.megatron.model import Documents, build_gpt, checkpoint_names, load_megatron_state, megatron_state, token_nll
 from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
@@ -49,6 +50,32 @@ def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank
         causal = torch.ones(32, 32, dtype=torch.bool).triu(1)[None, None]  # the window alone, as before
         leaked = sft_forward(model, dict(batch, attention_mask=causal, cu_seqlens=torch.tensor([0, 32])))[0]
         assert not torch.allclose(leaked[cu[1] : cu[1] + 3], per_token[cu[1] : cu[1] + 3], atol=1e-3)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_scorer_matches_hf_on_each_document_of_a_packed_row(one_rank, case, tmp_path):
+    """`Scorer`, the lean forward of forward-only passes (reference log-probs, eval...), on a
+    packed row of three documents, attending per document and through the block-diagonal mask:
+    each document's per-token loss equals HF's on that document alone. It never runs where
+    gradients are taken."""
+    hf_model, config = tiny_hf_model(case)
+    model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
+    cu, ids = np.array([0, 9, 20, 27]), tokens(batch=1, seq=27)[0].numpy()  # then 5 tokens of padding
+    batch = vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0))
+    documents = Documents(qkv_format="sbhd", cu_seqlens_q=batch["cu_seqlens"], cu_seqlens_kv=batch["cu_seqlens"],
+                          max_seqlen_q=32, max_seqlen_kv=32)
+    assert Scorer.of([model], 32) is None  # gradients on
+    with torch.no_grad():
+        scorer = Scorer.of([model], 32)
+        inputs = batch["tokens"], batch["position_ids"]
+        per_document = token_nll(scorer, *inputs, None, batch["labels"], packed_seq_params=documents)[0]
+        masked = token_nll(scorer, *inputs, batch["attention_mask"], batch["labels"])[0]
+        for a, e in zip(cu, cu[1:]):
+            logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
+            padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
+            expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
+            torch.testing.assert_close(per_document[a : e - 1], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(masked[a : e - 1], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_local_spec_norms_load_under_checkpoint_names(one_rank, tmp_path):

@@ -136,19 +136,26 @@ class DocumentWindowAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [sq, b, heads * dim]
 
     def _per_document(self, query: Tensor, key: Tensor, value: Tensor, documents: "Documents") -> Tensor:
-        """[s, b, heads, dim] -> [s, b, heads * dim], each document attending causally within
-        itself: one fused attention call per group of documents padded to one length."""
+        """[s, b, heads, dim] -> [s, b, heads * dim], each document attending causally within itself."""
         s, b, heads, dim = query.shape
         flat = [t.transpose(0, 1).reshape(b * s, heads, dim) for t in (query, key, value)]
-        parts = []
-        for length, where, real in documents.groups:
-            q, k, v = (t[where].view(-1, length, heads, dim).transpose(1, 2) for t in flat)  # [docs, heads, length, dim]
-            window = None if self.window_size is None else ~transformer_utils.get_sliding_window_causal_mask(length, length, self.window_size)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=window, is_causal=window is None, scale=self.softmax_scale)
-            out = out.transpose(1, 2)  # [docs, length, heads, dim]
-            parts.append(out.reshape(length, heads, dim) if real is None else out[real])  # each document's own positions
-        out = torch.cat(parts)[documents.order]  # back to the flattened rows' order
+        out = per_document_attention(*flat, documents, self.window_size, self.softmax_scale)
         return out.reshape(b, s, heads * dim).transpose(0, 1)
+
+
+def per_document_attention(q: Tensor, k: Tensor, v: Tensor, documents: "Documents", window_size: Optional[tuple],
+                           scale: Optional[float]) -> Tensor:
+    """Flattened rows' queries, keys and values [b * s, heads, dim] -> [b * s, heads, dim], each
+    document attending causally within itself (narrowed by Megatron's `window_size`): one fused
+    attention call per group of documents padded to one length (`Documents.groups`)."""
+    heads, dim = q.shape[1:]
+    parts = []
+    for length, where, real in documents.groups:
+        qg, kg, vg = (t[where].view(-1, length, heads, dim).transpose(1, 2) for t in (q, k, v))  # [docs, heads, length, dim]
+        window = None if window_size is None else ~transformer_utils.get_sliding_window_causal_mask(length, length, window_size)
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=window, is_causal=window is None, scale=scale).transpose(1, 2)
+        parts.append(out.reshape(length, heads, dim) if real is None else out[real])  # each document's own positions
+    return torch.cat(parts)[documents.order]  # back to the flattened rows' order
 
 
 ALONE = 128  # documents longer than this attend in a call of their own (its overhead is small beside them)
