@@ -15,7 +15,7 @@ from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, 
 from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
 from alignflow.megatron import runtime
-from alignflow.megatron.decoder import Scorer
+from alignflow.megatron.decoder import LeanForward
 from alignflow.megatron.model import Documents, build_gpt, checkpoint_names, load_megatron_state, megatron_state, token_nll
 from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
@@ -53,29 +53,40 @@ def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_scorer_matches_hf_on_each_document_of_a_packed_row(one_rank, case, tmp_path):
-    """`Scorer`, the lean forward of forward-only passes (reference log-probs, eval...), on a
+def test_lean_forward_matches_hf_on_each_document_of_a_packed_row(one_rank, case, tmp_path):
+    """`LeanForward`, the one-rank forward of forward-only passes and fp32 training, on a
     packed row of three documents, attending per document and through the block-diagonal mask:
-    each document's per-token loss equals HF's on that document alone. It never runs where
-    gradients are taken."""
+    each document's per-token loss equals HF's on that document alone, and so do its gradients
+    (of the summed loss, per weight) Megatron's own forward's. Never used where either differs."""
     hf_model, config = tiny_hf_model(case)
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
     cu, ids = np.array([0, 9, 20, 27]), tokens(batch=1, seq=27)[0].numpy()  # then 5 tokens of padding
     batch = vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0))
     documents = Documents(qkv_format="sbhd", cu_seqlens_q=batch["cu_seqlens"], cu_seqlens_kv=batch["cu_seqlens"],
                           max_seqlen_q=32, max_seqlen_kv=32)
-    assert Scorer.of([model], 32) is None  # gradients on
+    inputs, loss_mask = (batch["tokens"], batch["position_ids"]), batch["loss_mask"]
+    lean = LeanForward.of([model], 32)
     with torch.no_grad():
-        scorer = Scorer.of([model], 32)
-        inputs = batch["tokens"], batch["position_ids"]
-        per_document = token_nll(scorer, *inputs, None, batch["labels"], packed_seq_params=documents)[0]
-        masked = token_nll(scorer, *inputs, batch["attention_mask"], batch["labels"])[0]
-        for a, e in zip(cu, cu[1:]):
+        per_document = token_nll(lean, *inputs, None, batch["labels"], packed_seq_params=documents)[0]
+        masked = token_nll(lean, *inputs, batch["attention_mask"], batch["labels"])[0]
+    for a, e in zip(cu, cu[1:]):
+        with torch.no_grad():
             logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
-            padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
-            expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
-            torch.testing.assert_close(per_document[a : e - 1], expected, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(masked[a : e - 1], expected, atol=1e-5, rtol=1e-5)
+        padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
+        expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
+        torch.testing.assert_close(per_document[a : e - 1], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(masked[a : e - 1], expected, atol=1e-5, rtol=1e-5)
+    gradients = []
+    for forward in (lean, model):
+        model.zero_grad()
+        (token_nll(forward, *inputs, batch["attention_mask"], batch["labels"]) * loss_mask).sum().backward()
+        gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    for name, grad in gradients[0].items():
+        torch.testing.assert_close(grad, gradients[1][name], atol=1e-5, rtol=1e-4, msg=name)
+    model.config.recompute_granularity = "full"
+    assert LeanForward.of([model], 32) is None  # recomputed activations: Megatron's path
+    with torch.no_grad():
+        assert LeanForward.of([model], 32) is not None  # nothing to recompute without gradients
 
 
 def test_local_spec_norms_load_under_checkpoint_names(one_rank, tmp_path):

@@ -1,4 +1,6 @@
-"""A lean KV-cached forward of a Llama-family GPTModel, for generation, over the model's own parameters.
+"""A lean forward of a Llama-family GPTModel over the model's own parameters: KV-cached for
+generation (`Decoder`), and over whole sequences (`LeanForward`) for one-rank forward passes
+and training, in fp32, where it computes what Megatron's forward would.
 
 Why: a decode step through Megatron's module forward is ~80 Python module calls, tensor-parallel
 autograd functions and inference-context bookkeeping per token; at 8 rows and a 1M-parameter
@@ -231,19 +233,22 @@ def _signed_sin(angles: Tensor) -> Tensor:
     return torch.cat([-angles[..., :half].sin(), angles[..., half:].sin()], dim=-1)
 
 
-class Scorer:
-    """Whole sequences through the model, no cache: GPTModel's forward as forward-only passes
-    ask it (reference log-probs, a teacher's top-k, eval, GRPO's reference; `token_nll` and
-    `logits_forward` call it as they call the model: logits [b, s, padded vocab]), with
-    `Decoder`'s weights and layer math, ~20 torch ops a layer instead of ~80 module calls. On
-    the demo's 158k-parameter model that overhead was most of a reference pass (2.6x faster).
-    Attention as `DocumentWindowAttention` computes it: per document given `Documents`, else
-    the batch's mask (True = masked) narrowed by the sliding window. RoPE at `position_ids`
-    (restarting per document): the same scores as Megatron's row positions, RoPE being relative.
+class LeanForward:
+    """Whole sequences through the model, no cache: GPTModel's forward, called as it is
+    (`token_nll`, `logits_forward`: logits [b, s, padded vocab]), with `Decoder`'s weights and
+    layer math, ~20 torch ops a layer where Megatron's modules make ~80 calls and their own
+    autograd functions. On the demo's 158k-parameter model that overhead was most of a
+    reference pass (2.6x faster here) and of a DPO step (1.6x). Attention as
+    `DocumentWindowAttention` computes it: per document given `Documents`, else the batch's
+    mask (True = masked) narrowed by the sliding window. RoPE at `position_ids` (restarting per
+    document): the same scores as Megatron's row positions, RoPE being relative.
 
-    `Scorer.of` builds one only where it computes what the model would: one rank (TP = PP = CP
-    = 1), no gradients, no Transformer Engine (its batches are THD), no dropout, a model the
-    decoder supports; else None, and Megatron's forward runs."""
+    `LeanForward.of` builds one only where it computes what Megatron's forward would, the
+    gradients included (autograd through the same parameters; Megatron's DDP takes them from
+    their accumulation hooks as before): one rank of TP, PP and CP (DP any), the local spec (TE's
+    batches are THD), fp32 weights (in bf16 the two differ in rounding), no dropout, and with
+    gradients no activation recompute; not where Megatron's DDP gathers weights in forward
+    hooks (overlapped parameter gathers). Elsewhere None: Megatron's forward runs."""
 
     post_process = True
 
@@ -252,13 +257,18 @@ class Scorer:
         self.window_size = model.config.window_size
 
     @classmethod
-    def of(cls, chunks: list, max_length: int) -> Optional["Scorer"]:
-        model = unwrap_model(chunks[0])
-        single_rank = all(size() == 1 for size in (parallel_state.get_tensor_model_parallel_world_size,
-                                                   parallel_state.get_pipeline_model_parallel_world_size,
-                                                   parallel_state.get_context_parallel_world_size))
-        dropout = model.training and (model.config.attention_dropout > 0 or model.config.hidden_dropout > 0)
-        if len(chunks) > 1 or not single_rank or torch.is_grad_enabled() or packed_thd() or dropout or unsupported(model):
+    def of(cls, chunks: list, max_length: int) -> Optional["LeanForward"]:
+        model, ddp = unwrap_model(chunks[0]), getattr(chunks[0], "ddp_config", None)
+        config = model.config
+        one_rank = all(size() == 1 for size in (parallel_state.get_tensor_model_parallel_world_size,
+                                                parallel_state.get_pipeline_model_parallel_world_size,
+                                                parallel_state.get_context_parallel_world_size))
+        dropout = model.training and (config.attention_dropout > 0 or config.hidden_dropout > 0 or
+                                      any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))  # LoRA's too
+        recompute = torch.is_grad_enabled() and config.recompute_granularity is not None
+        hooked_weights = ddp is not None and ddp.overlap_param_gather
+        if (len(chunks) > 1 or not one_rank or packed_thd() or config.params_dtype != torch.float32 or dropout or recompute
+                or hooked_weights or unsupported(model)):
             return None
         return cls(model, max_length)
 
@@ -279,8 +289,11 @@ class Scorer:
             return out.transpose(1, 2).flatten(2)
 
         cos, sin = d.cos_table[position_ids][:, :, None, None], d.sin_table[position_ids][:, :, None, None]
+        # With gradients, a LoRA layer's merged weight is computed again for each micro batch:
+        # each backward frees the graph it was computed in.
+        layers = [layer_weights(layer) for layer in d.model.decoder.layers] if torch.is_grad_enabled() else d.layers
         x = d._embed(tokens)
-        for i, weights in enumerate(d.layers):
+        for i, weights in enumerate(layers):
             x = d._layer(x, i, weights, cos, sin, attend)
         return F.linear(F.rms_norm(x, (d.hidden,), d.final_norm, d.eps), d.output)
 

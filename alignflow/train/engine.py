@@ -78,7 +78,7 @@ from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKE
 from alignflow.data.prepared import Prepared
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import lora, runtime
-from alignflow.megatron.decoder import Scorer
+from alignflow.megatron.decoder import LeanForward
 from alignflow.megatron.model import build_gpt, packed_thd
 from alignflow.train import checkpointing
 from alignflow.train.checkpointing import TrainerState
@@ -306,14 +306,14 @@ def schedule(chunks: list, forward_step, batches: list[dict], seq_length: int, r
     """Megatron's pipeline schedule over collated micro batches of `rows` x `seq_length` (with
     PP > 1 the stages exchange each micro batch's shape, so packed ones may differ); the loss
     functions' outputs (last stage only). THD attention runs a micro batch as one flat
-    sequence, so its stages pass [b * s, 1, h]. A forward-only pass on one rank goes through
-    `Scorer` where it computes what the model would."""
+    sequence, so its stages pass [b * s, 1, h]. On one rank the forward steps get a
+    `LeanForward` in the model's place where it computes what the model would."""
     length = seq_length
     if packed_thd():
         rows, length = 1, rows * length
     batches = [to_device(b) for b in batches]
-    if forward_only and (scorer := Scorer.of(chunks, seq_length)) is not None:  # the same numbers, fewer ops
-        forward_step = functools.partial(_with_model, forward_step, scorer)
+    if (lean := LeanForward.of(chunks, seq_length)) is not None:  # the same numbers, fewer ops
+        forward_step = functools.partial(_with_model, forward_step, lean)
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
