@@ -35,12 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.transformer import utils as transformer_utils
 from megatron.core.utils import unwrap_model
 from torch import Tensor
 
 from alignflow.megatron.lora import effective_weight
-from alignflow.megatron.model import Documents, packed_thd, per_document_attention
+from alignflow.megatron.model import Documents, packed_thd, per_document_attention, window_narrowed
 
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
@@ -277,7 +276,8 @@ class LeanForward:
         d = self.decoder
         b, s = tokens.shape
         heads = d.groups * d.per_group
-        allowed = self._allowed(attention_mask, s) if packed_seq_params is None else None
+        mask = window_narrowed(attention_mask, self.window_size, s, s) if packed_seq_params is None else None
+        allowed = None if mask is None else ~mask.to(tokens.device)  # None: causal
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [b, s, groups, per group, d], k, v [b, s, groups, d]
             if packed_seq_params is not None:
@@ -296,10 +296,3 @@ class LeanForward:
         for i, weights in enumerate(layers):
             x = d._layer(x, i, weights, cos, sin, attend)
         return F.linear(F.rms_norm(x, (d.hidden,), d.final_norm, d.eps), d.output)
-
-    def _allowed(self, attention_mask: Optional[Tensor], length: int) -> Optional[Tensor]:
-        """The positions a query may attend: the mask's, narrowed by the window; None: causal."""
-        if self.window_size is None:
-            return None if attention_mask is None else ~attention_mask
-        window = transformer_utils.get_sliding_window_causal_mask(length, length, self.window_size).to(self.decoder.device)
-        return ~(window if attention_mask is None else attention_mask | window)

@@ -118,9 +118,7 @@ class DocumentWindowAttention(DotProductAttention):
         dropout = self.training and self.attention_dropout.p > 0
         bf16_backward = torch.is_grad_enabled() and query.dtype != torch.float32  # its CPU kernel is not bit-reproducible
         if dropout or bf16_backward or self.softmax_offset is not None or (attention_mask is None and packed_seq_params is None and query.shape[0] > 1):
-            if self.window_size is not None:  # query [sq, b, heads, dim], key [sk, ...]; True = masked
-                window = transformer_utils.get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size)
-                attention_mask = window if attention_mask is None else attention_mask | window
+            attention_mask = window_narrowed(attention_mask, self.window_size, query.shape[0], key.shape[0])  # query [sq, b, ...]
             return super().forward(query, key, value, attention_mask, *args, **kwargs)
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if groups > 1:
@@ -128,9 +126,7 @@ class DocumentWindowAttention(DotProductAttention):
         if packed_seq_params is not None:
             return self._per_document(query, key, value, packed_seq_params)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
-        if self.window_size is not None:
-            window = transformer_utils.get_sliding_window_causal_mask(query.shape[0], key.shape[0], self.window_size)
-            attention_mask = window if attention_mask is None else attention_mask | window
+        attention_mask = window_narrowed(attention_mask, self.window_size, query.shape[0], key.shape[0])
         allowed = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [sq, b, heads * dim]
@@ -141,6 +137,15 @@ class DocumentWindowAttention(DotProductAttention):
         flat = [t.transpose(0, 1).reshape(b * s, heads, dim) for t in (query, key, value)]
         out = per_document_attention(*flat, documents, self.window_size, self.softmax_scale)
         return out.reshape(b, s, heads * dim).transpose(0, 1)
+
+
+def window_narrowed(attention_mask: Optional[Tensor], window_size: Optional[tuple], queries: int, keys: int) -> Optional[Tensor]:
+    """A mask (True = masked) narrowed by Megatron's sliding `window_size`: the window alone
+    without a mask, the mask alone without a window."""
+    if window_size is None:
+        return attention_mask
+    window = transformer_utils.get_sliding_window_causal_mask(queries, keys, window_size)
+    return window if attention_mask is None else attention_mask | window.to(attention_mask.device)
 
 
 def per_document_attention(q: Tensor, k: Tensor, v: Tensor, documents: "Documents", window_size: Optional[tuple],
