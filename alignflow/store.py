@@ -120,18 +120,21 @@ class Store:
 
     @contextmanager
     def lease(
-        self, stage: str, fp: str, ttl_s: float, poll_s: float, log: Callable[[str], None], take_committed: bool = True
+        self, stage: str, fp: str, ttl_s: float, poll_s: float, log: Callable[[str], None], take_committed: bool = True,
+        adopt: Callable[[dict], bool] | None = None,
     ) -> Iterator[Lease | None]:
         """Hold the right to produce `fp` (`alignflow.lease`). Yields None when it is committed
         (by another run) before the lease is ours; the caller re-checks after acquiring, as a
         commit can land between the check and the acquisition. A forced re-run passes
-        take_committed=False."""
+        take_committed=False. Taking over a dead run's lease, `adopt(job)` says whether to carry
+        on with its job (`Lease.adopted`). The lease is released when the block ends, unless the
+        block abandoned it (its job runs on, for a rerun to adopt)."""
         lease = Lease(self.fs, self.lease_path(stage, fp), ttl_s)
         while True:
             if take_committed and self.read_manifest(stage, fp) is not None:
                 yield None
                 return
-            if lease.try_acquire():
+            if lease.try_acquire(adopt):
                 break
             log(f"{stage} {fp}: another run holds the lease ({lease.holder()}); waiting")
             time.sleep(poll_s)

@@ -77,16 +77,31 @@ def hold_in_a_process(root, ttl_s: float) -> subprocess.Popen:
     return holder
 
 
-def test_a_dead_holder_is_taken_over_after_its_lease_stood_still_for_the_ttl(tmp_path):
-    holder = hold_in_a_process(tmp_path, ttl_s=1.0)
+def test_a_dead_holder_of_this_machine_is_taken_over_at_once(tmp_path):
+    holder = hold_in_a_process(tmp_path, ttl_s=30.0)
     holder.kill()
     holder.wait()
     started = time.monotonic()
-    with Store(str(tmp_path), {}).lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
+    with Store(str(tmp_path), {}).lease("prep", "f1", ttl_s=30.0, poll_s=0.05, log=lambda _: None) as lease:
         waited = time.monotonic() - started
         assert lease is not None and json.loads((tmp_path / "prep" / "_leases" / "f1.json").read_text())["owner"] == lease.owner
-    assert 1.0 <= waited < 5.0  # one ttl of watching it stand still, on this host's clock
+    assert waited < 5.0  # its process is gone: no need to watch the lease stand still for 30 s
     assert not (tmp_path / "prep" / "_leases" / "f1.json").exists()
+
+
+def test_a_holder_on_another_machine_is_taken_over_after_its_lease_stood_still_for_the_ttl(tmp_path):
+    """A lease written by a run on another host (its record as that host wrote it), which
+    stopped beating: only its standstill on this host's clock tells it is dead."""
+    path = tmp_path / "prep" / "_leases" / "f1.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"owner": "node7:4242:0123456789ab", "beat": 0, "host": "node7", "boot": "b-7", "pid": 4242,
+                                "started": 1.0}))
+    started = time.monotonic()
+    with Store(str(tmp_path), {}).lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
+        waited = time.monotonic() - started
+        assert lease is not None and json.loads(path.read_text())["owner"] == lease.owner
+    assert 1.0 <= waited < 5.0  # one ttl of watching it stand still, on this host's clock
+    assert not path.exists()
 
 
 def test_staleness_does_not_read_the_holders_clock(tmp_path):
@@ -140,25 +155,35 @@ def test_heartbeat_keeps_a_long_run_alive(tmp_path):
     assert released - started >= 3.0
 
 
-def test_a_job_watching_a_lease_hears_of_a_takeover_and_of_a_dead_holder(tmp_path):
+def test_a_job_outlives_its_silent_run_but_stops_for_a_stranger_or_a_release(tmp_path):
+    """The job's side of the fence: a run that stopped beating (it died) does not stop its job;
+    a run that adopted the job may hold the lease; a run that does not own the job, or a
+    released lease, stops it."""
     store = Store(str(tmp_path), {})
     heard = []
+    path = tmp_path / "prep" / "_leases" / "f1.json"
     with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
-        watcher = watch(lease.fence(), heard.append)
-        time.sleep(1.5)
-        assert not heard  # beats keep coming
+        lease.record_job({"job_id": "job-1", "launcher": "local"})
+        watcher = watch(lease.fence(), "job-1", heard.append)
         lease._stop.set()
-        lease._thread.join()
-        watcher.join(timeout=5)
-    assert heard and "stopped beating it" in heard[0]
-    heard.clear()
-    with store.lease("prep", "f2", ttl_s=2.0, poll_s=0.05, log=lambda _: None) as lease:
-        watcher = watch(lease.fence(), heard.append)
-        path = tmp_path / "prep" / "_leases" / "f2.json"
+        lease._thread.join()  # its run froze or died
+        time.sleep(1.5)
+        assert not heard and watcher.is_alive()
+        adopter = {"owner": "adopting-run"}
+        record = json.loads((tmp_path / "prep" / "_leases" / "f1.job.json").read_text())
+        (tmp_path / "prep" / "_leases" / "f1.job.json").write_text(json.dumps({**record, "owners": [*record["owners"], "adopting-run"]}))
+        path.write_text(json.dumps(adopter))
+        time.sleep(0.5)
+        assert not heard  # the adopter owns the job
         path.write_text(json.dumps({"owner": "another-run"}))
         watcher.join(timeout=5)
-        assert heard and "taken over by another-run" in heard[0]
+        assert heard == [f"the lease {path} is held by another-run, which does not own job job-1"]
         path.unlink()
+    heard.clear()
+    with store.lease("prep", "f2", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
+        watcher = watch(lease.fence(), "job-2", heard.append)
+    watcher.join(timeout=5)
+    assert heard and "is gone: the run that submitted this job stopped it" in heard[0]
 
 
 def test_manifest_is_inside_when_the_directory_appears(tmp_path):
