@@ -19,6 +19,8 @@ Cancellation: a cancelled flow run is told by SIGTERM, which Prefect turns into 
 under it (the tasks inherit its context), and the waiting threads then stop.
 """
 
+import logging
+import math
 import os
 import random
 import signal
@@ -30,12 +32,15 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+import psutil
 import submitit
+import submitit.local.local
 from omegaconf import DictConfig
 
 from alignflow.config.schema import LauncherConfig, LauncherName
+from alignflow.lease import this_process
 from alignflow.orphans import reap_on_exit
 
 ERROR_TAIL_LINES = 40
@@ -45,7 +50,10 @@ SLURM_LOG_QUIET_S = 2.0  # a Slurm job's logs are complete once they stayed quie
 # (32768-60999): a port there may be held by any client connection on the node, which makes the
 # store's bind fail (EADDRINUSE); submitit's default draws from 20000-60000.
 RENDEZVOUS_PORTS = (20000, 32767)
+NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit's local jobs always have one
 NOT_REQUEUED = "Job not requeued because"  # submitit's message when it gives up on a preempted/timed-out job
+
+_log = logging.getLogger("alignflow.launch")
 
 
 class JobError(RuntimeError):
@@ -70,11 +78,20 @@ class JobCancelled(JobError):
 
 @dataclass
 class JobRecord:
+    """A submitted job as the manifest, the UI and the lease keep it: enough for a rerun to find
+    it again (`reattach`) when the run that submitted it is gone."""
+
     job_id: str
     launcher: str
     stdout: str
     stderr: str
     state: str = "SUBMITTED"
+    folder: str = ""  # submitit's job folder: pickles, logs, results
+    tasks: int = 1
+    process: list | None = None  # a local job's controller: [host, boot id, pid, start time]
+    time_limit_min: float | None = None
+    submitted: float = 0.0  # epoch seconds
+    oom_kills: int | None = None  # the OOM killer's count in our memory cgroup when a local job started
 
 
 # ----------------------------------------------------------------------------- submission
@@ -87,7 +104,7 @@ _SLURM_PARAMETERS = {  # submitit SlurmExecutor parameter (sbatch option) <- Lau
 }
 
 
-def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, timeout_min: int) -> dict:
+def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, time_min: float) -> dict:
     """Our launcher keys -> submitit's SlurmExecutor parameters (sbatch's names), as data."""
     params = {name: getattr(launcher, key) for name, key in _SLURM_PARAMETERS.items()}
     params |= {
@@ -95,7 +112,7 @@ def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, timeout_m
         "ntasks_per_node": resources.tasks_per_node,
         "gpus_per_node": launcher.gpus_per_node or None,
         "mem": f"{launcher.mem_gb}GB" if launcher.mem_gb else None,
-        "time": min(timeout_min, launcher.time_min),
+        "time": math.ceil(time_min),
         "setup": list(launcher.setup) or None,
         "additional_parameters": dict(launcher.sbatch_extra) or None,
     }
@@ -107,15 +124,15 @@ def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, timeout_m
 
 def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str) -> submitit.Executor:
     """A fresh submitit folder per submission, so no run reads another's pickles."""
-    folder = Path(launcher.folder) / job_name / uuid.uuid4().hex[:12]
+    folder = Path(launcher.folder).absolute() / job_name / uuid.uuid4().hex[:12]
+    limit = time_limit(launcher, section)
     if launcher.name == LauncherName.local:
         executor = submitit.LocalExecutor(folder=folder, max_num_timeout=launcher.max_requeues)
-        executor.update_parameters(
-            nodes=1, tasks_per_node=section.resources.tasks_per_node, timeout_min=section.timeout_min
-        )
+        executor.update_parameters(nodes=1, tasks_per_node=section.resources.tasks_per_node,
+                                   timeout_min=limit if limit is not None else NO_TIME_LIMIT_MIN)
     else:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher.max_requeues)
-        executor.update_parameters(job_name=job_name, **_slurm_parameters(launcher, section.resources, section.timeout_min))
+        executor.update_parameters(job_name=job_name, **_slurm_parameters(launcher, section.resources, limit))
     return executor
 
 
@@ -168,30 +185,100 @@ class _Scope:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def cancel(self) -> None:
+        """Cancel every job, and wait (at most CANCEL_WAIT_S) until the local ones' processes are
+        gone: a stopped `align run` leaves none behind."""
         with self.lock:
             self.cancelled.set()
             jobs = list(self.jobs)
         for job in jobs:
             job.cancel(check=False)
+        _end_local(job for job in jobs if not isinstance(job, submitit.SlurmJob))
+
+
+CANCEL_WAIT_S = 5.0
+
+
+def _end_local(jobs: Iterable[submitit.Job]) -> None:
+    """Wait for cancelled local jobs' controllers (which stop their ranks) to exit; kill what is
+    left of them after CANCEL_WAIT_S."""
+    processes = []
+    for job in jobs:
+        try:
+            controller = psutil.Process(int(job.job_id))
+            processes += [controller, *controller.children(recursive=True)]
+        except psutil.Error:
+            continue
+    _, alive = psutil.wait_procs(processes, timeout=CANCEL_WAIT_S)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
 
 
 _scope: ContextVar[_Scope | None] = ContextVar("alignflow_launch_scope", default=None)
 
 
+STOP_S = 8.0  # a stopped run has exited this long after the signal, whatever Prefect's API does
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextmanager
 def cancel_jobs_on_interrupt() -> Iterator[None]:
-    """Cancel every job submitted in this block (by this thread or threads started with its
-    context: Prefect tasks) if the block ends by an exception: TerminationSignal when the flow
-    run is cancelled, KeyboardInterrupt on Ctrl-C. Signals reach the main thread only."""
+    """A deliberate stop cancels the jobs; a crash does not.
+
+    Every job submitted in this block (by this thread or threads started with its context:
+    Prefect tasks) is cancelled when the block ends by SIGINT (Ctrl-C), SIGTERM (a cancelled
+    flow run, `kill`) or SIGHUP (a closed terminal), and the process exits within STOP_S
+    seconds of the signal, even if what runs after it hangs (an unreachable Prefect API). A
+    block that ends by an error, or a process that is killed (SIGKILL, the OOM killer, a lost
+    machine), leaves its jobs running: a rerun adopts them (`alignflow.lease`). Signals reach
+    the main thread only; outside it, this only tracks the jobs."""
     scope = _Scope()
     token = _scope.set(scope)
+    previous = _on_stop_signals(scope)
     try:
         yield
-    except BaseException:
+    except Exception:
+        raise
+    except BaseException:  # KeyboardInterrupt, Prefect's TerminationSignal, SystemExit
         scope.cancel()
         raise
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         _scope.reset(token)
+
+
+def _on_stop_signals(scope: _Scope) -> dict:
+    """Install the stop handlers (main thread only); returns the handlers they replace, which
+    they call in turn: Prefect's SIGTERM handler raises its TerminationSignal, Python's SIGINT
+    handler KeyboardInterrupt; SIGHUP, whose default would end the process on the spot,
+    raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+
+    def stop(signum, frame):
+        if not scope.cancelled.is_set():
+            threading.Thread(target=_stop, args=(scope, signum), name="stop", daemon=True).start()
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
+    return previous
+
+
+def _stop(scope: _Scope, signum: int) -> None:
+    """Cancel the scope's jobs now, and end the process STOP_S after the signal if it still runs."""
+    deadline = time.monotonic() + STOP_S
+    scope.cancel()
+    time.sleep(max(deadline - time.monotonic(), 0.0))
+    _log.warning("still running %.0f s after %s: exiting now (the jobs were cancelled)", STOP_S, signal.Signals(signum).name)
+    os._exit(128 + signum)
 
 
 def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Callable, *args: Any,
@@ -226,30 +313,129 @@ def rendezvous_port() -> int:
     raise RuntimeError(f"no free port in {RENDEZVOUS_PORTS} for the job's rendezvous")
 
 
-def job_record(job: submitit.Job) -> JobRecord:
+def job_record(job: submitit.Job, time_limit_min: float | None = None) -> JobRecord:
     launcher = LauncherName.slurm if isinstance(job, submitit.SlurmJob) else LauncherName.local
-    return JobRecord(str(job.job_id), launcher.value, str(job.paths.stdout), str(job.paths.stderr))
+    local = launcher == LauncherName.local
+    process = [*this_process()[:2], int(job.job_id), psutil.Process(int(job.job_id)).create_time()] if local else None
+    return JobRecord(str(job.job_id), launcher.value, str(job.paths.stdout), str(job.paths.stderr), folder=str(job.paths.folder),
+                     tasks=job.num_tasks, process=process, time_limit_min=time_limit_min, submitted=time.time(),
+                     oom_kills=oom_kills() if local else None)
+
+
+def time_limit(launcher: LauncherConfig, section: DictConfig) -> float | None:
+    """A stage's job's time limit in minutes: its `timeout_min` (none by default for local jobs),
+    and on Slurm at most `launcher.time_min`."""
+    if launcher.name == LauncherName.local:
+        return section.timeout_min
+    return min(section.timeout_min or launcher.time_min, launcher.time_min)
+
+
+# ----------------------------------------------------------------------------- a dead run's job
+
+_SLURM_RUNNING = ("RUNNING", "COMPLETING", "CONFIGURING", "RESIZING", "SUSPENDED", "STOPPED")
+
+
+def reattach(record: dict) -> submitit.Job | None:
+    """The job of `record` (a `JobRecord` as a dict), submitted by a run that is gone, to wait
+    on from here; None when this host cannot reach it (a local job of another machine)."""
+    folder, job_id, tasks = record["folder"], str(record["job_id"]), list(range(record.get("tasks", 1)))
+    if record["launcher"] == LauncherName.slurm.value:
+        return submitit.SlurmJob(folder, job_id, tasks)
+    host, boot, pid, started = record["process"]
+    if (host, boot) != this_process()[:2]:
+        return None
+    return submitit.local.local.LocalJob(folder, job_id, tasks, process=_Controller(pid, started))
+
+
+def adoptable(record: dict) -> bool:
+    """Whether a rerun should carry on with a dead run's job rather than start another: it runs,
+    or it ended with a result. A job still queued is cancelled instead: it would start for
+    nobody (and if it starts anyway, it finds the lease is not its run's and touches nothing)."""
+    job = reattach(record)
+    if job is None:
+        return False
+    if job.paths.result_pickle.exists():
+        return True
+    if isinstance(job, submitit.SlurmJob):
+        state = _slurm_state(job)
+        if state in ("PENDING", "REQUEUED"):
+            job.cancel(check=False)
+        return state in _SLURM_RUNNING
+    return not job.done()
+
+
+def stop(record: dict, timeout_s: float = 30.0) -> bool:
+    """Cancel a dead run's job that is not adopted, and wait until it is gone; False when this
+    host cannot tell (the job then stops itself within a fraction of the lease's ttl: fencing)."""
+    job = reattach(record)
+    if job is None:
+        return False
+    if not job.done():
+        job.cancel(check=False)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if isinstance(job, submitit.SlurmJob) and _slurm_state(job) not in ("", "PENDING", *_SLURM_RUNNING):
+            return True
+        if not isinstance(job, submitit.SlurmJob) and job.done():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _slurm_state(job: submitit.SlurmJob) -> str:
+    return (job.get_info(mode="force").get("State") or "").split(" ")[0]
+
+
+class _Controller:
+    """A local job's controller process that is not our child (its run is gone): the part of
+    `subprocess.Popen` submitit's LocalJob uses, by pid, with the start time guarding against a
+    recycled pid."""
+
+    def __init__(self, pid: int, started: float):
+        self.pid, self.started = pid, started
+
+    def _process(self) -> psutil.Process | None:
+        try:
+            process = psutil.Process(self.pid)
+            alive = abs(process.create_time() - self.started) < 0.01 and process.status() != psutil.STATUS_ZOMBIE
+            return process if alive else None
+        except psutil.NoSuchProcess:
+            return None
+
+    def poll(self) -> int | None:
+        return None if self._process() is not None else 0
+
+    def send_signal(self, signum: int) -> None:
+        if (process := self._process()) is not None:
+            process.send_signal(signum)
 
 
 # ----------------------------------------------------------------------------- waiting
 
 
 def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, record: JobRecord | None = None,
-         output: Callable[[str], None] | None = None) -> Any:
+         output: Callable[[str], None] | None = None, from_start: bool = True) -> Any:
     """Block until the job ends, forwarding its state changes (kept in `record.state`) to `log`
-    and rank 0's output to `output` (default: `log` too); returns rank 0's result.
+    and rank 0's output to `output` (default: `log` too; an adopted job's from where it is now,
+    `from_start=False`); returns rank 0's result.
 
-    If the caller is interrupted (Ctrl-C in this thread, or its flow run cancelled) the job is
-    cancelled too.
+    Only a deliberate stop ends the job with the wait: its flow run cancelled (the scope), or
+    Ctrl-C in this thread. Nothing else does: `log` and `output` are dashboards, and a failing
+    one is skipped; a failing state poll (sacct) is retried. Any other error leaves the job
+    running, for a rerun to adopt.
     """
     record = record or job_record(job)
-    tail, state, scope, output = _Tail(job), _State(job, record, log), _scope.get(), output or log
+    log, output = _best_effort(log), _best_effort(output or log)
+    tail, state, scope = _Tail(job, from_start), _State(job, record, log), _scope.get()
+    if scope is not None:
+        with scope.lock:
+            scope.jobs.add(job)
     try:
         while not (cancelled := scope is not None and scope.cancelled.is_set()) and not state.done():
             tail.forward(output)
             time.sleep(poll_s)
         tail.drain(output, quiet_s=SLURM_LOG_QUIET_S if state.slurm else 0.0)  # a local job's files are complete at its exit
-        if cancelled:  # the scope has scancelled the job: its end is no failure to retry
+        if cancelled:  # the scope has cancelled the job: its end is no failure to retry
             state.cancel()
             raise JobCancelled(f"job {job.job_id} cancelled with its flow run", asdict(record))
         results = job.results()
@@ -261,15 +447,31 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
         raise error(f"job {job.job_id} failed: {_cause(str(err))}\n{_last_lines(str(err))}", asdict(record)) from None
     except submitit.core.utils.UncompletedJobError as err:
         state.ended_without_result()
-        raise InfrastructureError(f"job {job.job_id} ended without a result ({record.state}):\n{_last_lines(str(err))}",
-                                  asdict(record)) from None
-    except BaseException:
-        if not job.done():
-            state.cancel()
+        raise InfrastructureError(f"job {job.job_id} {state.ending()}:\n{_last_lines(str(err))}", asdict(record)) from None
+    except Exception:
+        raise
+    except BaseException:  # Ctrl-C in this thread: a deliberate stop
+        state.cancel()
         raise
     finally:
         if scope is not None:
             scope.jobs.discard(job)
+
+
+def _best_effort(callback: Callable[[str], None]) -> Callable[[str], None]:
+    """`callback`, whose failures (a dashboard that is down) are logged here once and skipped."""
+    failing = []
+
+    def call(line: str) -> None:
+        try:
+            callback(line)
+            failing.clear()
+        except Exception as err:  # noqa: BLE001 - a dashboard's failure must never reach the job
+            if not failing:
+                _log.warning("a log or progress update failed (%s: %s); the job goes on", type(err).__name__, err)
+            failing.append(err)
+
+    return call
 
 
 class _State:
@@ -281,14 +483,21 @@ class _State:
     def __init__(self, job: submitit.Job, record: JobRecord, log: Callable[[str], None]):
         self.job, self.record, self.log = job, record, log
         self.slurm = isinstance(job, submitit.SlurmJob)
-        self.polled = 0.0
+        self.polled, self.failures = 0.0, 0
         if not self.slurm:
             self.set("RUNNING")
 
     def update(self, force: bool = False) -> None:
         if self.slurm and (force or time.monotonic() - self.polled >= STATE_POLL_S):
             self.polled = time.monotonic()
-            state = self.job.get_info(mode="force").get("State", "")  # one sacct call
+            try:
+                state = self.job.get_info(mode="force").get("State", "")  # one sacct call
+            except Exception as err:  # noqa: BLE001 - sacct down for a moment: the job is not
+                self.failures += 1
+                if self.failures == 1:
+                    self.log(f"job {self.job.job_id}: cannot read its state ({err}); retrying")
+                return
+            self.failures = 0
             if state:
                 self.set(state.split()[0])  # "CANCELLED by 0" -> "CANCELLED"
 
@@ -299,7 +508,10 @@ class _State:
 
     def done(self) -> bool:
         self.update()
-        return self.job.done()
+        try:
+            return self.job.done()
+        except Exception:  # noqa: BLE001 - as in update: asked again at the next poll
+            return False
 
     def cancel(self) -> None:
         if not self.job.done():
@@ -309,8 +521,55 @@ class _State:
     def ended_without_result(self) -> None:
         if self.slurm:
             self.update(force=True)  # CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...
+        elif self.record.oom_kills is not None and (oom_kills() or 0) > self.record.oom_kills:
+            self.set("OUT_OF_MEMORY")
+        elif self.record.time_limit_min and time.time() - self.record.submitted >= 60 * self.record.time_limit_min - 1:
+            self.set("TIMEOUT")
         else:
             self.set(self.job.state)
+
+    def ending(self) -> str:
+        """How the job ended, in words, with what to do where there is something to do."""
+        return _ENDINGS.get(self.record.state, "ended without a result ({state})").format(
+            state=self.record.state, limit=self.record.time_limit_min)
+
+
+_ENDINGS = {  # a job's end without a result (Slurm's states; for local jobs, as judged by _State)
+    "TIMEOUT": "was killed by its time limit ({limit} min): resumable stages resume from their last checkpoint on retry; "
+               "give the stage more time (<stage>.timeout_min, launcher.time_min) or checkpoint more often",
+    "OUT_OF_MEMORY": "was killed for running out of memory (OUT_OF_MEMORY): give it more (launcher.mem_gb) or need less "
+                     "(a smaller micro_batch_size, activation recompute, more ranks)",
+    "NODE_FAIL": "lost its node (NODE_FAIL)",
+    "PREEMPTED": "was preempted and not requeued (PREEMPTED)",
+    "BOOT_FAIL": "could not start on its node (BOOT_FAIL)",
+    "CANCELLED": "was cancelled outside alignflow (CANCELLED)",
+}
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this process's memory cgroup
+    (v1 `memory.oom_control`, v2 `memory.events`); None where that cannot be read. Local jobs
+    run in their orchestrator's cgroup, so a count that grew while a job ran says why it died."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            files = [f"/sys/fs/cgroup/memory{path}/memory.oom_control"]
+        elif not controllers:  # the unified (v2) hierarchy, alone or beside v1's
+            files = [f"/sys/fs/cgroup{path}/memory.events", f"/sys/fs/cgroup/unified{path}/memory.events"]
+        else:
+            continue
+        for file in files:
+            try:
+                fields = dict(line.split() for line in Path(file).read_text().splitlines() if line.strip())
+            except (OSError, ValueError):
+                continue
+            if "oom_kill" in fields:
+                return int(fields["oom_kill"])
+    return None
 
 
 def _cause(text: str) -> str:
@@ -329,9 +588,9 @@ def _last_lines(text: str, n: int = ERROR_TAIL_LINES) -> str:
 class _Tail:
     """Forwards new lines of rank 0's stdout and stderr since the last call."""
 
-    def __init__(self, job: submitit.Job):
+    def __init__(self, job: submitit.Job, from_start: bool = True):
         self.paths = [job.paths.stdout, job.paths.stderr]
-        self.offsets = {p: 0 for p in self.paths}
+        self.offsets = {p: 0 if from_start or not p.exists() else p.stat().st_size for p in self.paths}
         self.partial = {p: "" for p in self.paths}
 
     def drain(self, log: Callable[[str], None], quiet_s: float, max_s: float = 10.0) -> None:

@@ -1,12 +1,18 @@
-"""No orphans: the processes a process starts die with it, even when it is SIGKILLed.
+"""No orphans: the helper processes a process starts die with it, even when it is SIGKILLed;
+its local jobs do not.
 
 `reap_on_exit()` starts (once per process) a small watcher process in its own session. It
 lists its parent's descendants twice a second; once the parent is gone, it sends those of the
 last list SIGTERM, then SIGKILL to those still alive 5 s later, and exits. (A daemon that
 left the tree, e.g. a Slurm daemon started by an infra script, is in no list.) Used on
-both sides: the flow process (its Prefect ephemeral server, its local jobs) and each job (the
-processes Megatron's checkpoint writer spawns). psutil checks a process's start time before
-signalling it, so a recycled PID is never hit.
+both sides: the flow process (its Prefect ephemeral server) and each job (the processes
+Megatron's checkpoint writer spawns). psutil checks a process's start time before signalling
+it, so a recycled PID is never hit.
+
+A local job (submitit's controller, `submitit.local._local`, and its ranks) is no helper: like
+a Slurm job it outlives a flow process that dies, and a rerun adopts it (`alignflow.lease`).
+A flow process that is stopped (SIGINT, SIGTERM, SIGHUP) cancels its jobs itself
+(`alignflow.launch.cancel_jobs_on_interrupt`).
 
     python -m alignflow.orphans PID     the watcher itself
 """
@@ -43,11 +49,30 @@ def watch(parent_pid: int) -> None:
     try:
         parent = psutil.Process(parent_pid)
         while parent.is_running() and parent.status() != psutil.STATUS_ZOMBIE:
-            last = [p for p in parent.children(recursive=True) if p.pid != me]  # daemons that left the tree are not ours
+            last = _helpers(parent, me)
             time.sleep(POLL_S)
     except psutil.Error:
         pass
     _end(last)
+
+
+LOCAL_JOB = "submitit.local._local"  # in the command line of a local job's controller
+
+
+def _helpers(parent: psutil.Process, me: int) -> list[psutil.Process]:
+    """The parent's descendants but this watcher and its local jobs' process trees (daemons
+    that left the tree are not ours either)."""
+    found, todo = [], parent.children()
+    while todo:
+        process = todo.pop()
+        try:
+            if process.pid == me or any(LOCAL_JOB in part for part in process.cmdline()):
+                continue
+            todo += process.children()
+        except psutil.Error:
+            continue
+        found.append(process)
+    return found
 
 
 def _end(processes: list[psutil.Process]) -> None:

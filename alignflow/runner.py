@@ -12,12 +12,13 @@ from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatch
 from typing import Callable
 
+import submitit
 from omegaconf import OmegaConf
 
 from alignflow import __version__
 from alignflow.config.slices import for_job, identity, masked, stage_paths
 from alignflow.fingerprint import code_identity, differences, digest, fingerprint, package_versions, source_identity
-from alignflow.launch import job_record, submit, wait
+from alignflow.launch import JobError, JobRecord, adoptable, job_record, reattach, stop, submit, time_limit, wait
 from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
@@ -106,13 +107,12 @@ def run_stage(stage: Stage, upstream: dict[str, StageResult], log: Callable[[str
     if not forced and (manifest := store.read_manifest(name, fp)) is not None:
         log(f"{name} {fp}: cache hit at {store.uri(store.output_path(name, fp))}")
         return _result(store, name, fp, manifest, cached=True)
-    with store.lease(name, fp, cfg.store.lease_ttl_s, cfg.store.poll_interval_s, log, take_committed=not forced) as lease:
+    adopt = None if forced else adoptable  # a forced re-run computes afresh: it stops a dead run's job instead
+    with store.lease(name, fp, cfg.store.lease_ttl_s, cfg.store.poll_interval_s, log, take_committed=not forced, adopt=adopt) as lease:
         manifest = store.read_manifest(name, fp)
         if lease is None or (manifest is not None and not forced):
             log(f"{name} {fp}: committed by a concurrent run")
             return _result(store, name, fp, manifest, cached=True)
-        if forced or not stage.spec.resumable:
-            store.clear_staging(name, fp)
         return _execute(stage, store, ident, upstream, lease, log, output or log)
 
 
@@ -121,14 +121,16 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
     spec, cfg, name, started, fp = stage.spec, stage.cfg, stage.name, time.time(), fingerprint(ident)
     inputs = _by_role(stage, {up: r.uri for up, r in upstream.items()})
     staging = store.uri(store.staging_path(name, fp))
-    store.fs.makedirs(store.staging_path(name, fp), exist_ok=True)
     paths = (*stage_paths(stage.kind, spec.reads), *spec.context)
-    storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
-    job = submit(cfg.launcher, stage.section, f"{name}-{fp}", run_stage_job, stage.kind, for_job(cfg, paths), inputs, staging,
-                 storage_options, lease.fence(), ident["code"], resumable=spec.resumable)
-    record = job_record(job)
-    log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}, log {record.stdout}")
-    metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0), record=record, output=output)
+    job, record, fresh = _start_or_adopt(stage, store, ident, inputs, paths, lease, log)
+    try:
+        metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0), record=record, output=output, from_start=fresh)
+    except JobError:
+        raise
+    except Exception:  # not the job's failure: it runs on, and a rerun adopts it
+        lease.abandon()
+        log(f"{name} {fp}: stopped waiting for job {record.job_id}, which runs on: a rerun of the pipeline carries on with it")
+        raise
     summary = {"stage": name, "kind": stage.kind, "fingerprint": fp, "metrics": headline_first(metrics, spec.headline),
                "config": masked(cfg, paths)}
     if records := read_metrics(staging, options_for(staging, cfg)):  # a training stage: its curves beside its output
@@ -148,6 +150,30 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
     uri = store.commit(name, fp, manifest)
     log(f"{name} {fp}: committed {uri}")
     return _result(store, name, fp, manifest, cached=False)
+
+
+def _start_or_adopt(stage: Stage, store: Store, ident: dict, inputs: dict, paths: tuple, lease: Lease,
+                    log: Callable[[str], None]) -> tuple[submitit.Job, JobRecord, bool]:
+    """The stage's job: the one a dead run left running (adopted with its lease), or a new one,
+    recorded beside the lease so that a rerun can adopt it in turn. A dead run's job that is
+    not adopted is stopped first: two jobs never share a staging folder."""
+    cfg, name, fp = stage.cfg, stage.name, fingerprint(ident)
+    if lease.adopted is not None:
+        record = JobRecord(**lease.adopted["job"])
+        log(f"{name} {fp}: carrying on with {record.launcher} job {record.job_id} of a run that is gone, log {record.stdout}")
+        return reattach(lease.adopted["job"]), record, False
+    if lease.previous is not None and not stop(lease.previous["job"]):
+        time.sleep(lease.ttl_s / 4)  # out of reach from here: it stops itself once it sees the lease is not its run's
+    if name in cfg.force or not stage.spec.resumable:
+        store.clear_staging(name, fp)
+    store.fs.makedirs(store.staging_path(name, fp), exist_ok=True)
+    storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
+    job = submit(cfg.launcher, stage.section, f"{name}-{fp}", run_stage_job, stage.kind, for_job(cfg, paths), inputs,
+                 store.uri(store.staging_path(name, fp)), storage_options, lease.fence(), ident["code"], resumable=stage.spec.resumable)
+    record = job_record(job, time_limit(cfg.launcher, stage.section))
+    lease.record_job(asdict(record))
+    log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}, log {record.stdout}")
+    return job, record, True
 
 
 def headline_first(metrics: dict, headline: tuple[str, ...]) -> dict:

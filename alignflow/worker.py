@@ -1,7 +1,9 @@
 """The one job entry point: set up the rank, run a stage, return its metrics.
 
-Every rank watches its run's lease and stops once the run is gone or lost it, and takes the
-processes it started down with it, also when it is killed itself (`alignflow.orphans`).
+Every rank checks its run's lease before it touches anything and then watches it: it stops
+once the lease is held by a run that does not own the job, or released, and takes the
+processes it started down with it, also when it is killed itself (`alignflow.orphans`). It
+does not stop when its run dies: a rerun adopts it (`alignflow.lease`).
 
 Runs inside a submitit job (local process or Slurm task). Never imports prefect. Each
 rank gets the torch.distributed environment (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK) from
@@ -23,7 +25,7 @@ import psutil
 from omegaconf import DictConfig, OmegaConf
 
 from alignflow.fingerprint import code_identity
-from alignflow.lease import watch
+from alignflow.lease import holds, watch
 from alignflow.orphans import reap_on_exit
 from alignflow.stages import AlignConfig, worker_module
 
@@ -44,8 +46,8 @@ def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options:
                   code: dict | None = None) -> dict:
     """Run `alignflow.stages.<kind>.run` on this rank; every rank returns its metrics.
 
-    `fence` is the lease of the run that submitted the job: the job stops once that run is
-    gone or lost it (`alignflow.lease.watch`). `code` is the code identity the run
+    `fence` is the lease of the run that submitted the job: the job starts only while that run
+    or one that adopted the job holds it, and stops once neither does (`alignflow.lease`). `code` is the code identity the run
     fingerprinted: the job refuses to run other code (the checkout changed in between). Both
     are None only for a job submitted by hand (tests), outside any run."""
     reap_on_exit()  # a killed job leaves none of its helpers (Megatron's checkpoint writer) behind
@@ -54,8 +56,8 @@ def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options:
     for message in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     _configure_storage(out, storage_options)
-    if fence is not None:
-        watch(fence, _stop_fenced_job)  # the lease is in the store, whose options are fsspec's defaults now
+    if fence is not None:  # the lease is in the store, whose options are fsspec's defaults now
+        _check_fence(fence)
     if code is not None:
         _check_code(kind, code)
     config = typed(cfg)
@@ -115,6 +117,17 @@ def _check_code(stage: str, planned: dict) -> None:
     if changed:
         raise RuntimeError(f"the code of stage {stage} changed since its run fingerprinted it ({', '.join(changed)}): "
                            "run the pipeline again so its fingerprint covers the code that runs")
+
+
+def _check_fence(fence: dict) -> None:
+    """Touch nothing unless this job's run (or a run that adopted it) holds the lease: a queued
+    job of a dead run may start long after another run took over. Then watch it."""
+    import submitit
+
+    job_id = submitit.JobEnvironment().job_id
+    if (reason := holds(fence, job_id)) is not None:
+        _stop_fenced_job(f"not starting: {reason}")
+    watch(fence, job_id, _stop_fenced_job)
 
 
 def _stop_fenced_job(reason: str) -> None:
