@@ -2,16 +2,16 @@
 
 The flow reads like the pipeline: one task per stage instance, in run order
 (`alignflow.pipeline`), each waiting on the upstream stages it is wired to. Nothing
-is submitted until the whole config has validated. Cancelling the flow run (SIGTERM from
-the Prefect worker, or Ctrl-C) cancels the stages' jobs too.
+is submitted until the whole config has validated. Stopping the flow run (SIGTERM from the
+Prefect worker, Ctrl-C, SIGHUP) cancels the stages' jobs too, and the process exits within
+seconds; a flow process that dies (SIGKILL) leaves them running, for a rerun to adopt. The UI
+is best effort (`tasks.dashboard`).
 """
 
 import time
 
 import fsspec
-import httpx
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
@@ -25,10 +25,12 @@ from alignflow.pipeline import Pipeline
 from alignflow.report import pipeline_report
 from alignflow.runner import StageResult
 from alignflow.store import options_for, store_of
+from tasks import dashboard
 from tasks.stage import Upstream, format_value, task_for
 
 RENAME_WAIT_S = 10.0  # how long a submitted task run may take to reach the server
-CANCEL_WAIT_S = 20.0  # how long a cancelled stage may take to cancel its job and end
+CANCEL_WAIT_S = 2.5  # how long a stopped run waits for its stages to end Cancelled, then for the UI to say so
+DRAIN_S = 30.0  # how long a finished run waits for the UI to catch up with a Prefect API that is down
 
 
 def run_name() -> str:
@@ -43,10 +45,11 @@ def run_name() -> str:
 @flow(name="align", flow_run_name=run_name, log_prints=True)
 def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, StageResult]:
     """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed."""
-    reap_on_exit()  # if this process is killed, its jobs and its ephemeral Prefect server die with it
+    reap_on_exit()  # if this process is killed, its helpers (the ephemeral Prefect server) die with it; its jobs run on
     overrides = [*(overrides or []), *([f"force=[{','.join(force)}]"] if force else [])]
     stages = Pipeline.build(compose(pipeline, overrides))
-    progress = create_progress_artifact(progress=0.0, description=f"align {pipeline}: stages done")
+    progress = dashboard.Progress(None, f"align {pipeline}: stages done")
+    progress.set(0.0)
 
     futures: dict[str, PrefectFuture] = {}
     try:
@@ -59,8 +62,10 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
 
             for done, future in enumerate(futures.values(), start=1):
                 future.wait()
-                update_progress_artifact(progress, progress=100.0 * done / len(futures))
-    except BaseException:  # cancelled (TerminationSignal, Ctrl-C): the running stages end Cancelled themselves
+                progress.set(100.0 * done / len(futures))
+    except Exception:  # a crash: the jobs run on, for a rerun to adopt
+        raise
+    except BaseException:  # stopped (TerminationSignal, Ctrl-C, SIGHUP): the running stages end Cancelled themselves
         _cancel_unfinished(futures)
         raise
 
@@ -72,30 +77,28 @@ def _name_task_runs(futures: dict[str, PrefectFuture]) -> None:
     """Each stage's task run named after it from the start: Prefect records a task run under
     `dpo-ea7` and sends its name with its next state, which for a stage waiting on others
     comes when they end (`tasks.stage.Upstream`)."""
-    with get_client(sync_client=True) as client:
-        for name, future in futures.items():
-            deadline = time.monotonic() + RENAME_WAIT_S
-            while True:  # the run exists once the server has recorded its first state
-                try:
-                    client.set_task_run_name(future.task_run_id, name)
-                    break
-                except httpx.HTTPStatusError as err:
-                    if err.response.status_code != 404 or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
+    for name, future in futures.items():
+        dashboard.set_task_run_name(future.task_run_id, name, RENAME_WAIT_S)
 
 
 def _cancel_unfinished(futures: dict[str, PrefectFuture]) -> None:
     """Every stage of a cancelled flow run ends Cancelled. The running ones do so themselves as
     their jobs are cancelled; those waiting on them then give up as Prefect's NotReady
     (Pending), which the UI would show for ever: once every stage's thread is done, those are
-    marked Cancelled."""
+    marked Cancelled (best effort: a stop never waits on the API)."""
+    deadline = time.monotonic() + CANCEL_WAIT_S
     for future in futures.values():
-        future.wait(timeout=CANCEL_WAIT_S)
+        future.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    for name, future in futures.items():
+        if not future.state.is_final():
+            state = Cancelled(message=f"{name}: its flow run was cancelled")
+            dashboard.call(f"cancel:{name}", lambda run=future.task_run_id, state=state: _force_state(run, state))
+    dashboard.drain(CANCEL_WAIT_S)
+
+
+def _force_state(task_run_id, state) -> None:
     with get_client(sync_client=True) as client:
-        for name, future in futures.items():
-            if not future.state.is_final():
-                client.set_task_run_state(future.task_run_id, Cancelled(message=f"{name}: its flow run was cancelled"), force=True)
+        client.set_task_run_state(task_run_id, state, force=True)
 
 
 def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, PrefectFuture]) -> None:
@@ -117,8 +120,12 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
                                                           "overrides": list(flow_run.parameters.get("overrides") or []), "stages": rows})
     lines += ["", f"report: `{report}` (every stage's curves and config)",
               f"compare with another run: `align compare '{flow_run.name}' OTHER_RUN` (record: `{record}`)"]
-    create_markdown_artifact(markdown="\n".join(lines), key=f"align-{pipeline}".replace("_", "-"), description="pipeline summary")
-    get_run_logger().info("\n".join(lines))
+    dashboard.markdown(f"align-{pipeline}".replace("_", "-"), "\n".join(lines), "pipeline summary")
+    logger = get_run_logger()
+    logger.info("\n".join(lines))
+    if missed := dashboard.drain(DRAIN_S):
+        logger.warning(f"the Prefect API was unreachable to the end: the UI misses {len(missed)} updates ({', '.join(missed[:5])}); "
+                       f"every stage's output and the run's record are in the store: {record}")
 
 
 def _write_report(stages: Pipeline, rows: list[dict]) -> str:

@@ -88,11 +88,38 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     pipeline, overrides = _split(args.overrides)
     compose(pipeline, overrides)  # a config error fails fast, before Prefect starts
-    results = align(pipeline=pipeline or "sft_dpo", overrides=overrides)
+    try:
+        results = align(pipeline=pipeline or "sft_dpo", overrides=overrides)
+    except Exception as err:
+        if not _api_unreachable(err):
+            raise
+        return _finished_without_api(pipeline, overrides, err)
     console.print("\n[bold]outputs[/]")
     for stage, result in results.items():
         console.print(f"  {stage:<13} {'cache hit' if result.cached else 'ran':<9} {result.uri}")
     return 0
+
+
+def _api_unreachable(err: BaseException | None) -> bool:
+    """Whether `err` (or what caused it) is the Prefect API not answering."""
+    import httpx
+
+    while err is not None:
+        if isinstance(err, httpx.TransportError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _finished_without_api(pipeline: str | None, overrides: list[str], err: Exception) -> int:
+    """The run could not tell Prefect how it ended: the store says what it did."""
+    planned = plan(Pipeline.build(compose(pipeline, overrides)))
+    done = [row for row in planned if row.status == "committed"]
+    console.print(f"[yellow]the Prefect API ({os.environ.get('PREFECT_API_URL', 'ephemeral')}) stopped answering ({err}); "
+                  "the UI does not show how this run ended.[/] From the store:", highlight=False)
+    for row in planned:
+        console.print(f"  {row.stage:<13} {'committed' if row.status == 'committed' else 'not committed':<13} {row.uri}")
+    return 0 if len(done) == len(planned) else 1
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

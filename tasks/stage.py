@@ -2,7 +2,7 @@
 
 Policy lives here: retries only for infrastructure failures (preemption, node loss,
 timeouts, a killed job); a config error or an exception in the stage's code is never
-retried. A cache hit ends Cached, a stage of a cancelled flow run Cancelled. Each stage
+retried. The UI is best effort (`tasks.dashboard`): no API error fails or stops a stage. A cache hit ends Cached, a stage of a cancelled flow run Cancelled. Each stage
 publishes one table artifact with its output URI, its job (id, final state, stdout/stderr
 paths: also when the job failed) and headline metrics; training stages also publish their
 curves (sparklines in markdown; report.html in the output has the charts) and their metrics
@@ -15,8 +15,6 @@ import time
 from functools import lru_cache
 
 from prefect import get_run_logger, task
-from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Completed, State
@@ -28,6 +26,7 @@ from alignflow.report import REPORT, curves_markdown, read_metrics
 from alignflow.runner import StageResult, run_stage
 from alignflow.store import options_for
 from alignflow.worker import LOG_RECORD
+from tasks import dashboard
 
 HEADLINE_METRICS = 5
 STEP_ROWS = 40  # per-step metrics shown per stage: evenly spaced, first and last included
@@ -101,7 +100,7 @@ class JobLogWatcher:
     WANDB = re.compile(r"\bwandb run (https?://\S+)")
 
     def __init__(self, stage: str, logger: logging.Logger | logging.LoggerAdapter):
-        self.stage, self.logger, self.progress_id, self.first_step = stage, logger, None, None
+        self.stage, self.logger, self.bar, self.first_step = stage, logger, None, None
 
     def __call__(self, line: str) -> None:
         self.logger.info(line)
@@ -118,8 +117,7 @@ class JobLogWatcher:
         elif done := self.DONE.search(message):
             self.progress(float(done.group(1)), message)
         elif wandb := self.WANDB.search(message):
-            create_link_artifact(link=wandb.group(1), link_text=f"{self.stage} on wandb", key=_key("wandb", self.stage),
-                                 description=f"{self.stage}: the wandb run")
+            dashboard.link(_key("wandb", self.stage), wandb.group(1), f"{self.stage} on wandb", f"{self.stage}: the wandb run")
 
     def eta(self, step: int, total: int) -> str:
         """From the steps seen by this watcher (a resumed run's earlier steps took no time here)."""
@@ -132,11 +130,9 @@ class JobLogWatcher:
         return f", ETA {round((time.monotonic() - at) / (step - first) * (total - step))} s"
 
     def progress(self, percent: float, status: str) -> None:
-        description = f"{self.stage}: {status}"
-        if self.progress_id is None:
-            self.progress_id = create_progress_artifact(percent, key=_key("progress", self.stage), description=description)
-        else:
-            update_progress_artifact(self.progress_id, percent, description=description)
+        if self.bar is None:
+            self.bar = dashboard.Progress(_key("progress", self.stage), self.stage)
+        self.bar.set(percent, f"{self.stage}: {status}")
 
 
 def _key(kind: str, stage: str) -> str:
@@ -158,8 +154,7 @@ def _publish(result: StageResult, kind: str) -> None:
         for key, value in result.metrics.items():
             model, _, metric = key.rpartition(".")
             models.setdefault(model, {"model": model})[metric] = format_value(value)
-        create_table_artifact(table=list(models.values()), key=_key("models", result.stage),
-                              description=f"{result.stage}: every metric of every model")
+        dashboard.table(_key("models", result.stage), list(models.values()), f"{result.stage}: every metric of every model")
 
 
 def _job_rows(job: dict | None) -> list[dict]:
@@ -171,7 +166,7 @@ def _job_rows(job: dict | None) -> list[dict]:
 
 
 def _publish_table(stage: str, rows: list[dict]) -> None:
-    create_table_artifact(table=rows, key=_key("stage", stage), description=f"{stage} output, job and headline metrics")
+    dashboard.table(_key("stage", stage), rows, f"{stage} output, job and headline metrics")
 
 
 def _publish_curves(result: StageResult, storage_options: dict) -> None:
@@ -180,11 +175,11 @@ def _publish_curves(result: StageResult, storage_options: dict) -> None:
     records = read_metrics(result.uri, storage_options)
     if not records:
         return
-    create_markdown_artifact(markdown=curves_markdown(result.stage, records) + f"\n\nreport: `{result.uri.rstrip('/')}/{REPORT}`",
-                             key=_key("curves", result.stage), description=f"{result.stage}: curves")
+    dashboard.markdown(_key("curves", result.stage), curves_markdown(result.stage, records) + f"\n\nreport: `{result.uri.rstrip('/')}/{REPORT}`",
+                       f"{result.stage}: curves")
     picked = sorted({round(i * (len(records) - 1) / max(STEP_ROWS - 1, 1)) for i in range(STEP_ROWS)})
     rows = [{k: format_value(v) for k, v in records[i].items()} for i in picked]
-    create_table_artifact(table=rows, key=_key("steps", result.stage), description=f"{result.stage}: metrics per step")
+    dashboard.table(_key("steps", result.stage), rows, f"{result.stage}: metrics per step")
 
 
 def format_value(value) -> str:
