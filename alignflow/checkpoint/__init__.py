@@ -1,5 +1,6 @@
 """Checkpoint files: streaming HF safetensors (`safetensors_io`) and Megatron torch_dist
-(`dist_io`), plus the layout every model-producing stage's output shares, and its reader:
+(`dist_io`), read without running code from them (`untrusted`), plus the layout every
+model-producing stage's output shares, and its reader:
 
     {out}/model/       the torch_dist checkpoint (global tensors, any TP/PP loads it)
     {out}/hf/          config.json and generation_config.json of the HF model it came from

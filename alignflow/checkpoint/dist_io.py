@@ -10,7 +10,8 @@ per query group and `linear_fc1` is `[gate; up]`, so any TP/PP layout can load i
 `save_lazy` writes such a checkpoint from chunk *loaders*: DCP's writer threads each ask for
 one chunk at a time and each chunk goes to its own file, so peak memory stays near
 WRITE_THREADS chunks, not the model. `DistCheckpointReader` reads any region of a key by
-loading only the stored chunks that overlap it.
+loading only the stored chunks that overlap it; it reads the pickled `.metadata` with
+`alignflow.checkpoint.untrusted`'s restricted unpickler and never reads `common.pt`.
 """
 
 import io
@@ -25,6 +26,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from alignflow.checkpoint.untrusted import refuse_code
 
 WRITE_THREADS = 2  # one thread leaves the disk idle while a chunk is read and fused; two keep it busy
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
@@ -101,6 +104,7 @@ class DistCheckpointReader:
         backend = json.loads(self.fs.cat_file(f"{self.root}/metadata.json")).get("sharded_backend")
         if backend != "torch_dist":
             raise ValueError(f"{uri}: sharded_backend {backend!r} is not supported (torch_dist only)")
+        refuse_code()
         self.metadata = FsspecReader(uri).read_metadata()
 
     def keys(self) -> list[str]:
@@ -111,10 +115,6 @@ class DistCheckpointReader:
 
     def dtype(self, key: str) -> torch.dtype:
         return self.metadata.state_dict_metadata[key].properties.dtype
-
-    def common(self) -> dict:
-        with self.fs.open(f"{self.root}/common.pt", "rb") as f:
-            return torch.load(f, weights_only=False)
 
     def read(self, key: str, index: int | None = None) -> torch.Tensor:
         """The whole global tensor of `key`, or its slice `index` along the first axis."""

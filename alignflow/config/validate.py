@@ -46,7 +46,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         if stage.kind == "prep":
             problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
         if stage.kind == "convert" and check_paths:
-            problems += _check_safetensors(stage.cfg)
+            problems += _check_safetensors(stage.cfg) + _check_not_pickled(stage.cfg)
     if check_paths:
         problems += _check_store(cfg) + _check_launcher(cfg)
     if problems:
@@ -355,6 +355,23 @@ def _check_safetensors(cfg: DictConfig) -> list[str]:
             problems.append(f"model.source: {cfg.model.source.rstrip('/')}/{file.rsplit('/', 1)[-1]} is truncated: {actual} of the "
                             f"{expected} bytes its header describes")
     return problems
+
+
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _check_not_pickled(cfg: DictConfig) -> list[str]:
+    """A `model.source` with pickled weights only (`pytorch_model.bin`): alignflow reads
+    safetensors or torch_dist and never unpickles a source (README: trust boundary)."""
+    source = cfg.model.source.rstrip("/")
+    fs, path = fsspec.core.url_to_fs(source, **options_for(source, cfg))
+    names = {name.rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)} if fs.isdir(path) else set()
+    pickled = sorted(name for name in names if name.endswith(PICKLED_WEIGHTS))
+    if not pickled or any(name.endswith(".safetensors") for name in names) or {"metadata.json", ".metadata"} <= names:
+        return []
+    return [f"model.source: {source} holds pickled weights only ({', '.join(pickled)}), which alignflow never loads: unpickling "
+            "runs any code a file holds. Re-save the model as safetensors (save_pretrained(..., safe_serialization=True)) "
+            "on a machine where you trust it (see README: trust boundary)"]
 
 
 def _check_store(cfg: DictConfig) -> list[str]:

@@ -29,18 +29,19 @@ except ImportError:
 
 
 def load_tokenizer(uri: str, chat_template: str | None = None):
-    """An HF tokenizer from a directory URI; remote directories are copied locally first."""
+    """An HF tokenizer from a directory URI; remote directories are copied locally first. One
+    that needs its own code (`auto_map`) is refused, never run nor asked about."""
     from transformers import AutoTokenizer
 
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.isdir(path):  # else from_pretrained would take it for a hub id and go online
         raise FileNotFoundError(f"model.tokenizer: {uri} is not a directory")
     if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             _copy_dir(fs, path, tmp)
-            tokenizer = AutoTokenizer.from_pretrained(tmp)
+            tokenizer = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
     if chat_template:
         tokenizer.chat_template = chat_template
     if not tokenizer.chat_template:

@@ -7,12 +7,15 @@ state (fp32 main weights, Adam moments, step) is mapped onto the weights' global
 Megatron's `sharded_state_dict`, the distributed optimizer's in its `fully_reshardable`
 format, so it reshards over TP, PP and DP alike.
 
+Loading never runs code from the checkpoint (`alignflow.checkpoint.untrusted`).
+
 Simplified: Transformer Engine's `_extra_state` objects (FP8 scaling state) are neither
 saved nor loaded; a converted checkpoint has none and bf16/fp32 training needs none.
 """
 
 import contextlib
 import os
+import pickle
 from typing import Sequence
 
 from megatron.core import dist_checkpointing
@@ -20,6 +23,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 
+from alignflow.checkpoint.untrusted import refuse_code, weights_only_refusal
 from alignflow.megatron import cpu_shim
 from alignflow.megatron.lora import is_adapter_key
 
@@ -62,7 +66,7 @@ def load(chunks: Sequence[GPTModel], uri: str, select: str = "all") -> None:
     """Load weights saved at any TP/PP layout into this rank's chunks; every parameter `select`
     names must be found."""
     cpu_shim.apply()
-    loaded = dist_checkpointing.load(sharded_state_dict(chunks, select), uri)
+    loaded = _read(sharded_state_dict(chunks, select), uri)
     keep = SELECT[select]
     for i, chunk in enumerate(chunks):
         result = chunk.load_state_dict(loaded[_chunk_key(i, len(chunks))], strict=False)
@@ -83,7 +87,16 @@ def load_optimizer(optimizer: MegatronOptimizer, chunks: Sequence[GPTModel], uri
     torch's Adam it may step the optimizer once (see `_torch_adam_states`)."""
     with _torch_adam_states(optimizer):
         sharded = optimizer.sharded_state_dict(sharded_state_dict(chunks, select), is_loading=True, metadata=OPTIMIZER_FORMAT)
-        optimizer.load_state_dict(dist_checkpointing.load(sharded, uri))
+        optimizer.load_state_dict(_read(sharded, uri))
+
+
+def _read(sharded: dict, uri: str) -> dict:
+    """`dist_checkpointing.load`, running no code from the checkpoint."""
+    refuse_code()
+    try:
+        return dist_checkpointing.load(sharded, uri)
+    except pickle.UnpicklingError as err:  # torch's refusal of common.pt (DCP wraps the errors of its own files)
+        raise weights_only_refusal(f"{uri}/common.pt", err) from err
 
 
 @contextlib.contextmanager

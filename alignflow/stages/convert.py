@@ -6,6 +6,9 @@ fsspec URI; or a torch_dist checkpoint whose keys may carry NeMo 2's `module.` p
 its HF config.json in `model.hf_config`. Tensors stream one fused parameter at a time, so
 peak memory stays near one layer's largest parameter. The fingerprint covers the content of
 the source files (see `alignflow.fingerprint`), so an edited source is never served stale.
+Reading a source runs no code from it: HF weights as safetensors only, a torch_dist source's
+pickled `.metadata` through a restricted unpickler and its `common.pt` not at all
+(`alignflow.checkpoint.untrusted`).
 
 Output (`alignflow.checkpoint` layout): `model/` the torch_dist checkpoint, `hf/` the HF
 config it came from, `tokenizer/` the tokenizer files. A torch_dist checkpoint stores global

@@ -76,7 +76,7 @@ def load_chunks(uri: str, parallel, divisible_by: int, cache: Path | None = None
     any layout) in eval mode, and its tokenizer's decode."""
     output = local_model(uri, cache or cache_dir())
     chunks = frozen_chunks(output, parallel, divisible_by, cache or cache_dir())
-    tokenizer = AutoTokenizer.from_pretrained(output.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(output.tokenizer, trust_remote_code=False)
     return chunks, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 

@@ -176,7 +176,7 @@ class Environment:
 def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutput, divisible_by: int, same_model: bool = False) -> Environment:
     """What a step needs; `same_model`: the reference is the run's input model, so a LoRA run
     refers to its own frozen base."""
-    tokenizer = AutoTokenizer.from_pretrained(run.init.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(run.init.tokenizer, trust_remote_code=False)
     sampling = Sampling(max_new_tokens=section.max_new_tokens, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
                         temperature=section.generation_temperature, top_p=section.generation_top_p, top_k=section.generation_top_k)
     ref_chunks = None

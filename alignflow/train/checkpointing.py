@@ -11,7 +11,8 @@ Layout under `{out}/checkpoints/`:
                              global tensors; the distributed optimizer's in its
                              `fully_reshardable` format (gathered on DP rank 0 to save)
         rank-00000.pt ...    per rank: RNG states (python, numpy, torch, Megatron's RNG tracker,
-                             CUDA when present) and the TP/PP/VP/DP layout that drew them
+                             CUDA when present) and the TP/PP/VP/DP layout that drew them, as
+                             tensors and plain data (`alignflow.checkpoint.untrusted.load_plain`)
         trainer.json         step, data position, tracked metrics, early-stopping state
         complete             written last: a checkpoint without it does not exist
     .tmp-step-00000010/      a checkpoint being written (removed when found stale)
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.optimizer import MegatronOptimizer
 
+from alignflow.checkpoint.untrusted import load_plain
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.train.data import DataPosition
 
@@ -90,13 +92,20 @@ def complete_steps(root: Path) -> list[int]:
 def rng_states() -> dict:
     states = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _plain_numpy_state(np.random.get_state()),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
+
+
+def _plain_numpy_state(state: tuple) -> tuple:
+    """numpy's legacy RNG state with its key array as a list, which `weights_only` loads and
+    `np.random.set_state` takes back."""
+    name, keys, *rest = state
+    return (name, keys.tolist(), *rest)
 
 
 def set_rng_states(states: dict) -> None:
@@ -145,7 +154,7 @@ def load(path: Path, chunks, optimizer: MegatronOptimizer, select: str = "all") 
     megatron_checkpoint.load_optimizer(optimizer, chunks, str(path / "optimizer"), select)  # first: it may step the optimizer
     megatron_checkpoint.load(chunks, str(path / "model"), select)
     rank_file = path / f"rank-{dist.get_rank():05d}.pt"
-    saved = torch.load(rank_file, weights_only=False) if rank_file.exists() else {"layout": None}
+    saved = load_plain(str(rank_file)) if rank_file.exists() else {"layout": None}
     if saved["layout"] == layout():
         set_rng_states(saved["rng"])
     elif dist.get_rank() == 0:
