@@ -2,8 +2,8 @@
 
 `Pipeline.build(cfg)` turns `pipeline.stages` into this object once per composed config, and
 refuses what cannot run (unknown kind, role or upstream, a missing role, a list where one
-stage is expected, an upstream of the wrong output format, a cycle, an unknown setting),
-naming the stage and key. Validation, `align plan`, the runner and the flow all walk it.
+stage is expected, an upstream of the wrong output format, a cycle, an unknown setting, a
+name outside `NAME`), naming the stage and key. Validation, `align plan`, the runner and the flow all walk it.
 
     pipeline:
       stages:

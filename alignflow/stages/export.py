@@ -6,7 +6,8 @@ stream one layer at a time into safetensors shards (+ index.json past `max_shard
 `config.json` (dtype set to `export.dtype`), `generation_config.json` and the tokenizer
 files go beside them, so `AutoModelForCausalLM.from_pretrained(out)` loads it with no missing
 or unexpected keys. With `export.destination` the finished directory is also published
-there (local path or s3://), never as a mix of two exports (`publish`).
+there (local path or s3://), never as a mix of two exports and never over files it did not
+publish there (`publish`, `alignflow.config.destinations`).
 
 A LoRA output (`finetuning_type: lora`) exports as its base model, HF weights as above (a base
 that is itself a LoRA output merged in), plus `adapter/`: an HF PEFT LoRA adapter
