@@ -2,8 +2,8 @@
 
 `Pipeline.build(cfg)` turns `pipeline.stages` into this object once per composed config, and
 refuses what cannot run (unknown kind, role or upstream, a missing role, a list where one
-stage is expected, an upstream of the wrong output format, a cycle, an unknown setting),
-naming the stage and key. Validation, `align plan`, the runner and the flow all walk it.
+stage is expected, an upstream of the wrong output format, a cycle, an unknown setting, a
+name outside `NAME`), naming the stage and key. Validation, `align plan`, the runner and the flow all walk it.
 
     pipeline:
       stages:
@@ -23,6 +23,7 @@ the root config as the instance sees it (`Stage.cfg`, read-only), so its kind's 
 is its own. On the command line: `pipeline.stages.dpo_round2.loss.beta=0.2`.
 """
 
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -32,6 +33,11 @@ from omegaconf.errors import OmegaConfBaseException
 from alignflow.stages import STAGES, StageKind, as_names
 
 RESERVED = ("kind", "inputs")
+# Instance and pipeline names: they name store folders, job names and submitit folders, and
+# Prefect artifact keys (`stage-<name>` with `_` as `-`: lowercase letters, digits and dashes
+# only). No `-` in names, so two names never share an artifact key.
+NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+NAME_RULE = "lowercase letters, digits and _, starting with a letter, at most 64 characters"
 
 
 class PipelineError(ValueError):
@@ -74,7 +80,7 @@ class Pipeline:
 
     @classmethod
     def build(cls, cfg: DictConfig) -> "Pipeline":
-        problems: list[str] = []
+        problems = name_problems("pipeline.name", cfg.pipeline.name, "a pipeline")
         if not cfg.pipeline.stages:
             problems.append("pipeline.stages: empty pipeline")
         stages = {}
@@ -85,15 +91,23 @@ class Pipeline:
         problems += _check_wiring(stages, list(cfg.pipeline.stages))
         for name in cfg.force:
             if name not in cfg.pipeline.stages:
-                problems.append(f"force: '{name}' is not a stage of pipeline '{cfg.pipeline.name}' ({', '.join(cfg.pipeline.stages)})")
+                problems.append(f"force: {name!r} is not a stage of pipeline '{cfg.pipeline.name}' ({', '.join(cfg.pipeline.stages)})")
         order = _run_order(stages, problems) if not problems else []
         if problems:
             raise PipelineError(problems)
         return cls(cfg.pipeline.name, {name: stages[name] for name in order})
 
 
+def name_problems(key: str, name, what: str) -> list[str]:
+    """`name` against NAME, said with its key."""
+    if isinstance(name, str) and NAME.fullmatch(name):
+        return []
+    return [f"{key}: {what} name must be {NAME_RULE} (it names store folders, jobs and Prefect artifact keys), got {name!r}"]
+
+
 def _instance(cfg: DictConfig, name: str, entry: dict, problems: list[str]) -> Stage | None:
-    key = f"pipeline.stages.{name}"
+    key = f"pipeline.stages.{name if str(name).isprintable() else repr(name)[1:-1]}"
+    problems += name_problems(key, name, "an instance")
     kind = entry.get("kind", name)
     if kind not in STAGES:
         problems.append(f"{key}: unknown stage kind '{kind}' (known: {', '.join(STAGES)}); an instance named otherwise "

@@ -38,6 +38,12 @@ def options_for(uri: str, cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg.store.storage_options, resolve=True) if same and "://" in uri else {}
 
 
+def staging_owner(uri: str) -> tuple[str | None, str | None]:
+    """(stage, fingerprint) whose staging folder `uri` is (`Store.staging_path`), else (None, None)."""
+    parts = uri.rstrip("/").split("/")
+    return (parts[-3], parts[-1]) if len(parts) >= 3 and parts[-2] == "_staging" else (None, None)
+
+
 @dataclass(frozen=True)
 class Store:
     root: str

@@ -7,6 +7,7 @@ import os
 import fsspec
 import pytest
 
+from alignflow.config.destinations import MARKER
 from alignflow.stages.export import publish
 from alignflow.train.metrics import MetricsLog
 
@@ -35,7 +36,8 @@ def an_export(root, shards: int, tag: str):
 
 
 def published(fs, root: str) -> dict[str, str]:
-    return {path[len(root) + 1:]: fs.cat_file(path).decode() for path in fs.find(root)}
+    """The files a publish put at `root`, its marker aside (tests/test_export_destination.py checks that)."""
+    return {path[len(root) + 1:]: fs.cat_file(path).decode() for path in fs.find(root) if path != f"{root}/{MARKER}"}
 
 
 def test_a_local_destination_is_replaced_whole(tmp_path):

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from alignflow import PROJECT_ROOT
 from alignflow.config.validate import ConfigError, validate
+from alignflow.pipeline import name_problems
 from alignflow.stages import AlignConfig
 
 CONF_DIR = PROJECT_ROOT / "conf"
@@ -36,6 +37,8 @@ def pipeline_names() -> list[str]:
 def compose(pipeline: str | None = None, overrides: list[str] | None = None, check_paths: bool = True) -> DictConfig:
     """The validated, read-only config for `pipeline` with Hydra `overrides` applied."""
     overrides = [f"++{o}" if o.startswith("pipeline.stages.") else o for o in overrides or []]
+    if pipeline and (problems := name_problems(f"pipeline={pipeline}", pipeline, "a pipeline file's")):
+        raise ConfigError(problems[0])  # it names the flow's artifacts
     if pipeline:
         overrides = [f"pipeline={pipeline}", *overrides]
     try:

@@ -7,6 +7,7 @@ a config in one round trip instead of one GPU-hour at a time.
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -15,7 +16,9 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from alignflow.config.destinations import destination_problems
 from alignflow.config.schema import FinetuningType, RecomputeGranularity, RecomputeMethod
 from alignflow.convert import lora as lora_targets
 from alignflow.convert.llama import ModelShape, model_shape
@@ -31,11 +34,12 @@ class ConfigError(ValueError):
 
 def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
     """The pipeline of `cfg`, or ConfigError naming every problem of it and of its stages."""
+    text = _control_characters(_plain(cfg))
     try:
         pipeline = Pipeline.build(cfg)
     except PipelineError as err:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in err.problems)) from None
-    problems: list[str] = []
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in dict.fromkeys(text + err.problems))) from None
+    problems: list[str] = text + destination_problems(pipeline, cfg, read=check_paths)
     shapes: dict[str, ModelShape | None] = {}
     for stage in pipeline:
         key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"
@@ -52,6 +56,41 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
     if problems:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in dict.fromkeys(problems)))
     return pipeline
+
+
+# Keys whose values are text for a model or for user code (a Jinja chat template, a reward
+# function's arguments), where a newline belongs; every other string is a name, a path or an
+# option that reaches file names, sbatch lines or artifact keys.
+FREE_TEXT = ("chat_template", "kwargs")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _plain(cfg: DictConfig):
+    """`cfg` as plain data, resolved where it resolves (values from the environment included)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:  # an instance's own interpolation error: Pipeline.build names it
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _control_characters(node, key: str = "") -> list[str]:
+    """Every string value or mapping key with a control character (\\x00-\\x1f, \\x7f) in it, by key;
+    the value itself is not shown (it may be a secret)."""
+    if isinstance(node, dict):
+        problems = [f"{key or 'the config'}: the key {k!r} contains a control character {CONTROL.search(k).group()!r}"
+                    for k in node if isinstance(k, str) and CONTROL.search(k)]
+        return problems + [p for k, v in node.items() if k not in FREE_TEXT
+                           for p in _control_characters(v, f"{key}.{_printable(k)}" if key else _printable(k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _control_characters(v, f"{key}[{i}]")]
+    if isinstance(node, str) and (found := CONTROL.search(node)):
+        return [f"{key}: contains the control character {found.group()!r}; names, paths and options reach file names, sbatch "
+                "lines and artifact keys, where it would break or inject a line"]
+    return []
+
+
+def _printable(name) -> str:
+    return str(name) if str(name).isprintable() else repr(str(name))[1:-1]
 
 
 def _model_shape(cfg: DictConfig, problems: list[str], seen: dict) -> ModelShape | None:
