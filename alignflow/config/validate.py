@@ -17,6 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from omegaconf import DictConfig, OmegaConf
 
 from alignflow.config.schema import FinetuningType, RecomputeGranularity, RecomputeMethod
+from alignflow.config.slices import secret_problems
 from alignflow.convert import lora as lora_targets
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.data.formats import FORMATS
@@ -35,7 +36,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         pipeline = Pipeline.build(cfg)
     except PipelineError as err:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in err.problems)) from None
-    problems: list[str] = []
+    problems: list[str] = secret_problems(cfg)
     shapes: dict[str, ModelShape | None] = {}
     for stage in pipeline:
         key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"
