@@ -21,7 +21,7 @@ from alignflow.launch import job_record, submit, wait
 from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
-from alignflow.stages import worker_module
+from alignflow.stages import user_imports, worker_module
 from alignflow.store import Store, options_for, store_of
 from alignflow.worker import run_stage_job
 
@@ -62,7 +62,7 @@ def stage_identity(stage: Stage, upstream: dict[str, str]) -> dict:
             sources[path] = digest(source_identity(uri, options_for(uri, cfg)))
     return {
         "kind": stage.kind,
-        "code": code_identity(worker_module(stage.kind)),
+        "code": code_identity(worker_module(stage.kind), user_imports(stage.kind, stage.section)),
         "packages": package_versions(),
         "config": identity(cfg, stage_paths(stage.kind, spec.reads)),
         "sources": sources,
@@ -125,7 +125,7 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
     paths = (*stage_paths(stage.kind, spec.reads), *spec.context)
     storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
     job = submit(cfg.launcher, stage.section, f"{name}-{fp}", run_stage_job, stage.kind, for_job(cfg, paths), inputs, staging,
-                 storage_options, lease.fence(), ident["code"], resumable=spec.resumable)
+                 storage_options, lease.fence(), ident, resumable=spec.resumable)
     record = job_record(job)
     log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}, log {record.stdout}")
     metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0), record=record, output=output)

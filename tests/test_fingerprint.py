@@ -201,3 +201,49 @@ def test_grpo_token_level_loss_is_identity(base_overrides):
     grpo = lambda *o: fingerprint(stage_identity(Pipeline.build(compose("sft_grpo", [*base_overrides, *o]))["grpo"], upstream))  # noqa: E731
     assert grpo("grpo.loss.token_level_loss=false") != grpo()
 
+
+REWARDS = '''"""A user's rewards."""
+import hashlib
+import json
+import math
+
+import numpy
+
+from reward_helpers import first_number
+
+
+def boxed(prompt, completion, answer, **_):
+    """1 for the right number."""
+    return float(first_number(completion) == float(answer))
+'''
+HELPERS = '''import math
+import re
+
+
+def first_number(text):
+    found = re.search(r"-?\\d+", text)
+    return float(found.group()) if found else math.nan
+'''
+
+
+def test_user_code_named_by_import_path_is_code_identity(tmp_path, monkeypatch):
+    """The module of a `module:function` reward and the user modules it imports, transitively;
+    not the standard library, installed packages or where the files lie."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "my_rewards.py").write_text(REWARDS)
+        (tmp_path / folder / "reward_helpers.py").write_text(HELPERS)
+    monkeypatch.syspath_prepend(str(tmp_path / "a"))
+    base = code_identity("alignflow.stages.grpo")
+    with_user = code_identity("alignflow.stages.grpo", ["my_rewards:boxed"])
+    assert set(with_user) - set(base) == {"my_rewards.py", "reward_helpers.py"}
+    assert code_identity("alignflow.stages.grpo", ["json:dumps", "numpy.linalg:norm"]) == base  # stdlib, site-packages
+
+    (tmp_path / "a" / "reward_helpers.py").write_text('"""Reworded."""\n' + HELPERS.replace("import re", "import re  # regexes"))
+    assert code_identity("alignflow.stages.grpo", ["my_rewards:boxed"]) == with_user
+    (tmp_path / "a" / "reward_helpers.py").write_text(HELPERS.replace("-?", ""))
+    edited = code_identity("alignflow.stages.grpo", ["my_rewards:boxed"])
+    assert differences({"code": edited}, {"code": with_user}) == ["code reward_helpers.py: changed"]
+
+    monkeypatch.syspath_prepend(str(tmp_path / "b"))  # the unedited copy, elsewhere
+    assert code_identity("alignflow.stages.grpo", ["my_rewards:boxed"]) == with_user
