@@ -28,6 +28,7 @@ _SECRET_KEY = re.compile(r"(?:^|_)(api_?key|private_?key|password|passwd|secret|
                          re.IGNORECASE)
 _STORAGE_OPTIONS = "store.storage_options."
 _STORAGE_SECRET_KEY = re.compile(r"(?:^|_)(key|key_id|credential|connection_string)$", re.IGNORECASE)
+_S3_VARIABLES = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}  # the variables s3fs's options come from
 _ENV = re.compile(r"\$\{oc\.env:([^,}]+)")
 _WALK = object()  # "no special value here: walk on"
 
@@ -46,14 +47,17 @@ def identity(cfg: DictConfig, paths: tuple[str, ...]) -> dict:
 def _identity_node(node: Any) -> Any:
     if isinstance(node, DictConfig):
         skip = _non_identity_fields(node)
-        return {k: _env_tag(node, k) if _env_names(node, k) else _identity_node(node[k])
-                for k in node if k not in skip and not _is_secret(node, k)}
+        return {k: _identity_value(node, k) for k in node if k not in skip and not _is_secret(node, k)}
     if isinstance(node, ListConfig):
-        return [_identity_node(v) for v in node]
+        return [_identity_value(node, i) for i in range(len(node))]
     return node.value if isinstance(node, Enum) else node
 
 
-def _env_tag(node: DictConfig, key: str) -> str:
+def _identity_value(node: DictConfig | ListConfig, key: Any) -> Any:
+    return _env_tag(node, key) if _env_names(node, key) else _identity_node(node[key])
+
+
+def _env_tag(node: DictConfig | ListConfig, key: Any) -> str:
     value = node[key]
     plain = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
     plain = plain.value if isinstance(plain, Enum) else plain
@@ -67,13 +71,16 @@ def _non_identity_fields(node: DictConfig) -> set[str]:
     return {f.name for f in dataclasses.fields(schema) if f.metadata.get("identity") is False}
 
 
-def _is_secret(node: DictConfig, key: Any) -> bool:
-    """Whether `node[key]` is a secret: by the key's name, whatever its value."""
+def _is_secret(node: DictConfig | ListConfig, key: Any) -> bool:
+    """Whether `node[key]` is a secret: by the key's name, whatever its value (a list item's
+    by its list's key, checked where the list is)."""
+    if isinstance(node, ListConfig):
+        return False
     name = str(key)
     return bool(_SECRET_KEY.search(name)) or (node._get_full_key(key).startswith(_STORAGE_OPTIONS) and bool(_STORAGE_SECRET_KEY.search(name)))
 
 
-def _env_names(node: DictConfig, key: Any) -> list[str]:
+def _env_names(node: DictConfig | ListConfig, key: Any) -> list[str]:
     """The environment variables `node[key]` is read from (`${oc.env:VAR}`), if any."""
     child = node._get_node(key)
     raw = child._value() if child is not None else None
@@ -90,7 +97,7 @@ def secret_problems(cfg: DictConfig) -> list[str]:
             child = node._get_node(key)
             if child._is_none():
                 continue
-            if isinstance(node, DictConfig) and _is_secret(node, key):
+            if _is_secret(node, key):
                 if not _env_names(node, key):
                     problems.append(_written_secret(node._get_full_key(key)))
             elif isinstance(child, (DictConfig, ListConfig)) and not child._is_interpolation():
@@ -107,9 +114,6 @@ def _written_secret(key: str) -> str:
         var, hint = "_".join(parts[-2:]).upper(), ""
     return (f"{key}: a secret must not be written in the config or an override (Prefect stores flow parameters in plain text, and "
             f"jobs' pickles and run records keep configs); set it as ${{oc.env:{var}}}{hint}")
-
-
-_S3_VARIABLES = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}  # s3fs's option names
 
 
 def masked(cfg: DictConfig, paths: tuple[str, ...] | None = None) -> dict:
@@ -152,5 +156,5 @@ def _walk(node: Any, special) -> Any:
     if isinstance(node, DictConfig):
         return {k: _value(node, k, special) for k in node}
     if isinstance(node, ListConfig):
-        return [_walk(v, special) for v in node]
+        return [_value(node, i, special) for i in range(len(node))]
     return node.value if isinstance(node, Enum) else node
