@@ -155,7 +155,8 @@ def _user_root(top: str) -> Path | None:
 @lru_cache(maxsize=1)
 def _installed_folders() -> tuple[Path, ...]:
     """Where the standard library and installed packages live."""
-    folders = {*site.getsitepackages(), site.getusersitepackages(), *(sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
+    folders = {*site.getsitepackages(), site.getusersitepackages(),
+               *(sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
     return tuple(Path(folder).resolve() for folder in folders if folder)
 
 

@@ -187,6 +187,8 @@ def test_cli_config_error_exits_2_without_submitting(base_overrides, tmp_path, c
 def test_unknown_reward_function_fails_at_compose(base_overrides):
     with pytest.raises(ConfigError, match=r"grpo.environment\[0\].name: reward 'exactmatch'"):
         compose("sft_grpo", [*base_overrides, "grpo.environment=[{name: exactmatch}]"])
+    with pytest.raises(ConfigError, match=r"grpo.environment\[1\].name: reward 'no_such_module:boxed': cannot import it \(No module named"):
+        compose("sft_grpo", [*base_overrides, "grpo.environment=[{name: exact_match}, {name: 'no_such_module:boxed'}]"])
 
 
 def test_grpo_batches_must_split_over_data_parallel_ranks_and_optimizer_steps(base_overrides):

@@ -188,7 +188,8 @@ def test_a_value_read_from_the_environment_is_identity_by_its_digest(base_overri
 
 def test_a_secret_read_from_the_environment_changes_no_fingerprint(base_overrides, monkeypatch):
     overrides = [*base_overrides, "grpo.environment=[{name: exact_match, kwargs: {api_key: '${oc.env:JUDGE_API_KEY}'}}]"]
-    grpo = lambda: fingerprint(stage_identity(Pipeline.build(compose("sft_grpo", overrides))["grpo"], {"prep": "p", "sft": "s"}))  # noqa: E731
+    upstream = {"prep": "p", "sft": "s"}
+    grpo = lambda: fingerprint(stage_identity(Pipeline.build(compose("sft_grpo", overrides))["grpo"], upstream))  # noqa: E731
     monkeypatch.setenv("JUDGE_API_KEY", "one")
     first = grpo()
     monkeypatch.setenv("JUDGE_API_KEY", "two")

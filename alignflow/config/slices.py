@@ -28,7 +28,7 @@ _SECRET_KEY = re.compile(r"(?:^|_)(api_?key|private_?key|password|passwd|secret|
                          re.IGNORECASE)
 _STORAGE_OPTIONS = "store.storage_options."
 _STORAGE_SECRET_KEY = re.compile(r"(?:^|_)(key|key_id|credential|connection_string)$", re.IGNORECASE)
-_S3_VARIABLES = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}  # the variables s3fs's options come from
+_S3_VARIABLES = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}  # s3fs option -> variable
 _ENV = re.compile(r"\$\{oc\.env:([^,}]+)")
 _WALK = object()  # "no special value here: walk on"
 
@@ -77,7 +77,8 @@ def _is_secret(node: DictConfig | ListConfig, key: Any) -> bool:
     if isinstance(node, ListConfig):
         return False
     name = str(key)
-    return bool(_SECRET_KEY.search(name)) or (node._get_full_key(key).startswith(_STORAGE_OPTIONS) and bool(_STORAGE_SECRET_KEY.search(name)))
+    storage_option = node._get_full_key(key).startswith(_STORAGE_OPTIONS)
+    return bool(_SECRET_KEY.search(name) or storage_option and _STORAGE_SECRET_KEY.search(name))
 
 
 def _env_names(node: DictConfig | ListConfig, key: Any) -> list[str]:
