@@ -5,12 +5,15 @@ A stage's identity is a record of everything that makes its output what it is:
 - `kind`: the stage kind;
 - `code`: a digest per source file of the code that produces the output: the stage's worker
   module and every alignflow module it imports, transitively (found by reading the import
-  statements, so nothing is imported here). A file's digest is over its AST with docstrings
-  removed: an edited comment or docstring changes nothing, a changed formula re-runs the
-  stage. Orchestrator-side modules a job imports only for names (`ORCHESTRATOR_MODULES`) are
-  left out: they decide where and whether a job runs, not what it computes;
+  statements, so nothing of alignflow is imported here), and the user code its config names
+  by import path (a `module:function` reward) with the user modules that imports in turn (user
+  code: neither the standard library, nor an installed package in site-packages, nor alignflow).
+  A file's digest is over its AST with docstrings removed: an edited comment or docstring
+  changes nothing, a changed formula re-runs the stage. Orchestrator-side modules a job imports
+  only for names (`ORCHESTRATOR_MODULES`) are left out: they decide where and whether a job
+  runs, not what it computes;
 - `packages`: the versions of the packages that change numbers (`NUMERIC_PACKAGES`);
-- `config`: the stage's config slice minus non-identity fields and secrets;
+- `config`: the stage's config slice minus non-identity fields and secrets (`alignflow.config.slices`);
 - `sources`: a digest of the content identity of each external source (data files, checkpoints);
 - `inputs`: `{input role: upstream fingerprint (or a list of them)}`.
 
@@ -22,12 +25,16 @@ record is kept in the output's manifest, so `align plan` can say which part chan
 
 import ast
 import hashlib
+import importlib.util
 import json
+import site
+import sys
+import sysconfig
 import threading
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import fsspec
 
@@ -58,10 +65,15 @@ def fingerprint(identity: dict) -> str:
 # ----------------------------------------------------------------------------- code
 
 
-def code_identity(module: str, root: Path = PROJECT_ROOT) -> dict[str, str]:
-    """{file relative to `root`: digest of its normalized source} for `module` and the
-    alignflow modules it imports, transitively (orchestrator-side ones left out)."""
-    return {str(path.relative_to(root)): _source_digest(path, *_stat(path)) for path in _closure(module, root)}
+def code_identity(module: str, imports: Iterable[str] = (), root: Path = PROJECT_ROOT) -> dict[str, str]:
+    """{file: digest of its normalized source} for `module` and the alignflow modules it imports,
+    transitively (orchestrator-side ones left out), and for the user modules named by `imports`
+    (`module:function` import paths) and the user and alignflow modules they import. alignflow's
+    files are named relative to `root`, a user's relative to the sys.path folder it is found in
+    (so a copy elsewhere keeps its identity)."""
+    files = _closure([module], partial(_alignflow_file, root=root))
+    files |= _closure([path.partition(":")[0] for path in imports], partial(_user_file, root=root))
+    return {str(path.relative_to(base)): _source_digest(path, *_stat(path)) for base, path in files.values()}
 
 
 def package_versions(names: tuple[str, ...] = NUMERIC_PACKAGES) -> dict[str, str]:
@@ -74,19 +86,23 @@ def package_versions(names: tuple[str, ...] = NUMERIC_PACKAGES) -> dict[str, str
     return found
 
 
-def _closure(module: str, root: Path) -> list[Path]:
-    seen: dict[str, Path] = {}
-    todo = [module]
+Found = tuple[Path, Path]  # (the folder its name is relative to, the file)
+
+
+def _closure(modules: list[str], find: Callable[[str], Found | None]) -> dict[str, Found]:
+    """{module: where found} for `modules` and the modules they import, transitively, as far as
+    `find` finds them (orchestrator-side ones left out)."""
+    seen: dict[str, Found] = {}
+    todo = list(modules)
     while todo:
-        name = todo.pop()
-        parts = name.split(".")
+        parts = todo.pop().split(".")
         for package in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):  # importing a.b.c runs a and a.b
-            if package in seen or (path := _module_file(package, root)) is None:
+            if package in seen or (found := find(package)) is None:
                 continue
-            seen[package] = path
+            seen[package] = found
             if not _orchestrator_side(package):  # what it imports is not the job's code either
-                todo.extend(_alignflow_imports(package, path))
-    return sorted(path for name, path in seen.items() if not _orchestrator_side(name))
+                todo.extend(_imports(package, found[1]))
+    return {name: found for name, found in seen.items() if not _orchestrator_side(name)}
 
 
 def _orchestrator_side(name: str) -> bool:
@@ -98,9 +114,56 @@ def _module_file(name: str, root: Path) -> Path | None:
     return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
 
 
-def _alignflow_imports(name: str, path: Path) -> set[str]:
+def _alignflow_file(name: str, root: Path) -> Found | None:
+    path = _module_file(name, root) if name.split(".")[0] == "alignflow" else None
+    return None if path is None else (root, path)
+
+
+def _user_file(name: str, root: Path) -> Found | None:
+    """Where user module `name` is, or alignflow's (user code may import it); None for the
+    standard library, installed packages and what is not found."""
+    top = name.split(".")[0]
+    if top == "alignflow":
+        return _alignflow_file(name, root)
+    base = _user_root(top)
+    path = None if base is None else _module_file(name, base)
+    return None if path is None else (base, path)
+
+
+def _user_root(top: str) -> Path | None:
+    """The sys.path folder that top-level module `top` comes from, if it is user code: not the
+    standard library, not an installed package (site-packages), not built in. Finding a
+    top-level module imports nothing."""
+    if top in sys.stdlib_module_names:
+        return None
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without a spec (__main__)
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:  # a package (a namespace package has no origin)
+        base = Path(next(iter(spec.submodule_search_locations))).parent
+    elif spec.has_location:
+        base = Path(spec.origin).parent
+    else:
+        return None
+    base = base.resolve()
+    return None if any(base.is_relative_to(folder) for folder in _installed_folders()) else base
+
+
+@lru_cache(maxsize=1)
+def _installed_folders() -> tuple[Path, ...]:
+    """Where the standard library and installed packages live."""
+    folders = {*site.getsitepackages(), site.getusersitepackages(),
+               *(sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
+    return tuple(Path(folder).resolve() for folder in folders if folder)
+
+
+def _imports(name: str, path: Path) -> set[str]:
     """Modules named by `path`'s import statements (anywhere in it), `from a import b` giving
-    both a and a.b (b may be a submodule); only alignflow's."""
+    both a and a.b (b may be a submodule); an alignflow module's only alignflow's (what else
+    it imports is an installed package, even where it lies outside site-packages)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(_parse(path)):
@@ -112,7 +175,7 @@ def _alignflow_imports(name: str, path: Path) -> set[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([node.module] if node.module else [])])
             found |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
-    return {m for m in found if m.split(".")[0] == "alignflow"}
+    return {m for m in found if m.split(".")[0] == "alignflow"} if name.split(".")[0] == "alignflow" else found
 
 
 _PARSE_LOCK = threading.Lock()
@@ -223,6 +286,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): node}
 
 
-def _short(value: Any, limit: int = 40) -> str:
+def _short(value: Any, limit: int = 48) -> str:
+    """The value, its middle cut out if long: ends differ as often as starts (`env:VAR sha256:...`)."""
     text = json.dumps(value) if not isinstance(value, str) else value
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit // 2 - 2] + "..." + text[-(limit // 2 - 1) :]

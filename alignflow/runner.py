@@ -22,7 +22,7 @@ from alignflow.launch import JobError, JobRecord, adoptable, job_record, reattac
 from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
-from alignflow.stages import worker_module
+from alignflow.stages import user_imports, worker_module
 from alignflow.store import Store, options_for, store_of
 from alignflow.worker import run_stage_job
 
@@ -63,7 +63,7 @@ def stage_identity(stage: Stage, upstream: dict[str, str]) -> dict:
             sources[path] = digest(source_identity(uri, options_for(uri, cfg)))
     return {
         "kind": stage.kind,
-        "code": code_identity(worker_module(stage.kind)),
+        "code": code_identity(worker_module(stage.kind), user_imports(stage.kind, stage.section)),
         "packages": package_versions(),
         "config": identity(cfg, stage_paths(stage.kind, spec.reads)),
         "sources": sources,
@@ -169,7 +169,7 @@ def _start_or_adopt(stage: Stage, store: Store, ident: dict, inputs: dict, paths
     store.fs.makedirs(store.staging_path(name, fp), exist_ok=True)
     storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
     job = submit(cfg.launcher, stage.section, f"{name}-{fp}", run_stage_job, stage.kind, for_job(cfg, paths), inputs,
-                 store.uri(store.staging_path(name, fp)), storage_options, lease.fence(), ident["code"], resumable=stage.spec.resumable)
+                 store.uri(store.staging_path(name, fp)), storage_options, lease.fence(), ident, resumable=stage.spec.resumable)
     record = job_record(job, time_limit(cfg.launcher, stage.section))
     lease.record_job(asdict(record))
     log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}, log {record.stdout}")

@@ -24,10 +24,10 @@ import fsspec
 import psutil
 from omegaconf import DictConfig, OmegaConf
 
-from alignflow.fingerprint import code_identity
+from alignflow.fingerprint import NUMERIC_PACKAGES, code_identity, package_versions
 from alignflow.lease import holds, watch
 from alignflow.orphans import reap_on_exit
-from alignflow.stages import AlignConfig, worker_module
+from alignflow.stages import AlignConfig, user_imports, worker_module
 
 FENCED_EXIT_CODE = 75  # EX_TEMPFAIL: the job was stopped because its run is gone; nothing of it is committed
 
@@ -43,13 +43,16 @@ EXPECTED_WARNINGS = (
 
 
 def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options: dict, fence: dict | None = None,
-                  code: dict | None = None) -> dict:
+                  identity: dict | None = None) -> dict:
     """Run `alignflow.stages.<kind>.run` on this rank; every rank returns its metrics.
 
     `fence` is the lease of the run that submitted the job: the job starts only while that run
-    or one that adopted the job holds it, and stops once neither does (`alignflow.lease`). `code` is the code identity the run
-    fingerprinted: the job refuses to run other code (the checkout changed in between). Both
-    are None only for a job submitted by hand (tests), outside any run."""
+    or one that adopted the job holds it, and stops once neither does (`alignflow.lease`).
+    `identity` is what the run fingerprinted (`alignflow.fingerprint`): the job refuses to run
+    other code (the checkout or the user's reward module changed in between, or another one is
+    on this job's Python path) or under other versions of the numeric packages (a Slurm job may
+    run in another environment), before it reads or writes anything. Both are None only for a
+    job submitted by hand (tests), outside any run."""
     reap_on_exit()  # a killed job leaves none of its helpers (Megatron's checkpoint writer) behind
     rank = _setup_rank()
     _log_to_stdout(rank)
@@ -58,9 +61,10 @@ def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options:
     _configure_storage(out, storage_options)
     if fence is not None:  # the lease is in the store, whose options are fsspec's defaults now
         _check_fence(fence)
-    if code is not None:
-        _check_code(kind, code)
     config = typed(cfg)
+    if identity is not None:
+        _check_code(kind, config[kind], identity["code"])
+        _check_packages(identity["packages"])
     module = importlib.import_module(worker_module(kind))
     logging.getLogger("alignflow.worker").debug("stage %s -> %s", kind, out)
     try:
@@ -110,13 +114,30 @@ def typed(cfg: dict) -> DictConfig:
     return config
 
 
-def _check_code(stage: str, planned: dict) -> None:
-    """The code this job imports must be the code its run fingerprinted."""
-    here = code_identity(worker_module(stage))
-    changed = sorted(path for path in planned.keys() | here.keys() if planned.get(path) != here.get(path))
+def _check_code(stage: str, section: DictConfig, planned: dict) -> None:
+    """The code this job imports, alignflow's and the user code its config names, must be the
+    code its run fingerprinted."""
+    here = code_identity(worker_module(stage), user_imports(stage, section))
+    changed = [f"{path}: {_CODE_CHANGE[path in planned, path in here]}" for path in sorted(planned.keys() | here.keys())
+               if planned.get(path) != here.get(path)]
     if changed:
-        raise RuntimeError(f"the code of stage {stage} changed since its run fingerprinted it ({', '.join(changed)}): "
-                           "run the pipeline again so its fingerprint covers the code that runs")
+        raise RuntimeError(f"the code of stage {stage} changed since its run fingerprinted it ({'; '.join(changed)}): run the "
+                           "pipeline again so its fingerprint covers the code that runs (a job imports user code from its own "
+                           "Python path: PYTHONPATH, launcher.setup)")
+
+
+_CODE_CHANGE = {(True, True): "changed", (True, False): "not found here", (False, True): "new here"}
+
+
+def _check_packages(planned: dict) -> None:
+    """The numeric packages here must be the versions its run fingerprinted."""
+    here = package_versions(NUMERIC_PACKAGES)
+    differ = [f"{name} {here.get(name)} here, {planned.get(name)} in the run" for name in sorted(planned.keys() | here.keys())
+              if here.get(name) != planned.get(name)]
+    if differ:
+        raise RuntimeError(f"this job runs under other package versions than its run fingerprinted ({'; '.join(differ)}): install "
+                           "the run's versions in the job's environment (launcher.setup, launcher.container_image) or run the "
+                           "pipeline from an environment with the job's versions, so that the fingerprint names what computes the output")
 
 
 def _check_fence(fence: dict) -> None:

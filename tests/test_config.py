@@ -1,10 +1,15 @@
 """Config errors fail at compose time, before any job, naming the key; secrets stay masked."""
 
+import dataclasses
+import hashlib
+import json
+
 import pytest
 from omegaconf import OmegaConf
 
 from alignflow.config.compose import ConfigError, compose
 from alignflow.config.slices import MASK, for_job, identity, masked
+from alignflow.stages import STAGES
 from flows.cli import main
 
 
@@ -88,11 +93,89 @@ def test_secret_from_env_is_masked_and_never_resolved_for_jobs(base_overrides, m
     assert "sekrit" not in capsys.readouterr().out
 
 
-def test_any_env_interpolation_is_treated_as_secret(base_overrides, monkeypatch):
+def test_a_storage_credential_from_env_is_masked_and_never_resolved_for_jobs(base_overrides, monkeypatch):
     monkeypatch.setenv("MY_BUCKET_TOKEN", "tok-999")
-    cfg = compose("sft_dpo", [*base_overrides, "+store.storage_options.key=${oc.env:MY_BUCKET_TOKEN}"])
+    cfg = compose("sft_dpo", [*base_overrides, "+store.storage_options.key=${oc.env:MY_BUCKET_TOKEN}"])  # s3fs's access key id
     assert "tok-999" not in OmegaConf.to_yaml(OmegaConf.create(masked(cfg)))
     assert "tok-999" not in str(for_job(cfg, ("store",)))
+
+
+def test_other_env_values_are_resolved_for_jobs_hashed_in_identity_and_masked_when_shown(base_overrides, monkeypatch, capsys):
+    """A job computes with the value the run fingerprinted, whatever its own environment holds;
+    a secret (by its key's name) still travels as `${oc.env:...}` text, resolved by the job."""
+    monkeypatch.setenv("STEPS", "20")
+    monkeypatch.setenv("JUDGE_API_KEY", "judge-sekrit")
+    overrides = [*base_overrides, "sft.trainer.max_steps=${oc.env:STEPS}", "grpo.environment=[{name: exact_match, kwargs: "
+                 "{api_key: '${oc.env:JUDGE_API_KEY}', endpoint: '${oc.env:STEPS}'}}]"]
+    cfg = compose("sft_grpo", overrides)
+    job = for_job(cfg, ("sft", "grpo"))
+    assert job["sft"]["trainer"]["max_steps"] == 20  # resolved, typed
+    assert job["grpo"]["environment"][0]["kwargs"] == {"api_key": "${oc.env:JUDGE_API_KEY}", "endpoint": "20"}
+    hashed = "env:STEPS sha256:" + hashlib.sha256(json.dumps(20).encode()).hexdigest()[:16]
+    ident = identity(cfg, ("sft", "grpo"))
+    assert ident["sft"]["trainer"]["max_steps"] == hashed and "20" not in json.dumps(ident["sft"]["trainer"])
+    assert ident["grpo"]["environment"][0]["kwargs"] == {"endpoint": "env:STEPS sha256:" + hashlib.sha256(b'"20"').hexdigest()[:16]}
+    assert masked(cfg, ("sft",))["sft"]["trainer"]["max_steps"] == MASK
+    assert main(["config", *overrides, "pipeline=sft_grpo"]) == 0
+    shown = capsys.readouterr().out
+    assert "max_steps: '***'" in shown and "judge-sekrit" not in shown
+
+
+@pytest.mark.parametrize("pipeline, override, key, variable", [
+    ("sft_dpo", "logging.wandb.api_key=wandb-0123456789abcdef", "logging.wandb.api_key", "WANDB_API_KEY"),
+    ("sft_dpo", "+store.storage_options.secret=wJalrXUtnFEMI", "store.storage_options.secret", "AWS_SECRET_ACCESS_KEY"),
+    ("sft_dpo", "+store.storage_options.key=AKIAIOSFODNN7", "store.storage_options.key", "AWS_ACCESS_KEY_ID"),
+    ("sft_dpo", "+store.storage_options.token=FwoGZXIvYXdz", "store.storage_options.token", "AWS_SESSION_TOKEN"),
+    ("sft_dpo", "+store.storage_options.client_kwargs.aws_secret_access_key=wJalrXUtnFEMI",
+     "store.storage_options.client_kwargs.aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+    ("sft_grpo", "grpo.environment=[{name: exact_match, kwargs: {api_key: judge-0123456789}}]", "grpo.environment[0].kwargs.api_key",
+     "KWARGS_API_KEY"),
+    ("sft_grpo", "pipeline.stages.grpo.environment=[{name: exact_match, kwargs: {password: hunter2hunter2}}]",
+     "pipeline.stages.grpo.environment[0].kwargs.password", "KWARGS_PASSWORD"),
+])
+def test_a_secret_written_out_is_refused_at_compose_before_anything_is_written(base_overrides, tmp_path, capsys, pipeline, override,
+                                                                              key, variable):
+    assert main(["run", f"pipeline={pipeline}", *base_overrides, override]) == 2
+    out = capsys.readouterr().out
+    assert f"{key}: a secret must not be written in the config or an override (Prefect stores flow parameters in plain text" in out
+    assert f"set it as ${{oc.env:{variable}}}" in out
+    assert override.split("=", 1)[1].split(": ")[-1].strip("}]") not in out  # the error does not show the secret
+    assert not (tmp_path / "jobs").exists() and not (tmp_path / "store").exists()
+
+
+def test_a_secret_from_the_environment_or_left_null_is_accepted(base_overrides, monkeypatch):
+    monkeypatch.setenv("MY_SECRET", "s")
+    compose("sft_dpo", [*base_overrides, "logging.wandb.api_key=null", "+store.storage_options.secret=${oc.env:MY_SECRET}",
+                        "+store.storage_options.anon=false"])
+
+
+def test_only_secret_named_keys_are_secrets(base_overrides):
+    """Every setting of every stage kind is in its identity but for the fields the schema marks
+    not-identity: no setting's name is mistaken for a secret's (grpo.loss.token_level_loss was)."""
+    cfg = compose("sft_grpo", base_overrides)
+    for kind in STAGES:
+        shown, hashed = _leaves(OmegaConf.to_container(cfg[kind], resolve=True)), _leaves(identity(cfg, (kind,))[kind])
+        left_out = {key for key in shown if key not in hashed}
+        assert all(_marked_not_identity(cfg[kind], key) for key in left_out), (kind, left_out)
+    assert "token_level_loss" in identity(cfg, ("grpo",))["grpo"]["loss"]
+
+
+def _leaves(node, prefix=""):
+    if isinstance(node, dict) and node:
+        return {key for k, v in node.items() for key in _leaves(v, f"{prefix}{k}.")}
+    return {prefix.rstrip(".")}
+
+
+def _marked_not_identity(section, key):
+    parent, _, name = key.rpartition(".")
+    while True:
+        schema = OmegaConf.get_type(OmegaConf.select(section, parent) if parent else section)
+        field = next((f for f in dataclasses.fields(schema) if f.name == name), None) if dataclasses.is_dataclass(schema) else None
+        if field is not None and field.metadata.get("identity") is False:
+            return True
+        if not parent:
+            return False
+        parent, _, name = parent.rpartition(".")
 
 
 def test_cli_config_error_exits_2_without_submitting(base_overrides, tmp_path, capsys):
@@ -104,6 +187,8 @@ def test_cli_config_error_exits_2_without_submitting(base_overrides, tmp_path, c
 def test_unknown_reward_function_fails_at_compose(base_overrides):
     with pytest.raises(ConfigError, match=r"grpo.environment\[0\].name: reward 'exactmatch'"):
         compose("sft_grpo", [*base_overrides, "grpo.environment=[{name: exactmatch}]"])
+    with pytest.raises(ConfigError, match=r"grpo.environment\[1\].name: reward 'no_such_module:boxed': cannot import it \(No module named"):
+        compose("sft_grpo", [*base_overrides, "grpo.environment=[{name: exact_match}, {name: 'no_such_module:boxed'}]"])
 
 
 def test_grpo_batches_must_split_over_data_parallel_ranks_and_optimizer_steps(base_overrides):

@@ -1,6 +1,7 @@
 """Fingerprints change with everything that changes an output (config, code, packages, sources,
 inputs by role), and with nothing else."""
 
+import hashlib
 import json
 
 import pytest
@@ -167,3 +168,83 @@ def test_an_instance_override_changes_that_instance_and_its_downstream_only(base
     assert {s for s in before if before[s] != after[s]} == {"dpo_round2", "eval", "export"}
     pipeline = Pipeline.build(compose("iterative_dpo", [*base_overrides, "pipeline.stages.dpo_round2.loss.beta=0.3"]))
     assert (pipeline["dpo_round1"].section.loss.beta, pipeline["dpo_round2"].section.loss.beta) == (0.1, 0.3)
+
+
+def test_a_value_read_from_the_environment_is_identity_by_its_digest(base_overrides, monkeypatch):
+    overrides = [*base_overrides, "sft.trainer.max_steps=${oc.env:STEPS}"]
+    upstream = {"prep": "a", "convert": "b"}
+    sft = lambda: stage_identity(Pipeline.build(compose("sft_dpo", overrides))["sft"], upstream)  # noqa: E731
+    monkeypatch.setenv("STEPS", "20")
+    twenty = sft()
+    assert fingerprint(sft()) == fingerprint(twenty)
+    monkeypatch.setenv("STEPS", "40")
+    forty = sft()
+    assert fingerprint(forty) != fingerprint(twenty)
+    tag = lambda value: "env:STEPS sha256:" + hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]  # noqa: E731
+    assert differences(forty, twenty) == [f"config sft.trainer.max_steps: {tag(20)} -> {tag(40)}"]
+    assert fingerprint(stage_identity(Pipeline.build(compose("sft_dpo", [*base_overrides, "sft.trainer.max_steps=40"]))["sft"], upstream)) \
+        != fingerprint(forty)  # the value written out is another config: no value is taken for another
+
+
+def test_a_secret_read_from_the_environment_changes_no_fingerprint(base_overrides, monkeypatch):
+    overrides = [*base_overrides, "grpo.environment=[{name: exact_match, kwargs: {api_key: '${oc.env:JUDGE_API_KEY}'}}]"]
+    upstream = {"prep": "p", "sft": "s"}
+    grpo = lambda: fingerprint(stage_identity(Pipeline.build(compose("sft_grpo", overrides))["grpo"], upstream))  # noqa: E731
+    monkeypatch.setenv("JUDGE_API_KEY", "one")
+    first = grpo()
+    monkeypatch.setenv("JUDGE_API_KEY", "two")
+    assert grpo() == first
+
+
+def test_grpo_token_level_loss_is_identity(base_overrides):
+    """Its name holds "token": once mistaken for a secret's, and left out of the fingerprint."""
+    upstream = {"prep": "p", "sft": "s"}
+    grpo = lambda *o: fingerprint(stage_identity(Pipeline.build(compose("sft_grpo", [*base_overrides, *o]))["grpo"], upstream))  # noqa: E731
+    assert grpo("grpo.loss.token_level_loss=false") != grpo()
+
+
+REWARDS = '''"""A user's rewards."""
+import hashlib
+import json
+import math
+
+import numpy
+
+from reward_helpers import first_number
+
+
+def boxed(prompt, completion, answer, **_):
+    """1 for the right number."""
+    return float(first_number(completion) == float(answer))
+'''
+HELPERS = '''import math
+import re
+
+
+def first_number(text):
+    found = re.search(r"-?\\d+", text)
+    return float(found.group()) if found else math.nan
+'''
+
+
+def test_user_code_named_by_import_path_is_code_identity(tmp_path, monkeypatch):
+    """The module of a `module:function` reward and the user modules it imports, transitively;
+    not the standard library, installed packages or where the files lie."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "my_rewards.py").write_text(REWARDS)
+        (tmp_path / folder / "reward_helpers.py").write_text(HELPERS)
+    monkeypatch.syspath_prepend(str(tmp_path / "a"))
+    base = code_identity("alignflow.stages.grpo")
+    with_user = code_identity("alignflow.stages.grpo", ["my_rewards:boxed"])
+    assert set(with_user) - set(base) == {"my_rewards.py", "reward_helpers.py"}
+    assert code_identity("alignflow.stages.grpo", ["json:dumps", "numpy.linalg:norm"]) == base  # stdlib, site-packages
+
+    (tmp_path / "a" / "reward_helpers.py").write_text('"""Reworded."""\n' + HELPERS.replace("import re", "import re  # regexes"))
+    assert code_identity("alignflow.stages.grpo", ["my_rewards:boxed"]) == with_user
+    (tmp_path / "a" / "reward_helpers.py").write_text(HELPERS.replace("-?", ""))
+    edited = code_identity("alignflow.stages.grpo", ["my_rewards:boxed"])
+    assert differences({"code": edited}, {"code": with_user}) == ["code reward_helpers.py: changed"]
+
+    monkeypatch.syspath_prepend(str(tmp_path / "b"))  # the unedited copy, elsewhere
+    assert code_identity("alignflow.stages.grpo", ["my_rewards:boxed"]) == with_user

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from alignflow.config.destinations import destination_problems
 from alignflow.config.schema import FinetuningType, RecomputeGranularity, RecomputeMethod
+from alignflow.config.slices import secret_problems
 from alignflow.convert import lora as lora_targets
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.data.formats import FORMATS
@@ -39,7 +40,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         pipeline = Pipeline.build(cfg)
     except PipelineError as err:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in dict.fromkeys(text + err.problems))) from None
-    problems: list[str] = text + destination_problems(pipeline, cfg, read=check_paths)
+    problems: list[str] = text + secret_problems(cfg) + destination_problems(pipeline, cfg, read=check_paths)
     shapes: dict[str, ModelShape | None] = {}
     for stage in pipeline:
         key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"

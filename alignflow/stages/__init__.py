@@ -21,6 +21,9 @@ its worker module `alignflow.stages.<kind>`. A pipeline holds named *instances* 
   tokenizers); their content identity is part of the fingerprint.
 - `resumable`: training stages checkpoint in their staging area and resume from it when
   retried, so their staging is kept between attempts; other stages start clean.
+- `imports`: paths in its section that may name user code by import path (`module:function`,
+  e.g. a reward function; `*` steps through a list); its code identity covers those modules
+  and the user modules they import (`user_imports`, `alignflow.fingerprint.code_identity`).
 
 Adding a kind: its module `alignflow/stages/<kind>.py` with `run(cfg, inputs, out)`, its
 schema class, and one entry here.
@@ -69,6 +72,7 @@ class StageKind:
     context: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
     resumable: bool = False
+    imports: tuple[str, ...] = ()
 
 
 _CACHE = ("store.cache_dir",)  # where a job downloads input models from object stores (and trains)
@@ -89,7 +93,7 @@ STAGES: dict[str, StageKind] = {
                      headline=("val_reward_accuracy", *_TRAIN_HEADLINE), reads=("model",), context=_TRAINING, resumable=True),
     "grpo": StageKind(schema.GRPOConfig, "model", {"data": one("prep"), "model": one("model"), "ref_model": one("model")},
                       headline=("reward_first_tenth", "reward_last_tenth", "accuracy", "steps"),
-                      reads=("model",), context=_TRAINING, resumable=True),
+                      reads=("model",), context=_TRAINING, resumable=True, imports=("environment.*.name",)),
     "teacher_logprobs": StageKind(schema.TeacherLogprobsConfig, "teacher_logprobs", {"data": one("prep"), "teacher": one("model")},
                                   headline=("train.rows", "train.positions", "val.rows", "train.mean_top1_logp"), reads=("model",),
                                   context=_CACHE),
@@ -109,6 +113,18 @@ AlignConfig = make_dataclass("AlignConfig", [(kind, spec.schema, field(default_f
 
 def worker_module(kind: str) -> str:
     return f"alignflow.stages.{kind}"
+
+
+def user_imports(kind: str, section) -> list[str]:
+    """The `module:function` import paths that `kind`'s `imports` paths hold in its config
+    `section` (a name without a colon is one of alignflow's own)."""
+    found = []
+    for path in STAGES[kind].imports:
+        values = [section]
+        for part in path.split("."):
+            values = [item for value in values for item in value] if part == "*" else [value[part] for value in values]
+        found += [value for value in values if isinstance(value, str) and ":" in value]
+    return found
 
 
 def as_names(upstream) -> list[str]:
