@@ -21,7 +21,7 @@ from alignflow.launch import job_record, submit, wait
 from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
-from alignflow.stages import worker_module
+from alignflow.stages import OUTPUTS, worker_module
 from alignflow.store import Store, options_for, store_of
 from alignflow.worker import run_stage_job
 
@@ -145,7 +145,7 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
         "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     lease.check()  # a run whose lease was taken over commits nothing
-    uri = store.commit(name, fp, manifest)
+    uri = store.commit(name, fp, manifest, OUTPUTS[spec.output])  # IncompleteOutput: the stage's bug or the disk's, not retried
     log(f"{name} {fp}: committed {uri}")
     return _result(store, name, fp, manifest, cached=False)
 

@@ -82,13 +82,15 @@ def test_a_changed_package_version_reruns_every_stage(committed, tmp_path):
 
 NEW_KIND_MODULE = '''"""A toy stage kind: counts the rows of a prep output's SFT train split."""
 
+import json
+
 from alignflow.data.prepared import Prepared
 
 
 def run(cfg, inputs, out):
     rows = Prepared(inputs["data"]).require("sft").num_rows
-    with open(f"{out}/count.txt", "w") as f:
-        f.write(str(rows * cfg.row_count.scale))
+    with open(f"{out}/eval.json", "w") as f:  # what its output format ("eval") declares
+        json.dump({"metrics": {"rows": rows * cfg.row_count.scale}}, f)
     return {"rows": rows * cfg.row_count.scale}
 '''
 NEW_KIND_SCHEMA = '''

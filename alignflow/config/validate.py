@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from alignflow.data.formats import FORMATS
 from alignflow.pipeline import Pipeline, PipelineError, Stage
 from alignflow.rewards import resolve
 from alignflow.store import options_for
+from alignflow.verify import safetensors, why_not
 
 
 class ConfigError(ValueError):
@@ -346,14 +346,8 @@ def _check_safetensors(cfg: DictConfig) -> list[str]:
     fs, path = fsspec.core.url_to_fs(cfg.model.source, **options_for(cfg.model.source, cfg))
     problems = []
     for file in fs.glob(f"{path.rstrip('/')}/*.safetensors") if fs.isdir(path) else []:
-        with fs.open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        expected = 8 + size + max((meta["data_offsets"][1] for meta in header.values()), default=0)
-        if (actual := fs.info(file)["size"]) < expected:
-            problems.append(f"model.source: {cfg.model.source.rstrip('/')}/{file.rsplit('/', 1)[-1]} is truncated: {actual} of the "
-                            f"{expected} bytes its header describes")
+        if why := why_not(safetensors, fs, file):
+            problems.append(f"model.source: {cfg.model.source.rstrip('/')}/{file.rsplit('/', 1)[-1]} is {why}")
     return problems
 
 
