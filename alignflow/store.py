@@ -4,6 +4,8 @@ Layout per stage output:
 - `{root}/{stage}/{fp}/`            the committed output; `_SUCCESS.json` inside is the commit.
 - `{root}/{stage}/_staging/{fp}/`   where a job writes (and checkpoints, so a retry resumes).
 - `{root}/{stage}/_leases/{fp}.json` who is producing `fp` now, with a heartbeat.
+- `{root}/{stage}/{fp}/checkpoints/` a training stage's checkpoints, committed with its output
+  (`alignflow.train.checkpointing`); nothing reads them once it is committed (`alignflow.gc`).
 
 An output without a manifest does not exist, and a manifest is written only once the staged
 files hold what the stage's output format declares (`alignflow.verify`): never for an empty
@@ -29,6 +31,7 @@ from alignflow.lease import Lease
 from alignflow.verify import IncompleteOutput, OutputFormat
 
 MANIFEST = "_SUCCESS.json"
+CHECKPOINTS = "checkpoints"
 
 
 def store_of(cfg: DictConfig) -> "Store":
@@ -122,6 +125,29 @@ class Store:
         fs.copy(files, [f"{output}/{path[len(staging) + 1 :]}" for path in files])  # server-side, concurrently
         fs.pipe(f"{output}/{MANIFEST}", body.encode())
         fs.rm(staging, recursive=True)
+
+    def uncommit(self, stage: str, fp: str) -> None:
+        """Delete an output: its manifest first, so no reader ever sees half of it."""
+        output = self.output_path(stage, fp)
+        self.fs.rm_file(f"{output}/{MANIFEST}")
+        self.fs.rm(output, recursive=True)
+
+    def drop_checkpoints(self, stage: str, fp: str) -> None:
+        """Delete a committed output's `checkpoints/`, its manifest first rewritten (atomically)
+        without them and with a `reclaimed` record, so its file list stays true."""
+        manifest = self.read_manifest(stage, fp)
+        if manifest is None:  # uncommitted meanwhile
+            return
+        gone = [f for f in manifest.get("files", []) if f["path"].startswith(f"{CHECKPOINTS}/")]
+        manifest["files"] = [f for f in manifest.get("files", []) if f not in gone]
+        manifest.setdefault("reclaimed", {})[f"{CHECKPOINTS}/"] = {
+            "files": len(gone), "bytes": sum(f["size"] for f in gone), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        path = f"{self.output_path(stage, fp)}/{MANIFEST}"
+        if isinstance(self.fs, LocalFileSystem):
+            _write_atomic(path, json.dumps(manifest, indent=2))
+        else:
+            self.fs.pipe(path, json.dumps(manifest, indent=2).encode())  # one PUT: atomic
+        self.fs.rm(f"{self.output_path(stage, fp)}/{CHECKPOINTS}", recursive=True)
 
     def lease_path(self, stage: str, fp: str) -> str:
         return f"{self._root_path}/{stage}/_leases/{fp}.json"

@@ -47,6 +47,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
             problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
         if stage.kind == "convert" and check_paths:
             problems += _check_safetensors(stage.cfg)
+    problems += _check_retention(cfg.store.retention)
     if check_paths:
         problems += _check_store(cfg) + _check_launcher(cfg)
     if problems:
@@ -372,6 +373,10 @@ def _check_store(cfg: DictConfig) -> list[str]:
         return [f"store.root: {root} cannot be reached: {type(err).__name__}: {err} (credentials come from the environment, "
                 "e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; the endpoint from store.storage_options)"]
     return []
+
+
+def _check_retention(retention: DictConfig) -> list[str]:
+    return [f"store.retention.{key}: must be >= 0, got {retention[key]}" for key in ("keep_runs", "keep_days") if not retention[key] >= 0]
 
 
 def _check_launcher(cfg: DictConfig) -> list[str]:
