@@ -309,12 +309,15 @@ def reclaim(store: Store, found: Survey, ttl_s: float) -> list[Item]:
     for item in found.reclaim:
         if _lease_live(store, item.stage, item.fingerprint, ttl_s):
             continue
-        if item.category == "outputs":
-            store.uncommit(item.stage, item.fingerprint)
-        elif item.category == "checkpoints":
-            store.drop_checkpoints(item.stage, item.fingerprint)
-        else:
-            _remove(store, item.path)
+        try:
+            if item.category == "outputs":
+                store.uncommit(item.stage, item.fingerprint)
+            elif item.category == "checkpoints":
+                store.drop_checkpoints(item.stage, item.fingerprint)
+            else:
+                store.fs.rm(item.path, recursive=True)
+        except FileNotFoundError:  # gone meanwhile (another gc; an interrupted operation finished); any rest is a leftover
+            pass
         done.append(item)
     return done
 
@@ -326,10 +329,3 @@ def _lease_live(store: Store, stage: str, fp: str, ttl_s: float) -> bool:
         return time.time() - _changed(store.fs.info(path), renamed=False) < ttl_s
     except FileNotFoundError:
         return False
-
-
-def _remove(store: Store, path: str) -> None:
-    try:
-        store.fs.rm(path, recursive=True)
-    except FileNotFoundError:  # gone already (another gc, or the interrupted operation finished)
-        pass
