@@ -22,7 +22,7 @@ from alignflow.launch import JobError, JobRecord, adoptable, job_record, reattac
 from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
-from alignflow.stages import user_imports, worker_module
+from alignflow.stages import OUTPUTS, user_imports, worker_module
 from alignflow.store import Store, options_for, store_of
 from alignflow.worker import run_stage_job
 
@@ -147,7 +147,7 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
         "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     lease.check()  # a run whose lease was taken over commits nothing
-    uri = store.commit(name, fp, manifest)
+    uri = store.commit(name, fp, manifest, OUTPUTS[spec.output])  # IncompleteOutput: the stage's bug or the disk's, not retried
     log(f"{name} {fp}: committed {uri}")
     return _result(store, name, fp, manifest, cached=False)
 

@@ -17,6 +17,7 @@ from alignflow.fingerprint import differences
 from alignflow.store import Store
 
 RUNS = "_runs"
+REPORTS = "_reports"  # the flow's report.html per run
 
 
 def slug(name: str) -> str:

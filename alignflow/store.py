@@ -4,8 +4,12 @@ Layout per stage output:
 - `{root}/{stage}/{fp}/`            the committed output; `_SUCCESS.json` inside is the commit.
 - `{root}/{stage}/_staging/{fp}/`   where a job writes (and checkpoints, so a retry resumes).
 - `{root}/{stage}/_leases/{fp}.json` who is producing `fp` now, with a heartbeat.
+- `{root}/{stage}/{fp}/checkpoints/` a training stage's checkpoints, committed with its output
+  (`alignflow.train.checkpointing`); nothing reads them once it is committed (`alignflow.gc`).
 
-An output without a manifest does not exist. On a local filesystem the staging directory
+An output without a manifest does not exist, and a manifest is written only once the staged
+files hold what the stage's output format declares (`alignflow.verify`): never for an empty
+folder, a missing file or one that does not open. On a local filesystem the staging directory
 is renamed into place with the manifest already inside (atomic); on object stores files
 are copied and the manifest is written last, so readers never see a half output.
 `{root}/{stage}/_leases/{fp}.json` is the lease of the run producing `fp` (`alignflow.lease`).
@@ -24,8 +28,10 @@ from fsspec.implementations.local import LocalFileSystem
 from omegaconf import DictConfig, OmegaConf
 
 from alignflow.lease import Lease
+from alignflow.verify import IncompleteOutput, OutputFormat
 
 MANIFEST = "_SUCCESS.json"
+CHECKPOINTS = "checkpoints"
 
 
 def store_of(cfg: DictConfig) -> "Store":
@@ -88,9 +94,15 @@ class Store:
         found = self.fs.find(root, detail=True) if self.fs.exists(root) else {}
         return [{"path": p[len(root) + 1 :], "size": info["size"]} for p, info in sorted(found.items())]
 
-    def commit(self, stage: str, fp: str, manifest: dict) -> str:
-        """Publish the staging directory as the output of `fp`; returns the output URI."""
+    def commit(self, stage: str, fp: str, manifest: dict, holds: OutputFormat) -> str:
+        """Publish the staging directory as the output of `fp` once it `holds` its format (else
+        IncompleteOutput, and nothing is written); returns the output URI."""
         staging, output = self.staging_path(stage, fp), self.output_path(stage, fp)
+        self.fs.invalidate_cache(staging)  # the job wrote it from another process
+        problems = holds.problems(self.fs, staging) if self.staged_files(stage, fp) else ["the folder is empty or absent"]
+        if problems:
+            raise IncompleteOutput(f"{stage} {fp}: not committed: the output staged at {self.uri(staging)} is incomplete: "
+                                   + "; ".join(problems))
         body = json.dumps(manifest, indent=2)  # insertion order: a stage lists its headline metrics first
         if isinstance(self.fs, LocalFileSystem):
             self._commit_local(staging, output, body)
@@ -99,7 +111,6 @@ class Store:
         return self.uri(output)
 
     def _commit_local(self, staging: str, output: str, body: str) -> None:
-        os.makedirs(staging, exist_ok=True)
         _fsync_tree(staging)  # the data is on disk before the manifest that vouches for it
         _write_atomic(f"{staging}/{MANIFEST}", body)
         replaced = f"{output}.replaced-{uuid.uuid4().hex[:8]}"
@@ -120,6 +131,29 @@ class Store:
         fs.copy(files, [f"{output}/{path[len(staging) + 1 :]}" for path in files])  # server-side, concurrently
         fs.pipe(f"{output}/{MANIFEST}", body.encode())
         fs.rm(staging, recursive=True)
+
+    def uncommit(self, stage: str, fp: str) -> None:
+        """Delete an output: its manifest first, so no reader ever sees half of it."""
+        output = self.output_path(stage, fp)
+        self.fs.rm_file(f"{output}/{MANIFEST}")
+        self.fs.rm(output, recursive=True)
+
+    def drop_checkpoints(self, stage: str, fp: str) -> None:
+        """Delete a committed output's `checkpoints/`, its manifest first rewritten (atomically)
+        without them and with a `reclaimed` record, so its file list stays true."""
+        manifest = self.read_manifest(stage, fp)
+        if manifest is None:  # uncommitted meanwhile
+            return
+        gone = [f for f in manifest.get("files", []) if f["path"].startswith(f"{CHECKPOINTS}/")]
+        manifest["files"] = [f for f in manifest.get("files", []) if f not in gone]
+        manifest.setdefault("reclaimed", {})[f"{CHECKPOINTS}/"] = {
+            "files": len(gone), "bytes": sum(f["size"] for f in gone), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        path = f"{self.output_path(stage, fp)}/{MANIFEST}"
+        if isinstance(self.fs, LocalFileSystem):
+            _write_atomic(path, json.dumps(manifest, indent=2))
+        else:
+            self.fs.pipe(path, json.dumps(manifest, indent=2).encode())  # one PUT: atomic
+        self.fs.rm(f"{self.output_path(stage, fp)}/{CHECKPOINTS}", recursive=True)
 
     def lease_path(self, stage: str, fp: str) -> str:
         return f"{self._root_path}/{stage}/_leases/{fp}.json"

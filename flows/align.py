@@ -131,7 +131,7 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
 def _write_report(stages: Pipeline, rows: list[dict]) -> str:
     """`{store.root}/_reports/<run name>.html`, linking each stage's report.html."""
     cfg = next(iter(stages)).cfg
-    uri = f"{cfg.store.root.rstrip('/')}/_reports/{runs.slug(flow_run.name or 'align')}.html"
+    uri = f"{cfg.store.root.rstrip('/')}/{runs.REPORTS}/{runs.slug(flow_run.name or 'align')}.html"
     with fsspec.open(uri, "w", auto_mkdir=True, **options_for(uri, cfg)) as f:
         f.write(pipeline_report(f"align {stages.name}: {flow_run.name}", rows))
     return uri

@@ -6,6 +6,9 @@
   align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL)
   align compare [--json] RUN_A RUN_B [overrides...]
                                       two runs' stages side by side: which differ, why, headline metrics
+  align gc     [--yes] [--json] [overrides...]
+                                      what the store could reclaim (store.retention), per category;
+                                      --yes deletes it
 
 `pipeline=NAME` picks the pipeline (conf/pipeline/NAME.yaml); `force=[prep]` re-runs stages.
 """
@@ -15,6 +18,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from functools import partial
 
 # Prefect's ephemeral server needs more than its default start-up time on 2 cores, and
 # nothing here should phone home. Set before prefect is imported.
@@ -27,14 +31,17 @@ for _key, _value in {
 
 import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.filesize import decimal  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from alignflow import __version__  # noqa: E402
 from alignflow.config.compose import ConfigError, compose  # noqa: E402
 from alignflow.config.slices import masked  # noqa: E402
+from alignflow.gc import CATEGORIES, reclaim, survey  # noqa: E402
 from alignflow.pipeline import Pipeline  # noqa: E402
 from alignflow.runner import plan  # noqa: E402
+from alignflow.store import store_of  # noqa: E402
 
 console = Console(soft_wrap=True)
 _STATUS_STYLE = {"committed": "green", "run": "yellow", "forced": "magenta"}
@@ -70,8 +77,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
     cfg = compose(pipeline, overrides)
     planned = plan(Pipeline.build(cfg))
+    store = survey(store_of(cfg), cfg)
     if args.json:
-        print(json.dumps([asdict(row) for row in planned], indent=2))
+        print(json.dumps({"stages": [asdict(row) for row in planned], "store": store.as_dict(items=False)}, indent=2))
         return 0
     table = Table(title=f"align plan: {cfg.pipeline.name}  (store {cfg.store.root})")
     for column in ("stage", "kind", "status", "fingerprint", "output", "why"):
@@ -80,6 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         style = _STATUS_STYLE.get(row.status, "")
         table.add_row(row.stage, row.kind, f"[{style}]{row.status}[/]", row.fingerprint, row.uri, row.reason)
     Console(width=max(console.width, 160)).print(table)
+    console.print(store.line(), markup=False, highlight=False)
     return 0
 
 
@@ -124,7 +133,6 @@ def _finished_without_api(pipeline: str | None, overrides: list[str], err: Excep
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from alignflow import runs
-    from alignflow.store import store_of
 
     _, overrides = _split(args.overrides)
     store = store_of(compose(None, overrides, check_paths=False))  # store.root and its options, as the runs had them
@@ -147,6 +155,33 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    _, overrides = _split(args.overrides)
+    cfg = compose(None, overrides, check_paths=False)  # store.root, its options and store.retention
+    store = store_of(cfg)
+    found = survey(store, cfg)
+    deleted = reclaim(store, found, cfg.store.lease_ttl_s) if args.yes else None
+    if args.json:
+        print(json.dumps(found.as_dict() | {"dry_run": deleted is None, "deleted": [i.path for i in deleted or []]}, indent=2))
+        return 0
+    say, root = partial(console.print, markup=False, highlight=False), store.path()
+    say(f"align gc: {found.root} " + ("(deleted what is listed)" if deleted is not None else
+                                      "(dry run: nothing deleted; `align gc --yes` deletes what is listed)"))
+    for category in CATEGORIES:
+        items = [i for i in found.reclaim if i.category == category]
+        say(f"  {category:<12} {len(items):>4}  {decimal(sum(i.bytes for i in items)):>10}")
+        for item in items:
+            skipped = "  (skipped: its lease is live now)" if deleted is not None and item not in deleted else ""
+            say(f"      {item.path[len(root) + 1:]}  {decimal(item.bytes)}  {item.why}{skipped}")
+    done = found.reclaim if deleted is None else deleted
+    say(f"{'would reclaim' if deleted is None else 'reclaimed'} {decimal(sum(i.bytes for i in done))} of {decimal(found.bytes)}")
+    for why, count in found.kept.items():
+        say(f"  kept {count}: {why}")
+    for path, nbytes in found.foreign.items():
+        say(f"  not alignflow's, left alone: {path} ({decimal(nbytes)})")
+    return 0
+
+
 def _value(value) -> str:
     return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -155,15 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="align", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"alignflow {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
-    for name, fn in (("run", cmd_run), ("plan", cmd_plan), ("config", cmd_config), ("demo", cmd_demo), ("compare", cmd_compare)):
+    for name, fn in (("run", cmd_run), ("plan", cmd_plan), ("config", cmd_config), ("demo", cmd_demo), ("compare", cmd_compare), ("gc", cmd_gc)):
         sub = verbs.add_parser(name, help=fn.__name__)
         if name == "compare":
             sub.add_argument("run_a", help="a run's name as the Prefect UI shows it (or its record's file name under {store.root}/_runs)")
             sub.add_argument("run_b")
         sub.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. pipeline=sft_dpo data.seq_length=512")
         sub.set_defaults(fn=fn)
-        if name in ("plan", "compare"):
+        if name in ("plan", "compare", "gc"):
             sub.add_argument("--json", action="store_true", help="as JSON")
+        if name == "gc":
+            sub.add_argument("--yes", action="store_true", help="delete what it lists (default: a dry run, nothing deleted)")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

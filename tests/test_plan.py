@@ -40,7 +40,7 @@ def checkout_copy(tmp_path):
 def plan_in(checkout, overrides, env=None) -> dict[str, dict]:
     out = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=sft_dpo", *overrides],
                          cwd=checkout, capture_output=True, text=True, env=env, check=True)
-    return {row["stage"]: row for row in json.loads(out.stdout)}
+    return {row["stage"]: row for row in json.loads(out.stdout)["stages"]}
 
 
 def edit(path, old, new):
@@ -82,13 +82,15 @@ def test_a_changed_package_version_reruns_every_stage(committed, tmp_path):
 
 NEW_KIND_MODULE = '''"""A toy stage kind: counts the rows of a prep output's SFT train split."""
 
+import json
+
 from alignflow.data.prepared import Prepared
 
 
 def run(cfg, inputs, out):
     rows = Prepared(inputs["data"]).require("sft").num_rows
-    with open(f"{out}/count.txt", "w") as f:
-        f.write(str(rows * cfg.row_count.scale))
+    with open(f"{out}/eval.json", "w") as f:  # what its output format ("eval") declares
+        json.dump({"metrics": {"rows": rows * cfg.row_count.scale}}, f)
     return {"rows": rows * cfg.row_count.scale}
 '''
 NEW_KIND_SCHEMA = '''
@@ -131,7 +133,7 @@ def test_a_new_stage_kind_is_its_module_its_schema_class_and_one_registry_entry(
     overrides = [*base_overrides, "data.preference=null", "data.prompts=null"]
     planned = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=count", *overrides], cwd=checkout,
                              capture_output=True, text=True, check=True)
-    assert [(row["stage"], row["kind"], row["status"]) for row in json.loads(planned.stdout)] == [("prep", "prep", "run"), ("count", "row_count", "run")]
+    assert [(row["stage"], row["kind"], row["status"]) for row in json.loads(planned.stdout)["stages"]] == [("prep", "prep", "run"), ("count", "row_count", "run")]
     ran = subprocess.run([sys.executable, "-c", RUN_PIPELINE, *overrides], cwd=checkout, capture_output=True, text=True, check=True)
     counted = json.loads(ran.stdout.strip().splitlines()[-1])
     assert counted["count"] == {"rows": 3 * counted["packs"]} and counted["packs"] > 0

@@ -74,6 +74,50 @@ def test_a_failed_forced_rerun_keeps_the_committed_output(base_overrides, tmp_pa
     assert (tmp_path / "store" / "prep" / good.fingerprint / "_SUCCESS.json").read_text() == manifest
 
 
+FORGETFUL = {  # a stage kind with a bug, added to a copy of the checkout: its output lacks what its format ("eval") declares
+    "alignflow/stages/forgetful.py": '''"""A toy stage kind that writes its result under the wrong name."""
+
+
+def run(cfg, inputs, out):
+    with open(f"{out}/result.json", "w") as f:
+        f.write("{}")
+    return {"rows": 0}
+''',
+    "conf/pipeline/forgetful.yaml": "# @package _global_\n# align run pipeline=forgetful\npipeline:\n  name: forgetful\n  stages:\n    forgetful: {}\n",
+}
+RUN_FORGETFUL = """
+import sys
+from alignflow.config.compose import compose
+from alignflow.pipeline import Pipeline
+from alignflow.runner import run_stage
+from alignflow.verify import IncompleteOutput
+try:
+    run_stage(Pipeline.build(compose("forgetful", sys.argv[1:]))["forgetful"], {}, log=lambda line: None)
+except IncompleteOutput as err:
+    print(err)
+"""
+
+
+def test_a_stage_whose_output_lacks_a_declared_file_commits_nothing(base_overrides, tmp_path):
+    """The runner's commit checks the staged output against its kind's format (`alignflow.verify`):
+    a job that ran to its end but wrote result.json instead of eval.json is not committed."""
+    from test_plan import checkout_copy, edit
+
+    checkout = checkout_copy(tmp_path)
+    for path, text in FORGETFUL.items():
+        (checkout / path).write_text(text)
+    with open(checkout / "alignflow" / "config" / "schema.py", "a") as f:
+        f.write("\n\n@dataclass\nclass ForgetfulConfig(StageBase):\n    pass\n")
+    edit(checkout / "alignflow" / "stages" / "__init__.py", '    "export": StageKind(',
+         '    "forgetful": StageKind(schema.ForgetfulConfig, "eval"),\n    "export": StageKind(')
+    ran = subprocess.run([sys.executable, "-c", RUN_FORGETFUL, *base_overrides], cwd=checkout, capture_output=True, text=True, check=True)
+    staging = next((tmp_path / "store" / "forgetful" / "_staging").iterdir())
+    assert ran.stdout.strip() == f"forgetful {staging.name}: not committed: the output staged at {staging} is incomplete: eval.json: missing"
+    instance = tmp_path / "store" / "forgetful"
+    assert sorted(p.name for p in instance.iterdir()) == ["_leases", "_staging"] and not list((instance / "_leases").iterdir())  # no output
+    assert [p.name for p in staging.iterdir()] == ["result.json"]  # kept as the job left it, to look at
+
+
 def alive(processes: list[psutil.Process]) -> list[str]:
     """The processes still running (a zombie has ended: only its exit status is left)."""
     running = []

@@ -1,15 +1,26 @@
-"""The store commits atomically, never serves a half output, and lets one run produce a fingerprint."""
+"""The store commits atomically, never serves a half output, and lets one run produce a fingerprint;
+a commit first checks that the output holds what its format declares."""
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import fsspec
 import pytest
 
 from alignflow.lease import LeaseLost, watch
+from alignflow.stages import OUTPUTS
 from alignflow.store import MANIFEST, Store
+from alignflow.verify import IncompleteOutput, OutputFormat
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import convert_demo, prep_demo  # noqa: E402
+
+ANY = OutputFormat("any files")  # these tests are about atomicity, not formats: a fake shard will do
 
 
 def stage_files(store: Store, fp: str, payload: str) -> None:
@@ -22,7 +33,7 @@ def test_output_without_manifest_does_not_exist(tmp_path):
     store = Store(str(tmp_path), {})
     stage_files(store, "f1", "x")
     assert store.read_manifest("prep", "f1") is None
-    uri = store.commit("prep", "f1", {"metrics": {"rows": 1}})
+    uri = store.commit("prep", "f1", {"metrics": {"rows": 1}}, ANY)
     assert store.read_manifest("prep", "f1") == {"metrics": {"rows": 1}}
     assert (tmp_path / "prep" / "f1" / "sft" / "train-00000.parquet").read_text() == "x"
     assert uri == str(tmp_path / "prep" / "f1")
@@ -32,9 +43,9 @@ def test_output_without_manifest_does_not_exist(tmp_path):
 def test_forced_commit_replaces_the_old_output_whole(tmp_path):
     store = Store(str(tmp_path), {})
     stage_files(store, "f1", "old")
-    store.commit("prep", "f1", {"n": 1})
+    store.commit("prep", "f1", {"n": 1}, ANY)
     stage_files(store, "f1", "new")
-    store.commit("prep", "f1", {"n": 2})
+    store.commit("prep", "f1", {"n": 2}, ANY)
     assert store.read_manifest("prep", "f1") == {"n": 2}
     assert (tmp_path / "prep" / "f1" / "sft" / "train-00000.parquet").read_text() == "new"
     assert sorted(p.name for p in (tmp_path / "prep").iterdir()) == ["_staging", "f1"]
@@ -50,7 +61,7 @@ def test_second_contender_waits_and_sees_the_commit(tmp_path):
             time.sleep(0.5)
             stage_files(store, "f1", "x")
             lease.check()
-            store.commit("prep", "f1", {"by": "producer"})
+            store.commit("prep", "f1", {"by": "producer"}, ANY)
 
     first = threading.Thread(target=producer)
     first.start()
@@ -189,5 +200,88 @@ def test_a_job_outlives_its_silent_run_but_stops_for_a_stranger_or_a_release(tmp
 def test_manifest_is_inside_when_the_directory_appears(tmp_path):
     store = Store(str(tmp_path), {})
     stage_files(store, "f1", "x")
-    store.commit("prep", "f1", {})
+    store.commit("prep", "f1", {}, ANY)
     assert (tmp_path / "prep" / "f1" / MANIFEST).exists()
+
+
+# ----------------------------------------------------------------------------- verified commits
+
+
+@pytest.fixture(scope="module")
+def real_outputs(demo_dir, tmp_path_factory):
+    """One real output per format the tests break: prep's Parquet, convert's torch_dist model, an HF folder."""
+    root = tmp_path_factory.mktemp("outputs")
+    return {"prep": prep_demo(demo_dir, root / "prep"), "model": convert_demo(demo_dir, root / "model"), "hf": demo_dir / "tiny-llama"}
+
+
+def truncate(path: Path, keep: int = -100) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+BROKEN = {  # (format, how the staged copy of the real output is broken, the file the error must name, why)
+    "an empty staging folder": ("prep", lambda out: shutil.rmtree(out) or out.mkdir(), "", "is empty or absent"),
+    "a truncated Parquet shard": ("prep", lambda out: truncate(out / "sft" / "train-00000.parquet"), "sft/train-00000.parquet",
+                                  "unreadable: ArrowInvalid"),
+    "a missing metadata.json": ("prep", lambda out: (out / "metadata.json").unlink(), "metadata.json", "missing"),
+    "no Parquet shard at all": ("prep", lambda out: shutil.rmtree(out / "sft"), "*/*.parquet", "missing"),
+    "a truncated safetensors file": ("hf", lambda out: truncate(out / "model.safetensors"), "model.safetensors", "truncated: "),
+    "a safetensors header cut short": ("hf", lambda out: truncate(out / "model.safetensors", 20), "model.safetensors", "unreadable"),
+    "a config.json that is not JSON": ("hf", lambda out: (out / "config.json").write_text("{"), "config.json", "not JSON"),
+    "a model without its .metadata": ("model", lambda out: (out / "model" / ".metadata").unlink(), "model", "no .metadata"),
+    "a model without its metadata.json": ("model", lambda out: (out / "model" / "metadata.json").unlink(), "model", "no metadata.json"),
+    "a model without its tokenizer": ("model", lambda out: shutil.rmtree(out / "tokenizer"), "tokenizer/*", "missing"),
+    "a LoRA output without lora.json": ("model", lambda out: (out / "model").rename(out / "adapter"), "lora.json", "missing"),
+    "an empty eval.json": ("eval", lambda out: (out / "eval.json").write_text(""), "eval.json", "not JSON"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_commit_refuses_an_output_that_lacks_a_declared_file_or_one_that_does_not_open(case, real_outputs, tmp_path):
+    output, breaks, file, why = BROKEN[case]
+    store = Store(str(tmp_path / "store"), {})
+    staging = Path(store.staging_path("inst", "f1"))
+    if output == "eval":
+        staging.mkdir(parents=True)
+        (staging / "eval.json").write_text('{"metrics": {}}')
+    else:
+        shutil.copytree(real_outputs[output], staging)
+    breaks(staging)
+    before = sorted((p.relative_to(staging), p.read_bytes()) for p in staging.rglob("*") if p.is_file())
+    with pytest.raises(IncompleteOutput) as raised:
+        store.commit("inst", "f1", {"stage": "inst"}, OUTPUTS[output])
+    message = str(raised.value)
+    assert message.startswith(f"inst f1: not committed: the output staged at {staging} is incomplete: ")
+    assert f"{file}: " in message and why in message, message
+    assert store.read_manifest("inst", "f1") is None and not Path(store.output_path("inst", "f1")).exists()
+    assert sorted((p.relative_to(staging), p.read_bytes()) for p in staging.rglob("*") if p.is_file()) == before  # kept, to inspect
+
+
+def test_a_commit_accepts_each_real_output_and_a_lora_one(real_outputs, tmp_path):
+    store = Store(str(tmp_path / "store"), {})
+    for name, output in (("prep", "prep"), ("convert", "model"), ("export", "hf")):
+        shutil.copytree(real_outputs[output], store.staging_path(name, "f1"))
+        store.commit(name, "f1", {"stage": name}, OUTPUTS[output])
+        assert store.read_manifest(name, "f1") == {"stage": name}
+    lora = Path(store.staging_path("sft_lora", "f1"))
+    shutil.copytree(real_outputs["model"], lora)
+    (lora / "model").rename(lora / "adapter")
+    (lora / "lora.json").write_text(json.dumps({"base": store.uri(store.output_path("convert", "f1")), "adapter_dim": 8}))
+    store.commit("sft_lora", "f1", {}, OUTPUTS["model"])
+    assert store.read_manifest("sft_lora", "f1") == {}
+
+
+def test_an_s3_commit_is_verified_too(s3_endpoint, real_outputs):
+    store = Store("s3://test/verified", {"client_kwargs": {"endpoint_url": s3_endpoint}})
+    fs = store.fs
+    fs.put(f"{real_outputs['prep']}/", store.staging_path("prep", "f1") + "/", recursive=True)
+    shard = f"{store.staging_path('prep', 'f1')}/sft/train-00000.parquet"
+    fs.pipe(shard, fs.cat_file(shard)[:-100])
+    with pytest.raises(IncompleteOutput, match=r"prep f1: not committed: the output staged at s3://test/verified/prep/_staging/f1 is "
+                                               r"incomplete: sft/train-00000.parquet: unreadable"):
+        store.commit("prep", "f1", {}, OUTPUTS["prep"])
+    assert not fs.exists(store.output_path("prep", "f1"))
+    fs.rm(store.staging_path("prep", "f1"), recursive=True)
+    fs.makedirs(store.staging_path("prep", "f1"), exist_ok=True)  # an empty prefix: nothing to commit
+    with pytest.raises(IncompleteOutput, match="is empty or absent"):
+        store.commit("prep", "f1", {}, OUTPUTS["prep"])
+    assert not fs.exists(store.output_path("prep", "f1"))

@@ -122,6 +122,15 @@ class PathsConfig:
 
 
 @dataclass
+class RetentionConfig:
+    """What `align gc` keeps (`alignflow.gc`); everything else of alignflow's in the store it reclaims."""
+
+    keep_runs: int = 10  # outputs the newest keep_runs run records (`{store.root}/_runs`) name are kept
+    keep_days: float = 14.0  # and outputs committed or named by a run within keep_days, and dead runs' staging younger than that
+    keep_checkpoints: bool = False  # keep the training checkpoints of committed outputs (nothing of alignflow reads them)
+
+
+@dataclass
 class StoreConfig:
     root: str = "${af.project:}/outputs"
     storage_options: Dict[str, Any] = not_identity(factory=dict)
@@ -130,6 +139,7 @@ class StoreConfig:
     # Where jobs keep local copies of object-store outputs (input models, training scratch);
     # null: `{system temp dir}/alignflow-cache` on the job's node.
     cache_dir: Optional[str] = not_identity(None)
+    retention: RetentionConfig = not_identity(factory=RetentionConfig)
 
 
 @dataclass

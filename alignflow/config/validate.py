@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from alignflow.data.formats import FORMATS
 from alignflow.pipeline import Pipeline, PipelineError, Stage
 from alignflow.rewards import resolve
 from alignflow.store import options_for
+from alignflow.verify import safetensors, why_not
 
 
 class ConfigError(ValueError):
@@ -52,6 +52,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
             problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
         if stage.kind == "convert" and check_paths:
             problems += _check_safetensors(stage.cfg) + _check_not_pickled(stage.cfg)
+    problems += _check_retention(cfg.store.retention)
     if check_paths:
         problems += _check_store(cfg) + _check_launcher(cfg)
     if problems:
@@ -386,14 +387,8 @@ def _check_safetensors(cfg: DictConfig) -> list[str]:
     fs, path = fsspec.core.url_to_fs(cfg.model.source, **options_for(cfg.model.source, cfg))
     problems = []
     for file in fs.glob(f"{path.rstrip('/')}/*.safetensors") if fs.isdir(path) else []:
-        with fs.open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        expected = 8 + size + max((meta["data_offsets"][1] for meta in header.values()), default=0)
-        if (actual := fs.info(file)["size"]) < expected:
-            problems.append(f"model.source: {cfg.model.source.rstrip('/')}/{file.rsplit('/', 1)[-1]} is truncated: {actual} of the "
-                            f"{expected} bytes its header describes")
+        if why := why_not(safetensors, fs, file):
+            problems.append(f"model.source: {cfg.model.source.rstrip('/')}/{file.rsplit('/', 1)[-1]} is {why}")
     return problems
 
 
@@ -435,6 +430,10 @@ def _check_store(cfg: DictConfig) -> list[str]:
         return [f"store.root: {root} cannot be reached: {type(err).__name__}: {err} (credentials come from the environment, "
                 "e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; the endpoint from store.storage_options)"]
     return []
+
+
+def _check_retention(retention: DictConfig) -> list[str]:
+    return [f"store.retention.{key}: must be >= 0, got {retention[key]}" for key in ("keep_runs", "keep_days") if not retention[key] >= 0]
 
 
 def _check_launcher(cfg: DictConfig) -> list[str]:

@@ -7,7 +7,8 @@ its worker module `alignflow.stages.<kind>`. A pipeline holds named *instances* 
 - `schema`: the kind's config dataclass (`alignflow.config.schema`); the root config
   (`AlignConfig`) gets one section of it per kind, and each instance's effective config is
   typed by it.
-- `output`: the format of its output (`OUTPUTS`), read by one reader beside its writer.
+- `output`: the format of its output (`OUTPUTS`), read by one reader beside its writer, and
+  what a commit checks is in it.
 - `inputs`: the input roles it takes, each with the output format it expects, required or
   optional, one upstream stage or a list; a pipeline is checked against them at compose time,
   and the fingerprint hashes `{role: upstream fingerprint}`. (Which version of the code made an
@@ -32,15 +33,24 @@ schema class, and one entry here.
 from dataclasses import dataclass, field, make_dataclass
 
 from alignflow.config import schema
+from alignflow.verify import Need, OutputFormat, json_file, nonempty, parquet, safetensors, torch_dist
 
-# Output formats (README "Stages and the store"): where each is written and read.
+# Output formats (README "Stages and the store"): where each is written and read, and what a
+# commit checks is in it (`alignflow.verify`: each glob must match, and each match must open).
 OUTPUTS = {
-    "prep": "Parquet token tables + metadata.json (alignflow.data.prepared)",
-    "model": "Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.checkpoint)",
-    "ref_logprobs": "Parquet per-pair reference log-probs (alignflow.stages.ref_logprobs)",
-    "teacher_logprobs": "Parquet per-row teacher top-k token ids and log-probs at the loss positions (alignflow.data.teacher_topk)",
-    "eval": "eval.json: metrics per model and samples (alignflow.stages.eval)",
-    "hf": "HF safetensors shards + config + tokenizer, + adapter/ (HF PEFT) for LoRA (alignflow.stages.export)",
+    "prep": OutputFormat("Parquet token tables + metadata.json (alignflow.data.prepared)",
+                         (Need("metadata.json", json_file), Need("*/*.parquet", parquet))),
+    "model": OutputFormat("Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.checkpoint)",
+                          (Need("hf/config.json", json_file), Need("tokenizer/*", nonempty)),
+                          one_of=((Need("model", torch_dist),), (Need("adapter", torch_dist), Need("lora.json", json_file)))),
+    "ref_logprobs": OutputFormat("Parquet per-pair reference log-probs (alignflow.stages.ref_logprobs)",
+                                 (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False))),
+    "teacher_logprobs": OutputFormat("Parquet per-row teacher top-k token ids and log-probs at the loss positions (alignflow.data.teacher_topk)",
+                                     (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False))),
+    "eval": OutputFormat("eval.json: metrics per model and samples (alignflow.stages.eval)", (Need("eval.json", json_file),)),
+    "hf": OutputFormat("HF safetensors shards + config + tokenizer, + adapter/ (HF PEFT) for LoRA (alignflow.stages.export)",
+                       (Need("config.json", json_file), Need("*.safetensors", safetensors), Need("*.index.json", json_file, required=False),
+                        Need("adapter/*.safetensors", safetensors, required=False), Need("adapter/*.json", json_file, required=False))),
 }
 
 

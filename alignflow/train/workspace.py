@@ -37,12 +37,11 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
-from alignflow.store import MANIFEST
+from alignflow.store import CHECKPOINTS, MANIFEST
 from alignflow.train.checkpointing import COMPLETE, WANDB_RUN_ID, pruned_steps, step_dir
 
 log = logging.getLogger("alignflow.workspace")
 
-CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 _SHARED = ".scratch-token"  # written by rank 0 in the scratch: every rank must read the same
 
