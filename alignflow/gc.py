@@ -45,7 +45,7 @@ from alignflow.store import CHECKPOINTS, MANIFEST, Store
 CATEGORIES = ("staging", "leftovers", "checkpoints", "outputs")
 DAY_S = 86400.0
 _FINGERPRINT = re.compile(rf"[0-9a-f]{{{FINGERPRINT_CHARS}}}")
-_LEASE = re.compile(rf"(?P<fp>{_FINGERPRINT.pattern})\.json(?P<stale>\.stale-[0-9a-f]+)?")
+_LEASE = re.compile(rf"(?P<fp>{_FINGERPRINT.pattern})(?:\.job)?\.json(?P<stale>\.stale-[0-9a-f]+)?")  # a lease, or its job record
 _REPLACED = re.compile(rf"{_FINGERPRINT.pattern}\.replaced-[0-9a-f]+")
 
 

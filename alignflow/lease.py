@@ -167,7 +167,7 @@ class Lease:
             if self._observer.still_for(current) < self.ttl_s and not holder_gone(current):
                 return False
             job = self.job()
-            if job is not None and adopt is not None and adopt(job):
+            if job is not None and adopt is not None and adopt(job["job"]):
                 self._write_job({**job, "owners": [*job["owners"], self.owner]})  # before the job can see us
                 self.adopted = job
             else:
@@ -324,6 +324,41 @@ class Lease:
 def precondition_failed(err: BaseException) -> bool:
     """Whether an object store refused a conditional write (HTTP 412), as opposed to failing it."""
     return "PreconditionFailed" in repr(err.__cause__) or "pre-conditions you specified did not hold" in str(err)
+
+
+_PROBED: dict[tuple, str | None] = {}
+
+
+def conditional_writes_problem(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
+    """Why an S3 endpoint cannot hold leases, or None: a second create-if-absent of one object
+    must fail (If-None-Match), and so must a write whose If-Match names another version.
+    Probed once per endpoint and bucket in a process, with an object under `root` it removes."""
+    bucket = root.strip("/").split("/")[0]
+    key = (bucket, json.dumps(fs.storage_options, sort_keys=True, default=str))
+    if key not in _PROBED:
+        probe = f"{root.rstrip('/')}/.alignflow-probe-{uuid.uuid4().hex[:12]}"
+        try:
+            _PROBED[key] = _probe(fs, probe)
+        finally:
+            try:
+                fs.rm(probe)
+            except FileNotFoundError:
+                pass
+    return _PROBED[key]
+
+
+def _probe(fs: fsspec.AbstractFileSystem, probe: str) -> str | None:
+    fs.pipe_file(probe, b"1", mode="create")
+    try:
+        fs.pipe_file(probe, b"2", mode="create")
+        return "it overwrote an object that a create-if-absent write (If-None-Match: *) should have left alone"
+    except FileExistsError:
+        pass
+    try:
+        fs.pipe_file(probe, b"3", IfMatch='"00000000000000000000000000000000"')
+        return "it accepted a write whose If-Match named another version of the object"
+    except OSError as err:
+        return None if precondition_failed(err) else f"a conditional write failed otherwise: {err}"
 
 
 def _retried(read_lease: Callable[[], Seen], ttl_s: float) -> Seen:

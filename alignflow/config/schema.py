@@ -185,7 +185,7 @@ class LauncherConfig:
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
-    time_min: int = 60
+    time_min: float = 60  # a Slurm job's time limit (sbatch --time), in minutes; a stage's timeout_min may lower it
     gpus_per_node: int = 0
     cpus_per_task: int = 1
     mem_gb: Optional[int] = None
@@ -258,6 +258,9 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     every_n_steps: int = not_identity(50)
+    # Also checkpoint after this much wall time (rank 0's clock): a job killed by its time limit,
+    # or preempted, loses at most this much work. Checked at compose against the time limit.
+    every_n_minutes: Optional[float] = not_identity(30.0)
     save_top_k: int = not_identity(1)
     monitor: str = not_identity("val_loss")
     mode: MonitorMode = not_identity(MonitorMode.min)
@@ -281,7 +284,10 @@ class OptimConfig:
 class StageBase:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     retries: int = not_identity(1)  # infrastructure failures only
-    timeout_min: int = not_identity(60)
+    # The job's time limit in minutes: none by default for local jobs; on Slurm at most
+    # launcher.time_min. A job killed by it is reported as such and retried as an infrastructure
+    # failure; training stages are requeued first and resume from their last checkpoint.
+    timeout_min: Optional[float] = not_identity(None)
 
 
 @dataclass

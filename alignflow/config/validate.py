@@ -18,11 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from alignflow.config.destinations import destination_problems
-from alignflow.config.schema import FinetuningType, RecomputeGranularity, RecomputeMethod
+from alignflow.config.schema import FinetuningType, LauncherName, RecomputeGranularity, RecomputeMethod
 from alignflow.config.slices import secret_problems
 from alignflow.convert import lora as lora_targets
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.data.formats import FORMATS
+from alignflow.launch import time_limit
+from alignflow.lease import conditional_writes_problem
 from alignflow.pipeline import Pipeline, PipelineError, Stage
 from alignflow.rewards import resolve
 from alignflow.store import options_for
@@ -45,14 +47,14 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
     for stage in pipeline:
         key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"
         shape = _model_shape(stage.cfg, problems, shapes) if check_paths and "parallel" in stage.section else None
-        problems += _check_stage(stage, key, shape)
+        problems += _check_stage(stage, key, shape) + _check_time_limit(stage, key)
         problems += KIND_CHECKS.get(stage.kind, lambda key, section: [])(key, stage.section)
         problems += _check_lineage(pipeline, stage, cfg if check_paths else None)
         if stage.kind == "prep":
             problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
         if stage.kind == "convert" and check_paths:
             problems += _check_safetensors(stage.cfg) + _check_not_pickled(stage.cfg)
-    problems += _check_retention(cfg.store.retention)
+    problems += _check_retention(cfg.store.retention) + _check_lease(cfg.store)
     if check_paths:
         problems += _check_store(cfg) + _check_launcher(cfg)
     if problems:
@@ -426,9 +428,52 @@ def _check_store(cfg: DictConfig) -> list[str]:
         return []
     try:
         fs.ls(path.split("/")[0])  # the bucket
+        problem = conditional_writes_problem(fs, path) if "s3" in fs.protocol else None
     except Exception as err:  # noqa: BLE001 - every failure to reach the store is the same problem to the user
         return [f"store.root: {root} cannot be reached: {type(err).__name__}: {err} (credentials come from the environment, "
                 "e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; the endpoint from store.storage_options)"]
+    if problem:
+        return [f"store.root: {root} cannot hold alignflow's leases, which need S3's conditional writes: {problem} "
+                "(use an endpoint that supports If-None-Match and If-Match on PUT, e.g. AWS S3 or a recent MinIO)"]
+    return []
+
+
+def _check_lease(store: DictConfig) -> list[str]:
+    """Lease timings that work: holders beat every ttl/4 and jobs check every ttl/8, so the ttl
+    must leave room for a file system's timestamps; a waiter polls at least once per ttl."""
+    ttl, poll, problems = store.lease_ttl_s, store.poll_interval_s, []
+    if not ttl >= MIN_LEASE_TTL_S:
+        problems.append(f"store.lease_ttl_s: must be >= {MIN_LEASE_TTL_S:g} s (holders beat every ttl/4), got {ttl}")
+    if not 0 < poll <= max(ttl, MIN_LEASE_TTL_S):
+        problems.append(f"store.poll_interval_s: must be > 0 and at most store.lease_ttl_s ({ttl}), got {poll}")
+    return problems
+
+
+MIN_LEASE_TTL_S = 2.0
+REQUEUE_MARGIN_MIN = 2.0  # Slurm signals a job 90 s before its time limit (local: 30 s): its work must be saved before
+
+
+def _check_time_limit(stage: Stage, key: str) -> list[str]:
+    """A time limit a job can live with: positive, and for a training stage longer than its
+    checkpoint interval in time, or every requeue would start over from the same checkpoint."""
+    section, launcher = stage.section, stage.cfg.launcher
+    if section.timeout_min is not None and not section.timeout_min > 0:
+        return [f"{key}.timeout_min: must be > 0 minutes, or null for no limit (local jobs), got {section.timeout_min}"]
+    if launcher.name == LauncherName.slurm and not launcher.time_min > 0:
+        return [f"launcher.time_min: must be > 0 minutes, got {launcher.time_min}"]
+    every_n_minutes = OmegaConf.select(section, "checkpoint.every_n_minutes", default=None)
+    if every_n_minutes is not None and not every_n_minutes > 0:
+        return [f"{key}.checkpoint.every_n_minutes: must be > 0 or null, got {every_n_minutes}"]
+    limit = time_limit(launcher, section)
+    if not stage.spec.resumable or limit is None:
+        return []
+    local_limit = launcher.name == LauncherName.local or (section.timeout_min or launcher.time_min) <= launcher.time_min
+    which = f"{key}.timeout_min" if section.timeout_min is not None and local_limit else "launcher.time_min"
+    if every_n_minutes is None or every_n_minutes > limit - REQUEUE_MARGIN_MIN:
+        interval = "null (no checkpoints by time)" if every_n_minutes is None else f"{every_n_minutes:g} min"
+        return [f"{key}.checkpoint.every_n_minutes: {interval} does not fit in the job's time limit of {limit:g} min ({which}) "
+                f"minus {REQUEUE_MARGIN_MIN:g} min for the requeue signal: a job killed by its limit before its first checkpoint "
+                f"starts over after every requeue; set it to at most {max(limit - REQUEUE_MARGIN_MIN, 0):g}, or give the job more time"]
     return []
 
 

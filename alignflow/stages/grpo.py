@@ -202,7 +202,7 @@ def train(run: Run, prompts: Prompts, env: Environment, objective: Objective) ->
             engine.log_step(run, {"step": state.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                                   "tokens": state.tokens, "tokens_per_s": window_tokens / max(window_seconds, 1e-9), **stats.metrics})
             window_seconds, window_tokens = 0.0, 0
-        if last or every(state.step, cfg.checkpoint.every_n_steps):
+        if last or engine.checkpoint_due(run):
             engine.save_checkpoint(run)
     return engine.result(run, first_tokens, summary(run, rollout))
 

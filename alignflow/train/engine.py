@@ -58,6 +58,7 @@ import functools
 import json
 import logging
 import shutil
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +166,7 @@ class Run:
     metrics: Optional[MetricsLog] = None
     last_val_metrics: dict = field(default_factory=dict)
     step_seconds: float = 0.0  # time in training steps (validation and checkpoints are I/O)
+    checkpointed_at: float = field(default_factory=time.monotonic)  # when this job last saved (or started)
 
     @property
     def out(self) -> Path:
@@ -400,7 +402,23 @@ def log_step(run: Run, record: dict) -> None:
         run.metrics.write(record, run.total_steps)
 
 
+def checkpoint_due(run: Run) -> bool:
+    """Every `checkpoint.every_n_steps` steps, and once `every_n_minutes` of wall time have passed
+    since the last save, on rank 0's clock so that every rank saves together (one broadcast of
+    a flag per step): a job killed by its time limit loses at most that much work."""
+    ckpt = run.cfg.checkpoint
+    if every(run.state.step, ckpt.every_n_steps):
+        return True
+    if ckpt.every_n_minutes is None:
+        return False
+    due = torch.tensor([int(time.monotonic() - run.checkpointed_at >= 60 * ckpt.every_n_minutes)], device=device())
+    if dist.get_world_size() > 1:
+        dist.broadcast(due, src=0)
+    return bool(due.item())
+
+
 def save_checkpoint(run: Run) -> None:
+    run.checkpointed_at = time.monotonic()
     gather_weights(run.model)
     path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state, run.trained)
     if run.rank == 0:

@@ -3,7 +3,8 @@
 Each step: this DP rank's micro batches of the step's global batch, one optimizer step; then
 validation every `trainer.val_check_interval` steps (and at the end), a metrics record on
 the first and last steps, every `log_every_n_steps` and after each validation, and a
-checkpoint every `checkpoint.every_n_steps` (and at the end or on early stopping).
+checkpoint every `checkpoint.every_n_steps` or `every_n_minutes` (and at the end or on early
+stopping).
 """
 
 import time
@@ -48,7 +49,7 @@ def supervised(run: Run, data: Supervised, objective: Objective) -> TrainResult:
                 record |= {"val_loss": val_loss, **run.last_val_metrics}
             engine.log_step(run, record)
             window_seconds, window_tokens = 0.0, 0
-        if last or state.stopped_early or every(state.step, cfg.checkpoint.every_n_steps):
+        if last or state.stopped_early or engine.checkpoint_due(run):
             engine.save_checkpoint(run)
     return engine.result(run, first_tokens)
 
