@@ -1,8 +1,20 @@
 """Bad input, tried as a new user would: found before any job where it can be, named by key,
-file or line in the user's terms, nothing committed, and never retried (a StageFailed)."""
+file or line in the user's terms, nothing written, nothing that existed lost or changed, and
+never retried (a StageFailed).
 
+`CASES` is the table: each row is what a user types (`align run ...`, with files set up
+first), and the words the error must say. Each row also checks that `align run` exits 2
+before Prefect starts, that neither the store nor the launcher folder was created, and that
+every file that existed before (the user's, the demo's) is byte for byte the same.
+"""
+
+import hashlib
+import json
 import os
 import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -40,20 +52,6 @@ def test_a_format_of_another_kind_of_data_fails_at_compose(base_overrides):
         refused(base_overrides, "data.sft.format=preference")
 
 
-def test_empty_data_files_and_folders_are_named_as_such(base_overrides, tmp_path):
-    (tmp_path / "empty.jsonl").write_text("")
-    (tmp_path / "folder").mkdir()
-    message = refused(base_overrides, f"data.sft.train={tmp_path / 'empty.jsonl'}", f"data.sft.val={tmp_path / 'folder'}",
-                      f"data.preference.train={tmp_path / '*.parquet'}")
-    assert f"data.sft.train: {tmp_path / 'empty.jsonl'} is an empty file" in message
-    assert f"data.sft.val: {tmp_path / 'folder'} is a folder with no data file in it" in message
-    assert f"data.preference.train: {tmp_path / '*.parquet'} matches no file" in message
-
-
-def test_an_unwritable_store_fails_at_compose(base_overrides):
-    assert "store.root: /proc/alignflow/outputs is not writable: /proc" in refused(base_overrides, "store.root=/proc/alignflow/outputs")
-
-
 def test_an_object_store_without_credentials_fails_at_compose(base_overrides, monkeypatch):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
@@ -77,12 +75,6 @@ def truncated_copy(demo_dir, tmp_path):
     return source
 
 
-def test_a_truncated_safetensors_file_fails_at_compose(base_overrides, demo_dir, tmp_path):
-    source = truncated_copy(demo_dir, tmp_path)
-    message = refused(base_overrides, f"model.source={source}", f"model.tokenizer={demo_dir / 'tokenizer'}", pipeline="convert")
-    assert f"model.source: {source}/model.safetensors is truncated" in message
-
-
 @pytest.mark.slow
 def test_a_job_that_fails_says_its_cause_first_and_is_not_retried(base_overrides, demo_dir, tmp_path):
     """The same truncated file behind the compose check (a file cut short after planning): the
@@ -95,3 +87,146 @@ def test_a_job_that_fails_says_its_cause_first_and_is_not_retried(base_overrides
     first = str(err.value).splitlines()[0]
     assert f"{source}/model.safetensors: short read of" in first
     assert not list((tmp_path / "store" / "convert").glob("*/_SUCCESS.json"))
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Case:
+    """`align run ARGS` after `setup(W, D)` (W: the test's folder, D: the demo assets) must exit 2
+    with every string of `says` in its error (`{W}` and `{D}` filled in)."""
+
+    args: tuple[str, ...]
+    says: tuple[str, ...]
+    setup: Callable[[Path, Path], None] = lambda w, d: None
+    env: dict = field(default_factory=dict)
+
+
+def files(*paths_and_texts) -> Callable[[Path, Path], None]:
+    """A set-up that writes `(path under W, text)` pairs."""
+    def setup(w: Path, d: Path) -> None:
+        for path, text in paths_and_texts:
+            (w / path).parent.mkdir(parents=True, exist_ok=True)
+            (w / path).write_text(text)
+    return setup
+
+
+def model_copy(change: Callable[[Path], None]) -> Callable[[Path, Path], None]:
+    """A copy of the demo model at W/model, then `change(W/model)`."""
+    def setup(w: Path, d: Path) -> None:
+        shutil.copytree(d / "tiny-llama", w / "model")
+        change(w / "model")
+    return setup
+
+
+def truncated(model: Path) -> None:
+    os.truncate(model / "model.safetensors", (model / "model.safetensors").stat().st_size // 2)
+
+
+def pickled_only(model: Path) -> None:
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+
+
+def an_export_marker(files_listed: list[str]) -> Callable[[Path, Path], None]:
+    return files(("prev/alignflow-export.json", json.dumps({"files": files_listed})), ("prev/config.json", "{}"))
+
+
+NEW_EXPORT = "pipeline.stages.export_hf={kind: export, inputs: {model: sft}, destination: {W}/models}"
+CONVERT = ("pipeline=convert", "model.tokenizer={D}/tokenizer")
+ERR_SECRET = "a secret must not be written in the config or an override"
+
+CASES = {
+    # export destinations: never a folder alignflow did not write, never one the pipeline reads or writes
+    "destination-foreign-folder": Case(("export.destination={W}/models",), ("export.destination: {W}/models holds files alignflow did not publish (other/)",),
+                                       files(("models/other/sentinel", "mine"))),
+    "destination-foreign-file": Case(("export.destination={W}/models",), ("export.destination: {W}/models holds files alignflow did not publish (notes.md)",),
+                                     files(("models/notes.md", "mine"))),
+    "destination-untrusted-marker": Case(("export.destination={W}/prev",), ("export.destination: {W}/prev/alignflow-export.json is not a marker alignflow wrote",),
+                                         an_export_marker(["../victim"])),
+    "destination-is-a-file": Case(("export.destination={W}/afile",), ("export.destination: {W}/afile is a file",), files(("afile", "x"))),
+    "destination-in-the-store": Case(("export.destination={W}/store/published",), ("export.destination: {W}/store/published is inside store.root",)),
+    "destination-holds-the-store": Case(("export.destination={W}",), ("export.destination: {W} contains store.root ({W}/store)",)),
+    "destination-is-the-model": Case(("export.destination={D}/tiny-llama",), ("export.destination: {D}/tiny-llama is model.source",)),
+    "destination-holds-the-data": Case(("export.destination={D}/data",), ("export.destination: {D}/data contains data.sft.train",)),
+    "destination-in-the-job-folder": Case(("export.destination={W}/jobs/m",), ("export.destination: {W}/jobs/m is inside launcher.folder",)),
+    "destination-of-two-exports": Case(("export.destination={W}/models", NEW_EXPORT), ("export.destination: {W}/models is pipeline.stages.export_hf.destination",)),
+    # names: one charset wherever a name reaches a path, a shell line or an artifact key
+    "instance-name-uppercase": Case(("pipeline.stages.Export2={kind: export, inputs: {model: sft}}",), ("pipeline.stages.Export2: an instance name must be",)),
+    "instance-name-dash": Case(("pipeline.stages.export-2={kind: export, inputs: {model: sft}}",), ("pipeline.stages.export-2: an instance name must be",)),
+    "pipeline-name-path": Case(("pipeline.name=demo/nightly",), ("pipeline.name: a pipeline name must be",)),
+    "force-a-path": Case(("force=[../sft]",), ("force: '../sft' is not a stage of pipeline 'sft_dpo'",)),
+    "control-character-from-env": Case(("launcher.partition=${oc.env:AF_PARTITION}",), ("launcher.partition: contains the control character '\\n'",),
+                                       env={"AF_PARTITION": "gpu\n#SBATCH --x"}),
+    # values from the environment
+    "env-unset": Case(("sft.trainer.max_steps=${oc.env:AF_UNSET_STEPS}",), ("Environment variable 'AF_UNSET_STEPS' not found", "sft.trainer.max_steps")),
+    "env-not-an-integer": Case(("sft.trainer.max_steps=${oc.env:AF_STEPS}",), ("could not be converted to Integer", "sft.trainer.max_steps"),
+                               env={"AF_STEPS": "forty"}),
+    "env-control-character-in-a-path": Case(("store.root=${oc.env:AF_STORE}",), ("store.root: contains the control character",),
+                                            env={"AF_STORE": "/tmp/a\rb"}),
+    # secrets: from the environment only
+    "secret-wandb": Case(("logging.wandb.api_key=wandb-0123456789abcdef",), (f"logging.wandb.api_key: {ERR_SECRET}", "${oc.env:WANDB_API_KEY}")),
+    "secret-s3-secret": Case(("+store.storage_options.secret=wJalrXUtnFEMI",), (f"store.storage_options.secret: {ERR_SECRET}",)),
+    "secret-s3-key": Case(("+store.storage_options.key=AKIAIOSFODNN7",), (f"store.storage_options.key: {ERR_SECRET}",)),
+    "secret-s3-token": Case(("+store.storage_options.token=FwoGZXIvYXdz",), (f"store.storage_options.token: {ERR_SECRET}",)),
+    "secret-reward-kwargs": Case(("pipeline=sft_grpo", "grpo.environment=[{name: exact_match, kwargs: {api_key: judge-0123456789}}]"),
+                                 (f"grpo.environment[0].kwargs.api_key: {ERR_SECRET}",)),
+    # time limits
+    "timeout-zero": Case(("sft.timeout_min=0",), ("sft.timeout_min: must be > 0 minutes",)),
+    "timeout-negative-prep": Case(("prep.timeout_min=-1",), ("prep.timeout_min: must be > 0 minutes",)),
+    "timeout-shorter-than-checkpoints": Case(("sft.timeout_min=20", "sft.checkpoint.every_n_minutes=30"),
+                                             ("sft.checkpoint.every_n_minutes: 30 min does not fit in the job's time limit of 20 min (sft.timeout_min)",)),
+    "timeout-without-time-checkpoints": Case(("sft.timeout_min=30", "sft.checkpoint.every_n_minutes=null"),
+                                             ("sft.checkpoint.every_n_minutes: null (no checkpoints by time) does not fit",)),
+    "checkpoint-minutes-negative": Case(("sft.checkpoint.every_n_minutes=-5",), ("sft.checkpoint.every_n_minutes: must be > 0 or null",)),
+    "timeout-not-a-number": Case(("sft.timeout_min=soon",), ("sft.timeout_min",)),
+    # lease and poll settings, retention
+    "lease-ttl-too-short": Case(("store.lease_ttl_s=1",), ("store.lease_ttl_s: must be >= 2 s",)),
+    "poll-zero": Case(("store.poll_interval_s=0",), ("store.poll_interval_s: must be > 0",)),
+    "poll-longer-than-ttl": Case(("store.lease_ttl_s=10", "store.poll_interval_s=30"), ("store.poll_interval_s: must be > 0 and at most store.lease_ttl_s",)),
+    "retention-negative": Case(("store.retention.keep_days=-1",), ("store.retention.keep_days: must be >= 0",)),
+    # unreadable or hostile sources, and the rest of what a new user gets wrong
+    "source-pickled-weights-only": Case((*CONVERT, "model.source={W}/model"), ("model.source: {W}/model holds pickled weights only (pytorch_model.bin)",),
+                                        model_copy(pickled_only)),
+    "source-truncated": Case((*CONVERT, "model.source={W}/model"), ("model.source: {W}/model/model.safetensors is truncated",), model_copy(truncated)),
+    "source-missing": Case((*CONVERT, "model.source={W}/nothing"), ("model.source: {W}/nothing/config.json does not exist",)),
+    "tokenizer-missing": Case(("model.tokenizer={W}/nothing",), ("model.tokenizer: {W}/nothing does not exist",)),
+    "data-empty-file": Case(("data.sft.train={W}/empty.jsonl",), ("data.sft.train: {W}/empty.jsonl is an empty file",), files(("empty.jsonl", ""))),
+    "data-empty-folder": Case(("data.sft.val={W}/folder",), ("data.sft.val: {W}/folder is a folder with no data file in it",),
+                              lambda w, d: (w / "folder").mkdir()),
+    "data-glob-matches-nothing": Case(("data.preference.train={W}/*.parquet",), ("data.preference.train: {W}/*.parquet matches no file",)),
+    "store-not-writable": Case(("store.root=/proc/alignflow/outputs",), ("store.root: /proc/alignflow/outputs is not writable: /proc",)),
+    "unknown-key": Case(("sft.optim.lrr=1e-4",), ("Key 'lrr' not in 'OptimConfig'", "sft.optim.lrr")),
+    "tensor-parallel-does-not-divide-heads": Case(("sft.parallel.tensor_model_parallel_size=3", "sft.resources.tasks_per_node=3"),
+                                                  ("sft.parallel.tensor_model_parallel_size: 3 does not divide the model's 4 attention heads",)),
+}
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file and folder under `root`, a file by the sha256 of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+            for p in sorted(root.rglob("*"))}
+
+
+def test_the_table_has_forty_cases():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_refused_by_key_and_nothing_is_written_or_lost(name, demo_dir, tmp_path, monkeypatch, capsys):
+    case = CASES[name]
+    work = tmp_path / "w"
+    work.mkdir()
+    case.setup(work, demo_dir)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
+    fill = lambda text: text.replace("{W}", str(work)).replace("{D}", str(demo_dir))  # noqa: E731
+    before, demo = tree(work), tree(demo_dir)
+    code = main(["run", f"paths.demo={demo_dir}", f"store.root={work / 'store'}", f"launcher.folder={work / 'jobs'}",
+                 *(arg if arg.startswith("pipeline=") else fill(arg) for arg in case.args)])
+    said = capsys.readouterr().out
+    assert code == 2, said
+    for words in case.says:
+        assert fill(words) in said, said
+    assert not (work / "store").exists() and not (work / "jobs").exists()  # nothing written
+    assert tree(work) == before and tree(demo_dir) == demo  # nothing lost or changed

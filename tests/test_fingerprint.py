@@ -13,7 +13,8 @@ from alignflow.runner import plan, stage_identity
 
 
 def fp(overrides, stage="prep", upstream=None):
-    return fingerprint(stage_identity(Pipeline.build(compose("sft_dpo", overrides))[stage], upstream or {}))
+    """Without the compose checks of paths and tools (launcher=slurm needs no sbatch here)."""
+    return fingerprint(stage_identity(Pipeline.build(compose("sft_dpo", overrides, check_paths=False))[stage], upstream or {}))
 
 
 def test_canonical_json_is_order_independent_and_refuses_unknown_types():

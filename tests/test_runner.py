@@ -1,9 +1,7 @@
 """The runner never corrupts an output: concurrent runs share one job, failures commit nothing, a
-killed run leaves no process behind and its rerun resumes."""
+killed job leaves no process behind (a killed run's job is adopted by its rerun: tests/test_faults.py)."""
 
 import json
-import os
-import re
 import subprocess
 import sys
 import time
@@ -128,58 +126,6 @@ def alive(processes: list[psutil.Process]) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return running
-
-
-@pytest.mark.slow
-def test_killing_the_flow_process_leaves_no_orphan_and_the_rerun_resumes(base_overrides, tmp_path):
-    """`align run` (Prefect's ephemeral server, local jobs) is SIGKILLed once SFT has a checkpoint.
-    Before the rerun takes the lease over, nothing the killed run started is left: not its
-    Prefect server, not its SFT job, not the processes that job started. The rerun resumes from
-    the checkpoint and commits a metrics.jsonl with each step once."""
-    overrides = [*base_overrides, "store.lease_ttl_s=6", "store.poll_interval_s=0.5", "sft.trainer.max_steps=9", "sft.optim.warmup_steps=1",
-                 "sft.checkpoint.every_n_steps=3", "sft.trainer.log_every_n_steps=1", "sft.trainer.val_check_interval=3",
-                 "sft.trainer.limit_val_batches=1", "eval.num_generation_samples=4", "eval.limit_batches=1"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # ephemeral mode, as a plain `align run`
-    command = [sys.executable, "-m", "flows.cli", "run", "pipeline=demo", *overrides]
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 300
-    while not list((tmp_path / "store" / "sft" / "_staging").glob("*/checkpoints/step-00000003/complete")):
-        assert first.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-3000:]
-        time.sleep(0.2)
-    started = psutil.Process(first.pid).children(recursive=True)
-    commands = " ".join(" ".join(p.cmdline()) for p in started)
-    assert "uvicorn" in commands and "submitit" in commands, commands  # the ephemeral server and the SFT job
-    lease = next((tmp_path / "store" / "sft" / "_leases").glob("*.json"))
-    killed_owner = json.loads(lease.read_text())["owner"]
-    first.kill()
-    first.wait()
-
-    with open(tmp_path / "second.log", "w") as log:
-        second = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        while True:  # until the rerun holds the lease
-            try:
-                owner = json.loads(lease.read_text())["owner"]
-            except (FileNotFoundError, ValueError):
-                owner = None
-            if owner not in (None, killed_owner):
-                break
-            assert second.poll() is None and time.time() < deadline, (tmp_path / "second.log").read_text()[-3000:]
-            time.sleep(0.05)
-        assert alive(started) == []
-        assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    finally:
-        second.kill()  # its own watcher ends what it started
-        for process in started:
-            if process.is_running():
-                process.kill()
-
-    output = (tmp_path / "second.log").read_text()
-    resumed = re.search(r"resumed from \S+/step-\d+ \(step (\d+) of 9\)", output)  # a checkpoint of the killed run's (steps are fast)
-    assert resumed and int(resumed.group(1)) in (3, 6), output[-3000:]
-    committed = next((tmp_path / "store" / "sft").glob("*/metrics.jsonl"))
-    assert [json.loads(line)["step"] for line in committed.read_text().splitlines()] == list(range(1, 10))
 
 
 def sleeping_after_a_checkpoint(*args):
