@@ -1,15 +1,18 @@
 """The local launcher runs real processes: ranks get torch.distributed, failures surface."""
 
+import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import cloudpickle
 import pytest
 from omegaconf import OmegaConf
 
 from alignflow.config.schema import LauncherConfig
-from alignflow.launch import RENDEZVOUS_PORTS, InfrastructureError, StageFailed, make_executor, submit, wait
+from alignflow.launch import RENDEZVOUS_PORTS, InfrastructureError, StageFailed, job_record, make_executor, submit, wait
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job imports this file's functions by value
 
@@ -125,3 +128,79 @@ def test_an_interrupted_block_cancels_the_jobs_its_threads_wait_on(tmp_path):
     while outcome["job"].state == "RUNNING" and time.time() < deadline:
         time.sleep(0.2)
     assert outcome["job"].state != "RUNNING"  # the local job's processes are gone
+
+
+def test_a_job_killed_by_its_time_limit_is_reported_as_such(tmp_path):
+    job = submit(launcher(tmp_path), section(timeout_min=0.1), "slow", sleep_long)  # 6 s
+    with pytest.raises(InfrastructureError) as err:
+        wait(job, lambda _: None, poll_s=0.2, record=job_record(job, 0.1))
+    assert str(err.value).startswith(f"job {job.job_id} was killed by its time limit (0.1 min)")
+    assert err.value.job["state"] == "TIMEOUT"
+
+
+HOG = """
+import json, sys
+from omegaconf import OmegaConf
+from alignflow.config.schema import LauncherConfig
+from alignflow.launch import InfrastructureError, job_record, submit, wait
+
+def hog():
+    blocks = []
+    while True:
+        blocks.append(b"\\1" * (32 << 20))  # touched pages, unlike a zeroed bytearray
+
+launcher = OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": sys.argv[1]})
+section = OmegaConf.create({"resources": {"nodes": 1, "tasks_per_node": 1}, "timeout_min": 5})
+job = submit(launcher, section, "hog", hog)
+try:
+    wait(job, lambda _: None, poll_s=0.2, record=job_record(job, 5))
+except InfrastructureError as err:
+    print(json.dumps({"error": str(err).splitlines()[0], "state": err.job["state"]}))
+"""
+
+
+def memory_cgroup(limit: int) -> Path | None:
+    """A new memory cgroup under this process's own, holding at most `limit` bytes (no swap):
+    cgroup v1's memory controller or v2's unified hierarchy; None where this process may not
+    make one (not root, no memory controller)."""
+    import uuid
+
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base, limits = Path(f"/sys/fs/cgroup/memory{path}"), {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
+        elif not controllers and Path(f"/sys/fs/cgroup{path}/memory.max").parent.exists():
+            base, limits = Path(f"/sys/fs/cgroup{path}"), {"memory.max": limit, "memory.swap.max": 0}
+        else:
+            continue
+        group = base / f"alignflow-test-{uuid.uuid4().hex[:8]}"
+        try:
+            group.mkdir()
+            for name, value in limits.items():
+                if (group / name).exists():
+                    (group / name).write_text(str(value))
+            return group
+        except OSError:
+            if group.exists():
+                group.rmdir()
+    return None
+
+
+def test_a_job_killed_for_memory_is_reported_as_such(tmp_path):
+    """A real OOM kill: the submitting process runs in a memory cgroup of 400 MB with its local
+    job, whose rank allocates until the kernel kills it."""
+    group = memory_cgroup(400 << 20)
+    if group is None:
+        pytest.skip("cannot make a memory cgroup here (root and a memory controller are needed; CI has both)")
+    try:
+        enter = lambda: (group / "cgroup.procs").write_text("0")  # noqa: E731 - this child, before it execs
+        done = subprocess.run([sys.executable, "-c", HOG, str(tmp_path / "jobs")], preexec_fn=enter, capture_output=True, text=True,
+                              timeout=300, cwd=Path(__file__).parents[1])
+        outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        for process in (group / "cgroup.procs").read_text().split():
+            os.kill(int(process), 9)
+        time.sleep(0.5)
+        group.rmdir()
+    assert outcome["state"] == "OUT_OF_MEMORY", outcome
+    assert "was killed for running out of memory" in outcome["error"]
