@@ -413,7 +413,7 @@ def test_a_queued_job_of_a_dead_run_is_cancelled_and_touches_nothing(slurm_clust
 
 
 def slurm_state(job_id: str) -> str:
-    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-o", "State"], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True).stdout.split()
     return out[0] if out else ""
 
 
@@ -424,3 +424,69 @@ def wait_for(done, timeout: float) -> bool:
             return False
         time.sleep(0.5)
     return True
+
+
+class Forgetful(Link):
+    """An S3 endpoint that ignores conditional writes, as some S3-compatible stores do: a proxy
+    that drops the If-Match and If-None-Match headers of every request on its way."""
+
+    DROPPED = (b"if-match:", b"if-none-match:")
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return
+            remote = socket.create_connection(self.upstream)
+            threading.Thread(target=self._requests, args=(client.makefile("rb"), remote), daemon=True).start()
+            threading.Thread(target=self._pump, args=(remote, client), daemon=True).start()
+
+    def _requests(self, incoming, remote: socket.socket) -> None:
+        """Each request's head without the dropped headers, then its body as it came."""
+        try:
+            while line := incoming.readline():
+                head, length, chunked = [line], 0, False
+                while (line := incoming.readline()) not in (b"\r\n", b""):
+                    name = line.lower()
+                    length = int(line.split(b":", 1)[1]) if name.startswith(b"content-length:") else length
+                    chunked |= name.startswith(b"transfer-encoding:") and b"chunked" in name
+                    if not name.startswith(self.DROPPED):
+                        head.append(line)
+                remote.sendall(b"".join(head) + b"\r\n")
+                remote.sendall(incoming.read(length) if not chunked else self._chunks(incoming))
+        except OSError:
+            pass
+
+    @staticmethod
+    def _chunks(incoming) -> bytes:
+        body = b""
+        while True:
+            size_line = incoming.readline()
+            body += size_line
+            size = int(size_line.split(b";")[0], 16)
+            body += incoming.read(size + 2)
+            if size == 0:
+                while (trailer := incoming.readline()) not in (b"\r\n", b""):
+                    body += trailer
+                return body + b"\r\n" if not body.endswith(b"\r\n\r\n") else body
+
+
+def test_an_s3_store_without_conditional_writes_is_refused_at_compose(s3_endpoint, base_overrides, tmp_path):
+    """Leases on S3 rely on If-None-Match and If-Match: an endpoint that ignores them would let
+    two runs produce one output. The real endpoint passes the probe; behind a proxy that drops
+    those headers it is refused, naming the key and what failed, and nothing is left behind."""
+    import fsspec
+
+    from alignflow.config.compose import ConfigError
+
+    host, port = s3_endpoint.removeprefix("http://").split(":")
+    forgetful = Forgetful((host, int(port)))
+    root = f"s3://test/conditional/{tmp_path.name}"
+    compose("demo", [*base_overrides, f"store.root={root}", f"+store.storage_options.client_kwargs.endpoint_url={s3_endpoint}"])
+    with pytest.raises(ConfigError) as err:
+        compose("demo", [*base_overrides, f"store.root={root}",
+                         f"+store.storage_options.client_kwargs.endpoint_url=http://127.0.0.1:{forgetful.port}"])
+    assert f"store.root: {root} cannot hold alignflow's leases, which need S3's conditional writes: it overwrote an object" in str(err.value)
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    assert not fs.exists(root) or fs.find(root) == []
