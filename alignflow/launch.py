@@ -41,7 +41,7 @@ from omegaconf import DictConfig
 
 from alignflow.config.schema import LauncherConfig, LauncherName
 from alignflow.lease import this_process
-from alignflow.orphans import reap_on_exit
+from alignflow.orphans import end, reap_on_exit
 
 ERROR_TAIL_LINES = 40
 STATE_POLL_S = 2.0  # sacct at most this often per job: submitit's own watcher waits up to 600 s
@@ -199,8 +199,7 @@ CANCEL_WAIT_S = 5.0
 
 
 def _end_local(jobs: Iterable[submitit.Job]) -> None:
-    """Wait for cancelled local jobs' controllers (which stop their ranks) to exit; kill what is
-    left of them after CANCEL_WAIT_S."""
+    """End cancelled local jobs' controllers and ranks within CANCEL_WAIT_S."""
     processes = []
     for job in jobs:
         try:
@@ -208,12 +207,7 @@ def _end_local(jobs: Iterable[submitit.Job]) -> None:
             processes += [controller, *controller.children(recursive=True)]
         except psutil.Error:
             continue
-    _, alive = psutil.wait_procs(processes, timeout=CANCEL_WAIT_S)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
+    end(processes, CANCEL_WAIT_S)
 
 
 _scope: ContextVar[_Scope | None] = ContextVar("alignflow_launch_scope", default=None)

@@ -53,7 +53,7 @@ def watch(parent_pid: int) -> None:
             time.sleep(POLL_S)
     except psutil.Error:
         pass
-    _end(last)
+    end(last)
 
 
 LOCAL_JOB = "submitit.local._local"  # in the command line of a local job's controller
@@ -75,13 +75,14 @@ def _helpers(parent: psutil.Process, me: int) -> list[psutil.Process]:
     return found
 
 
-def _end(processes: list[psutil.Process]) -> None:
+def end(processes: list[psutil.Process], grace_s: float = GRACE_S) -> None:
+    """SIGTERM, then SIGKILL to those still alive after `grace_s`."""
     for process in processes:
         try:
             process.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(processes, timeout=GRACE_S)
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
     for process in alive:
         try:
             process.kill()

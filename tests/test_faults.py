@@ -298,8 +298,11 @@ class Link:
                 return
             remote = socket.create_connection(self.upstream)
             self.connections += [client, remote]
-            for a, b in ((client, remote), (remote, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            self._connect(client, remote)
+
+    def _connect(self, client: socket.socket, remote: socket.socket) -> None:
+        for a, b in ((client, remote), (remote, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pump(a: socket.socket, b: socket.socket) -> None:
@@ -432,15 +435,9 @@ class Forgetful(Link):
 
     DROPPED = (b"if-match:", b"if-none-match:")
 
-    def _accept(self, server: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = server.accept()
-            except OSError:
-                return
-            remote = socket.create_connection(self.upstream)
-            threading.Thread(target=self._requests, args=(client.makefile("rb"), remote), daemon=True).start()
-            threading.Thread(target=self._pump, args=(remote, client), daemon=True).start()
+    def _connect(self, client: socket.socket, remote: socket.socket) -> None:
+        threading.Thread(target=self._requests, args=(client.makefile("rb"), remote), daemon=True).start()
+        threading.Thread(target=self._pump, args=(remote, client), daemon=True).start()
 
     def _requests(self, incoming, remote: socket.socket) -> None:
         """Each request's head without the dropped headers, then its body as it came."""
