@@ -124,8 +124,8 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
     logger = get_run_logger()
     logger.info("\n".join(lines))
     if missed := dashboard.drain(DRAIN_S):
-        logger.warning(f"the Prefect API was unreachable to the end: the UI misses {len(missed)} updates ({', '.join(missed[:5])}); "
-                       f"every stage's output and the run's record are in the store: {record}")
+        logger.warning(f"the Prefect API is still unreachable: {len(missed)} updates of the UI wait for it "
+                       f"({', '.join(missed[:5])}); every stage's output and the run's record are in the store: {record}")
 
 
 def _write_report(stages: Pipeline, rows: list[dict]) -> str:

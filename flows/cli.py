@@ -103,10 +103,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not _api_unreachable(err):
             raise
         return _finished_without_api(pipeline, overrides, err)
+    finally:
+        _ui_caught_up()
     console.print("\n[bold]outputs[/]")
     for stage, result in results.items():
         console.print(f"  {stage:<13} {'cache hit' if result.cached else 'ran':<9} {result.uri}")
     return 0
+
+
+def _ui_caught_up() -> None:
+    """Give the UI's last updates the time the flow's own end took (the API may just be back)."""
+    from flows.align import DRAIN_S
+    from tasks import dashboard
+
+    if missed := dashboard.drain(DRAIN_S):
+        console.print(f"[yellow]the Prefect UI missed {len(missed)} updates of this run ({', '.join(missed[:5])}): its API "
+                      "did not come back in time[/]", highlight=False)
 
 
 def _api_unreachable(err: BaseException | None) -> bool:

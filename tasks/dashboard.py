@@ -22,6 +22,8 @@ from uuid import UUID
 from prefect.artifacts import LinkArtifact, MarkdownArtifact, ProgressArtifact, TableArtifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.context import SyncClientContext
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from prefect.utilities.context import get_task_and_flow_run_ids
 
 log = logging.getLogger("alignflow.dashboard")
@@ -89,9 +91,18 @@ _queue = _Queue()
 
 
 def call(key: str, fn: Callable[[], Any]) -> None:
-    """Make `fn()` soon, in this thread's context, replacing a call of the same key still queued."""
+    """Make `fn()` soon, in this thread's context, replacing a call of the same key still queued.
+    The client does not retry it (its retries would hold the queue a minute per call while the
+    API is down): the queue's backoff does."""
     context = contextvars.copy_context()
-    _queue.add(key, lambda: context.copy().run(fn))
+    _queue.add(key, lambda: context.copy().run(_once, fn))
+
+
+def _once(fn: Callable[[], Any]) -> Any:
+    """`fn()` with a client of its own: the run's may be closed by now (a replay after its end)."""
+    SyncClientContext.__var__.set(None)
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}), SyncClientContext():
+        return fn()
 
 
 def drain(timeout_s: float) -> list[str]:
