@@ -81,7 +81,7 @@ def committed(tmp_path_factory, demo_dir):
 def planned(overrides: list[str], capsys) -> dict[str, dict]:
     capsys.readouterr()
     assert main(["plan", "--json", "pipeline=sft_grpo", *overrides]) == 0
-    return {row["stage"]: row for row in json.loads(capsys.readouterr().out) if row["stage"] in TRAINED}
+    return {row["stage"]: row for row in json.loads(capsys.readouterr().out)["stages"] if row["stage"] in TRAINED}
 
 
 def env_tag(value) -> str:
