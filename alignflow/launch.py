@@ -213,7 +213,7 @@ def _end_local(jobs: Iterable[submitit.Job]) -> None:
 _scope: ContextVar[_Scope | None] = ContextVar("alignflow_launch_scope", default=None)
 
 
-STOP_S = 8.0  # a stopped run has exited this long after the signal, whatever Prefect's API does
+STOP_S = 9.0  # a stopped run has exited this long after the signal, whatever Prefect's API does
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 

@@ -29,7 +29,8 @@ from tasks import dashboard
 from tasks.stage import Upstream, format_value, task_for
 
 RENAME_WAIT_S = 10.0  # how long a submitted task run may take to reach the server
-CANCEL_WAIT_S = 2.5  # how long a stopped run waits for its stages to end Cancelled, then for the UI to say so
+CANCEL_WAIT_S = 5.0  # how long a stopped run waits for its stages to end Cancelled (a Slurm job's cancel takes seconds)
+UI_WAIT_S = 2.0  # then for the UI to show it: the process ends launch.STOP_S after the signal in any case
 DRAIN_S = 30.0  # how long a finished run waits for the UI to catch up with a Prefect API that is down
 
 
@@ -82,18 +83,19 @@ def _name_task_runs(futures: dict[str, PrefectFuture]) -> None:
 
 
 def _cancel_unfinished(futures: dict[str, PrefectFuture]) -> None:
-    """Every stage of a cancelled flow run ends Cancelled. The running ones do so themselves as
+    """Every stage of a stopped flow run ends Cancelled. The running ones do so themselves as
     their jobs are cancelled; those waiting on them then give up as Prefect's NotReady
-    (Pending), which the UI would show for ever: once every stage's thread is done, those are
-    marked Cancelled (best effort: a stop never waits on the API)."""
+    (Pending), which the UI would show for ever: those are marked Cancelled once their thread is
+    done (never before: its own NotReady would come after). Best effort: a stop never waits on
+    the API for long."""
     deadline = time.monotonic() + CANCEL_WAIT_S
     for future in futures.values():
         future.wait(timeout=max(deadline - time.monotonic(), 0.0))
     for name, future in futures.items():
-        if not future.state.is_final():
+        if future.wrapped_future.done() and not future.state.is_final():
             state = Cancelled(message=f"{name}: its flow run was cancelled")
             dashboard.call(f"cancel:{name}", lambda run=future.task_run_id, state=state: _force_state(run, state))
-    dashboard.drain(CANCEL_WAIT_S)
+    dashboard.drain(UI_WAIT_S)
 
 
 def _force_state(task_run_id, state) -> None:
