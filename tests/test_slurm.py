@@ -194,7 +194,7 @@ def test_a_job_cancelled_outside_is_noticed_within_seconds_and_may_be_retried(tm
         if "sleeping" in line:
             subprocess.run(["scancel", job.job_id], check=True)
 
-    with pytest.raises(InfrastructureError, match=f"job {job.job_id} ended without a result \\(CANCELLED\\)"):
+    with pytest.raises(InfrastructureError, match=f"job {job.job_id} was cancelled outside alignflow \\(CANCELLED\\)"):
         wait(job, log, poll_s=0.5)
     cancelled = min(t for line, t in seen.items() if "sleeping" in line)
     print(f"CANCELLED logged {seen[f'job {job.job_id}: CANCELLED'] - cancelled:.1f} s after scancel; raised after {time.time() - cancelled:.1f} s")
