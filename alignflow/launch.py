@@ -235,7 +235,10 @@ def cancel_jobs_on_interrupt() -> Iterator[None]:
         yield
     except Exception:
         raise
-    except BaseException:  # KeyboardInterrupt, Prefect's TerminationSignal, SystemExit
+    except BaseException as stop:  # KeyboardInterrupt, Prefect's TerminationSignal, SystemExit
+        signum = getattr(stop, "signal", signal.SIGINT if isinstance(stop, KeyboardInterrupt) else None)
+        if signum is not None and not scope.cancelled.is_set():
+            _begin_stop(scope, signum)
         scope.cancel()
         raise
     finally:
@@ -246,33 +249,42 @@ def cancel_jobs_on_interrupt() -> Iterator[None]:
 
 def _on_stop_signals(scope: _Scope) -> dict:
     """Install the stop handlers (main thread only); returns the handlers they replace, which
-    they call in turn: Prefect's SIGTERM handler raises its TerminationSignal, Python's SIGINT
-    handler KeyboardInterrupt; SIGHUP, whose default would end the process on the spot,
-    raises KeyboardInterrupt."""
+    they call in turn: Python's SIGINT handler raises KeyboardInterrupt; SIGHUP, whose default
+    would end the process on the spot, raises KeyboardInterrupt. A SIGTERM handler already in
+    place stays: it is Prefect's, which raises TerminationSignal (ending the block, which then
+    stops) and must stay installed for its runner's cancel to be acknowledged (a flow run
+    cancelled from the UI would otherwise end Crashed)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    if callable(previous[signal.SIGTERM]):
+        del previous[signal.SIGTERM]
 
     def stop(signum, frame):
         if not scope.cancelled.is_set():
-            threading.Thread(target=_stop, args=(scope, signum), name="stop", daemon=True).start()
+            _begin_stop(scope, signum)
         handler = previous[signum]
         if callable(handler):
             handler(signum, frame)
         raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
-    for signum in STOP_SIGNALS:
+    for signum in previous:
         signal.signal(signum, stop)
     return previous
 
 
-def _stop(scope: _Scope, signum: int) -> None:
+def _begin_stop(scope: _Scope, signum: int) -> None:
     """Cancel the scope's jobs now, and end the process STOP_S after the signal if it still runs."""
     deadline = time.monotonic() + STOP_S
-    scope.cancel()
-    time.sleep(max(deadline - time.monotonic(), 0.0))
-    _log.warning("still running %.0f s after %s: exiting now (the jobs were cancelled)", STOP_S, signal.Signals(signum).name)
-    os._exit(128 + signum)
+
+    def stop() -> None:
+        scope.cancel()
+        time.sleep(max(deadline - time.monotonic(), 0.0))
+        _log.warning("still running %.0f s after %s: exiting now (the jobs were cancelled)", STOP_S, signal.Signals(signum).name)
+        os._exit(128 + signum)
+
+    scope.cancelled.set()
+    threading.Thread(target=stop, name="stop", daemon=True).start()
 
 
 def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Callable, *args: Any,
