@@ -39,11 +39,11 @@ from torch import Tensor
 
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
+from alignflow.device import device
 from alignflow.megatron.runtime import parallel_sizes
 
 # TransformerConfig settings where CUDA is absent.
 CPU_SETTINGS = {
-    "use_cpu_initialization": True,  # weights built on the CPU, from the full weight: TP ranks agree
     "batch_p2p_sync": False,  # it calls torch.cuda.synchronize
     # On gloo, the interleaved (virtual PP) schedule's batched isend/irecv pairs activations and
     # gradients of the same shape in the wrong order; one op at a time in Megatron's fixed
@@ -91,6 +91,8 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
         moe_token_dispatcher_type="alltoall",
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
+        # On the CPU the weights are built from the full weight (TP ranks agree); elsewhere on the rank's device.
+        use_cpu_initialization=device().type == "cpu",
         **({} if torch.cuda.is_available() else CPU_SETTINGS),
     )
     return TransformerConfig(**{**settings, **overrides})
@@ -301,8 +303,7 @@ def _build_chunk(common: dict, vp_stage: Optional[int], vp_size: Optional[int]) 
     model = GPTModel(pre_process=pre, post_process=post, vp_stage=vp_stage, **common)
     # Every weight in params_dtype: the local spec builds its norms in fp32 whatever it says
     # (Megatron-LM's Float16Module casts them too; its optimizers expect one dtype).
-    model.to(common["config"].params_dtype)
-    return model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model
+    return model.to(device=device(), dtype=common["config"].params_dtype)
 
 
 def checkpoint_names(model: GPTModel) -> dict[str, str]:

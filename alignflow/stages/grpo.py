@@ -52,6 +52,7 @@ from alignflow.checkpoint import ModelOutput
 from alignflow.config.schema import GRPOLossConfig
 from alignflow.config.validate import grpo_batch_problems
 from alignflow.data.prepared import Prepared
+from alignflow.device import device
 from alignflow.generation import Completion, Sampling, generate
 from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import lora
@@ -60,7 +61,7 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train import engine
 from alignflow.train.data import packed_rows
 from alignflow.train.datasets import Prompts
-from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, device, every, finish, training
+from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, every, finish, training
 from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.grpo")

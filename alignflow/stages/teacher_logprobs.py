@@ -24,10 +24,11 @@ from megatron.core import parallel_state
 
 from alignflow.data import teacher_topk
 from alignflow.data.prepared import Prepared
+from alignflow.device import device
 from alignflow.megatron.model import document_params, packed_thd
 from alignflow.megatron.vocab_parallel import topk_logprobs
 from alignflow.train.datasets import PackedSFT
-from alignflow.train.engine import device, forward_only_splits, schedule
+from alignflow.train.engine import forward_only_splits, schedule
 
 log = logging.getLogger("alignflow.teacher_logprobs")
 

@@ -77,6 +77,7 @@ from torch import Tensor
 
 from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
 from alignflow.data.prepared import Prepared
+from alignflow.device import device, to_device
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import lora, runtime
 from alignflow.megatron.decoder import LeanForward
@@ -599,16 +600,6 @@ def all_reduce_dp(value, op=dist.ReduceOp.SUM):
     t = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64, device=device())
     dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
     return type(value)(t.item())
-
-
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def to_device(batch: dict) -> dict:
-    if not torch.cuda.is_available():
-        return batch
-    return {k: v.cuda(non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
 
 
 def every(step: int, interval: int) -> bool:
