@@ -5,10 +5,10 @@ device, go through autograd as a GPU's do, and run every op on the CPU tensor th
 that mixes them with plain CPU tensors raises `DeviceMismatch` naming the op, as CUDA would
 refuse it, with CUDA's exceptions: copies between devices, and 0-dim CPU tensors as operands of
 elementwise ops. Stricter than CUDA in one place: CPU index tensors (CUDA copies them to the GPU
-and waits, at every call) are a mismatch too. A draw on accel tensors must use a generator made
-for `accel` (`generator_factory`: the Python backend has no generators, so one made for accel
-is a CPU generator that the checks know).
-Counts what reaches the host from accel (`host_reads`): each is a GPU sync.
+and waits, at every call) are a mismatch too. A draw for accel tensors from a CPU generator
+fails, as on CUDA (the Python backend has no generators of its own, so draws from a device
+generator cannot run here). Counts what reaches the host from accel (`host_reads`): each is a
+GPU sync.
 
 Factories that name the device (`torch.zeros(n, device=accel)`) reach the PrivateUse1 kernels
 registered below; everything else reaches `OnAccel.__torch_dispatch__`.
@@ -32,7 +32,6 @@ CPU_SCALAR_OPS = {aten.where.self, aten.masked_fill.Tensor, aten.masked_fill_.Te
 HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
 
 host_reads = 0  # since the process started; tests read differences
-_accel_generators: list[torch.Generator] = []
 
 
 class DeviceMismatch(RuntimeError):
@@ -102,7 +101,7 @@ def _check(func, wrapped: list, plain: list, generator) -> None:
     if stray:
         shapes = ", ".join(f"{t.device} {list(t.shape)}" for t in stray)
         raise DeviceMismatch(f"device mismatch: {func} got tensors on {ACCEL} and on {shapes}")
-    if generator is not None and not any(generator is g for g in _accel_generators):
+    if generator is not None:
         raise DeviceMismatch(f"device mismatch: {func} draws for {ACCEL} tensors from a {generator.device} generator")
 
 
@@ -122,19 +121,6 @@ def _unwrap(value):
     return value
 
 
-def generator_factory(real=torch.Generator):
-    """`torch.Generator` as tests on accel see it: one asked for accel is a CPU generator the
-    checks accept for accel tensors (the Python backend has no generators of its own)."""
-    def make(device="cpu"):
-        if torch.device(device).type != NAME:
-            return real(device)
-        made = real()
-        _accel_generators.append(made)
-        return made
-
-    return make
-
-
 # Factories that name the device: the rest (zeros, full, arange, tensor, ...) fill what these make.
 _lib = torch.library.Library("aten", "IMPL")
 
@@ -148,6 +134,8 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
 
 
 def _copy_from(source, destination, non_blocking=False):
+    global host_reads
+    host_reads += isinstance(source, OnAccel) and not isinstance(destination, OnAccel)
     _unwrap(destination).copy_(_unwrap(source))
     return destination
 

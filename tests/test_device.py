@@ -2,14 +2,14 @@
 as it would on a GPU (`tests/accelerator.py`: device `accel`, CPU tensors inside, CUDA's rules
 on mixing devices), and computes there what it computes on the CPU."""
 
-import json
+import ast
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from alignflow import device
+from alignflow import PROJECT_ROOT, device
 from alignflow.data.prepared import Prepared
 from alignflow.generation import EOS_CHECK_EVERY_DEFAULT, Sampling, generate
 from alignflow.megatron import runtime
@@ -128,3 +128,20 @@ def test_generation_reads_the_host_once_a_stretch_and_samples_what_the_cpu_sampl
     assert on_device[0].logps == pytest.approx(on_cpu[0].logps, abs=1e-5)
     batches, stretches = 4, -(-24 // EOS_CHECK_EVERY_DEFAULT)
     assert reads <= batches * (stretches + 3)  # + the prompts' unique rows, the padding check, the final tokens
+
+
+# torch's factories that make a tensor (or generator) on the CPU unless told otherwise
+FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn", "randint", "randperm",
+             "Generator"}
+
+
+def test_every_tensor_factory_in_alignflow_says_where():
+    """Where the step tests do not reach: every factory call names its device, the rank's
+    (`alignflow.device.device()`, an input's) or "cpu" for host data on purpose."""
+    silent = []
+    for path in sorted((PROJECT_ROOT / "alignflow").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES
+                    and ast.unparse(node.func.value) == "torch" and not any(k.arg == "device" for k in node.keywords)):
+                silent.append(f"{path.relative_to(PROJECT_ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not silent, "tensors made without a device:\n" + "\n".join(silent)

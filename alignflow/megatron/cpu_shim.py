@@ -69,7 +69,7 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
             raise ValueError(f"rng state {name} already exists")
         self._is_initialized = True
         self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+        self.states_[name] = torch.Generator(device="cpu").manual_seed(seed).get_state()
 
     @contextlib.contextmanager
     def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
@@ -152,7 +152,7 @@ def _cuda_type_name(tensor: torch.Tensor, dtype=None, non_blocking: bool = False
 
 
 def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 def apply() -> None:

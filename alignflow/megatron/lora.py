@@ -157,8 +157,8 @@ def fuse_last_dim(module: targets.Module, parts: list[Tensor], config: Any) -> T
 
 def initial_a(r: int, fan_in: int, seed: int, layer: int, path: str, part: str) -> Tensor:
     """PEFT's A (kaiming uniform, a = sqrt(5)), whole, from a generator of its own."""
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{layer}:{path}:{part}".encode()))
-    a = torch.empty(r, fan_in)
+    generator = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{layer}:{path}:{part}".encode()))
+    a = torch.empty(r, fan_in, device="cpu")
     return nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
 

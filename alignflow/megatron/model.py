@@ -189,28 +189,33 @@ class Documents(PackedSeqParams):
         return starts, lengths, np.where(lengths > ALONE, lengths, rounded)
 
     @cached_property
-    def groups(self) -> list[tuple[int, Tensor | slice, Tensor | None]]:
+    def plan(self) -> list[tuple[int, np.ndarray | slice, np.ndarray | None]]:
         """(length, gather index [documents, length] or a long document's slice, real-position
-        mask [documents, length] or None for a slice)."""
+        mask [documents, length] or None for a slice), on the host."""
         starts, lengths, grouped = self.lengths
-        groups = [(int(n), slice(int(a), int(a + n)), None) for a, n in zip(starts, lengths) if n > ALONE]
+        plan = [(int(n), slice(int(a), int(a + n)), None) for a, n in zip(starts, lengths) if n > ALONE]
         short = lengths <= ALONE
         for length in np.unique(grouped[short]).tolist():
             picked = (grouped == length) & short
             offsets = np.arange(length)
             real = offsets[None] < lengths[picked, None]
-            index = np.where(real, starts[picked, None] + offsets[None], starts[picked, None])
-            groups.append((length, torch.from_numpy(index), torch.from_numpy(real)))
-        return groups
+            plan.append((length, np.where(real, starts[picked, None] + offsets[None], starts[picked, None]), real))
+        return plan
+
+    @cached_property
+    def groups(self) -> list[tuple[int, Tensor | slice, Tensor | None]]:
+        """`plan` with its index and mask tensors on the documents' device, where attention gathers."""
+        on = self.cu_seqlens_q.device
+        return [(n, where if real is None else torch.from_numpy(where).to(on), None if real is None else torch.from_numpy(real).to(on))
+                for n, where, real in self.plan]
 
     @cached_property
     def order(self) -> Tensor:
         """Where each flattened position lies in the groups' concatenated outputs."""
-        positions = np.concatenate([np.arange(where.start, where.stop) if real is None else where.numpy()[real.numpy()]
-                                    for _, where, real in self.groups])
+        positions = np.concatenate([np.arange(where.start, where.stop) if real is None else where[real] for _, where, real in self.plan])
         order = np.empty_like(positions)
         order[positions] = np.arange(len(positions))
-        return torch.from_numpy(order)
+        return torch.from_numpy(order).to(self.cu_seqlens_q.device)
 
     @cached_property
     def worthwhile(self) -> bool:

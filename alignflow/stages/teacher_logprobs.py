@@ -68,7 +68,7 @@ def row_topk(chunks: list, rows: PackedSFT, micro_batch_size: int, k: int, vocab
 
     def _topk(logits):
         logp, ids = topk_logprobs(logits, k, vocab_size)
-        return logits.new_zeros(()), torch.tensor(1), {"logp": logp.cpu(), "ids": ids.cpu()}
+        return logits.new_zeros(()), torch.tensor(1, device=logits.device), {"logp": logp.cpu(), "ids": ids.cpu()}  # host data to write
 
     with torch.no_grad():
         outputs = schedule(chunks, forward_step, batches, rows.seq_length, micro_batch_size, forward_only=True)

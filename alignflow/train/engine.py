@@ -314,11 +314,10 @@ def schedule(chunks: list, forward_step, batches: list[dict], seq_length: int, r
     length = seq_length
     if packed_thd():
         rows, length = 1, rows * length
-    batches = [to_device(b) for b in batches]
     if (lean := LeanForward.of(chunks, seq_length)) is not None:  # the same numbers, fewer ops
         forward_step = functools.partial(_with_model, forward_step, lean)
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+        forward_step_func=forward_step, data_iterator=[map(to_device, batches) for _ in chunks],  # one micro batch at a time
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
         seq_length=length, micro_batch_size=rows, forward_only=forward_only,
     )
@@ -352,7 +351,7 @@ def per_token_logps(run: Run, chunks: list, forward: Callable, micro: list[np.nd
     reference model); on the last pipeline stage only (an empty list elsewhere)."""
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        return forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1), {"logp": -nll.detach().float()})
+        return forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1, device=nll.device), {"logp": -nll.detach().float()})
 
     with eval_mode(chunks):
         outputs = schedule(chunks, forward_step, [dataset.collate(m) for m in micro], seq_length, run.cfg.micro_batch_size, forward_only=True)
