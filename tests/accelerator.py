@@ -54,6 +54,15 @@ class OnAccel(torch.Tensor):
     def __repr__(self) -> str:
         return f"OnAccel({self.elem!r})"
 
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:  # torch swaps the metadata (Megatron's viewless tensors), this the CPU tensor
+        torch.Tensor.data.__set__(self, value)
+        self.elem = value.elem
+
     def tolist(self) -> list:  # torch refuses it on subclasses; a GPU tensor's copies to the host
         global host_reads
         host_reads += 1
@@ -85,10 +94,16 @@ def _run(func, args: tuple, kwargs: dict):
 
 
 def _rewrap(value, elems: dict):
-    """An op's CPU tensor result on accel: the accel tensor it was given (in-place ops), else a new one."""
+    """An op's CPU tensor result on accel: the accel tensor it was given (in-place and `out=`
+    ops, whose shape follows a resize: torch.arange's), else a new one."""
     if not isinstance(value, torch.Tensor) or isinstance(value, OnAccel):
         return value
-    return elems[id(value)] if id(value) in elems else OnAccel(value)
+    given = elems.get(id(value))
+    if given is None:
+        return OnAccel(value)
+    if given.shape != value.shape or given.stride() != value.stride():
+        given.data = OnAccel(value)
+    return given
 
 
 def _check(func, wrapped: list, plain: list, generator) -> None:
