@@ -7,9 +7,12 @@ and cut into batches of at most `batch_size` rows; a batch of mixed lengths is l
 Its prompts are prefilled once (identical prompts once for all their rows), then each step
 feeds only the new tokens. Sampling: temperature 0 is greedy; otherwise logits / temperature,
 then top_k, then top_p (the smallest set of tokens whose probability reaches top_p), then a
-draw with a `torch.Generator` seeded by `seed`, so the same weights, prompts, batch size and
-seed give the same completions. Tokens of the padded vocab rows (beyond `vocab_size`) are
-never chosen.
+draw with one uniform per row from a host `torch.Generator` seeded by `seed` (sent to the
+device a stretch of steps at a time), so the same weights, prompts, batch size and seed give
+the same completions on any device. Tokens of the padded vocab rows (beyond `vocab_size`) are
+never chosen. A batch ends once each of its rows has drawn EOS: the device keeps that flag,
+and the host reads it every `EOS_CHECK_EVERY` steps (a GPU sync each), dropping the steps
+past the end and undoing their draws, so the completions are those of a check at every step.
 
 Why not Megatron's module forward with its `StaticInferenceContext`: per token it cost 80
 module calls, 36 tensor-parallel autograd functions (no-ops at TP1), autocast wrappers and
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from alignflow.device import device
 from alignflow.megatron.decoder import Decoder
 
 
@@ -67,6 +71,13 @@ class Completion:
             self.sampling_logps = list(self.logps)
 
 
+# Decode steps between reads of "has every row ended?" on the host: each read waits for the
+# device (a GPU sync), so on an accelerator they come every few tokens and the steps decoded past
+# the end are dropped; the CPU has nothing to wait for, and a step past the end costs real time.
+EOS_CHECK_EVERY = {"cpu": 1}
+EOS_CHECK_EVERY_DEFAULT = 16
+
+
 @torch.inference_mode()
 def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_size: int, seed: int = 0) -> list[Completion]:
     """Completions of `prompts`, in order. `model` is this rank's GPTModel (one PP stage); its
@@ -77,7 +88,7 @@ def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_
             raise NotImplementedError("generation with virtual pipeline parallelism (several model chunks per rank) is not supported; "
                                       "set parallel.virtual_pipeline_model_parallel_size: null")
         model = model[0]
-    generator = torch.Generator(device=_device()).manual_seed(seed)
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # draws on the host: the same samples on every device type
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     completions: dict[int, Completion] = {}
     for start in range(0, len(order), batch_size):
@@ -87,28 +98,53 @@ def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_
 
 
 def _generate_batch(model, prompts: list[Sequence[int]], sampling: Sampling, generator: torch.Generator) -> list[Completion]:
-    longest, device = max(len(p) for p in prompts), _device()
-    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
-    rows = torch.tensor([[longest - len(p)] + [0] * (longest - len(p)) + list(p) for p in prompts], device=device)
+    longest, where = max(len(p) for p in prompts), device()
+    pad = torch.tensor([longest - len(p) for p in prompts], device=where)
+    rows = torch.tensor([[longest - len(p)] + [0] * (longest - len(p)) + list(p) for p in prompts], device=where)
     unique, inverse = rows.unique(dim=0, return_inverse=True)  # (padding, padded prompt) of each distinct prompt
     decoder = Decoder(model, pad, longest + sampling.max_new_tokens)
     logits = decoder.prefill(unique[:, 1:], unique[:, 0], inverse)
-    chosen, done = [], torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    b, every, last = len(prompts), EOS_CHECK_EVERY.get(where.type, EOS_CHECK_EVERY_DEFAULT), sampling.max_new_tokens - 1
+    chosen, done, ended = [], torch.zeros(b, dtype=torch.bool, device=where), []
     for step in range(sampling.max_new_tokens):
-        drawn = torch.stack(sample(logits, sampling, generator)).double() if logits is not None else None
-        drawn = _from_last_stage(drawn, len(prompts))  # [3, b]: token, logp, sampling logp
+        offset = step % every
+        if offset == 0:  # this stretch's uniforms, and the generator's state before them
+            state, uniforms = generator.get_state(), _uniforms(generator, sampling, min(every, last + 1 - step), b, where)
+        drawn = None
+        if logits is not None:
+            drawn = torch.stack(sample(logits, sampling, None if uniforms is None else uniforms[offset])).double()
+        drawn = _from_last_stage(drawn, b)  # [3, b]: token, logp, sampling logp
         chosen.append(drawn)
         done |= drawn[0] == sampling.eos_id
-        if done.all() or step == sampling.max_new_tokens - 1:
+        ended.append(done.all())
+        if offset == every - 1 or step == last:
+            stretch = torch.stack(ended[step - offset :]).tolist()  # the host read
+            if True in stretch:  # keep the steps up to the first that ended every row, and only their draws
+                kept = stretch.index(True) + 1
+                del chosen[step - offset + kept :]
+                generator.set_state(state)
+                _uniforms(generator, sampling, kept, b, torch.device("cpu"))
+                break
+        if step == last:
             break
         logits = decoder.decode(drawn[0].long())
     tokens, logps, sampling_logps = torch.stack(chosen, -1).tolist()
     return [_cut([int(t) for t in row], *row_logps, sampling.eos_id) for row, *row_logps in zip(tokens, logps, sampling_logps)]
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _uniforms(generator: torch.Generator, sampling: Sampling, steps: int, rows: int, where: torch.device) -> Optional[torch.Tensor]:
+    """The sampler's uniforms of `steps` steps [steps, rows, 1], drawn on the host in one go (the
+    generator's stream is the same whether drawn step by step or at once) and sent to `where`
+    together; None for greedy decoding, which draws nothing."""
+    if sampling.temperature == 0:
+        return None
+    return torch.rand(steps, rows, 1, generator=generator, device="cpu").to(where, non_blocking=True)
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, uniform: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next tokens [b], their log-probs [b] and their temperature-scaled log-probs [b] from
-    last-position logits [b, padded vocab]."""
+    last-position logits [b, padded vocab] and one uniform in [0, 1) per row [b, 1] (None when
+    greedy, temperature 0)."""
     logits = logits[:, : sampling.vocab_size].float()
     logp = logits.log_softmax(-1)
     if sampling.temperature == 0:
@@ -132,7 +168,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     # never a zero-probability (filtered) one.
     cdf = scores.softmax(-1).cumsum(-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype) * total
+    u = uniform * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     token = torch.searchsorted(cdf, u, right=True)
     return token.squeeze(-1), logp.gather(-1, token).squeeze(-1), tempered.gather(-1, token).squeeze(-1)
@@ -142,7 +178,7 @@ def _from_last_stage(drawn: Optional[torch.Tensor], b: int) -> torch.Tensor:
     """The last pipeline stage's draw on every stage, in one broadcast (float64 holds the token ids exactly)."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         if drawn is None:
-            drawn = torch.empty(3, b, dtype=torch.float64, device=_device())
+            drawn = torch.empty(3, b, dtype=torch.float64, device=device())
         dist.broadcast(drawn, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
     return drawn
@@ -151,7 +187,3 @@ def _from_last_stage(drawn: Optional[torch.Tensor], b: int) -> torch.Tensor:
 def _cut(tokens: list[int], logps: list[float], sampling_logps: list[float], eos_id: int) -> Completion:
     end = tokens.index(eos_id) + 1 if eos_id in tokens else len(tokens)
     return Completion(tokens[:end], logps[:end], truncated=eos_id not in tokens, sampling_logps=sampling_logps[:end])
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

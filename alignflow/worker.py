@@ -8,7 +8,8 @@ does not stop when its run dies: a rerun adopts it (`alignflow.lease`).
 Runs inside a submitit job (local process or Slurm task). Never imports prefect. Each
 rank gets the torch.distributed environment (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK) from
 submitit's job environment and MASTER_PORT from its submission (`alignflow.launch.Attempt`);
-with more than one rank the default process group is initialised here: gloo on CPU, nccl on GPU.
+with more than one rank the default process group is initialised here
+(`alignflow.device.init_process_group`: gloo on CPU, nccl on this rank's GPU).
 """
 
 import importlib
@@ -196,11 +197,7 @@ def _setup_rank() -> int:
     except RuntimeError:  # not inside a submitit job (e.g. called directly in a test)
         return int(os.environ.get("RANK", 0))
     if env.world_size > 1:
-        import torch
-        import torch.distributed as dist
+        from alignflow.device import init_process_group
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(env.local_rank)
-        dist.init_process_group(backend=backend)
+        init_process_group()
     return env.rank

@@ -68,7 +68,7 @@ def test_sample_draws_from_the_filtered_tempered_distribution():
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(0)).expand(20000, -1).contiguous()
     logits = torch.cat([logits, torch.full((20000, 4), 50.0)], dim=1)  # padded vocab rows: never drawn
     generator = torch.Generator().manual_seed(0)
-    tokens, _, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=0.5, top_k=5), generator)
+    tokens, _, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=0.5, top_k=5), torch.rand(20000, 1, generator=generator))
     allowed = logits[0, :12].topk(5).indices
     assert torch.isin(tokens, allowed).all()
     expected = (logits[0, allowed] / 0.5).softmax(-1)
@@ -77,7 +77,7 @@ def test_sample_draws_from_the_filtered_tempered_distribution():
     probs = logits[0, :12].softmax(-1)
     ordered = probs.sort(descending=True)
     nucleus = ordered.indices[: int((ordered.values.cumsum(0) < 0.6).sum()) + 1]  # the fewest tokens reaching 0.6
-    tokens, _, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=1.0, top_p=0.6), generator)
+    tokens, _, _ = sample(logits, Sampling(1, -1, vocab_size=12, temperature=1.0, top_p=0.6), torch.rand(20000, 1, generator=generator))
     assert set(tokens.unique().tolist()) == set(nucleus.tolist())
 
 

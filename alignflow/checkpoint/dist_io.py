@@ -121,7 +121,7 @@ class DistCheckpointReader:
         shape = self.shape(key)
         lo = [0] * len(shape) if index is None else [index] + [0] * (len(shape) - 1)
         hi = list(shape) if index is None else [index + 1] + list(shape[1:])
-        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=self.dtype(key))
+        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=self.dtype(key), device="cpu")
         for chunk in self.metadata.state_dict_metadata[key].chunks:
             c_lo = list(chunk.offsets)
             c_hi = [o + s for o, s in zip(chunk.offsets, chunk.sizes)]

@@ -33,7 +33,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype, device="cpu").element_size()
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class SafetensorsReader:
         where = self._where[name]
         shape = where.spec.shape
         start, stop = rows or (0, shape[0] if shape else 1)
-        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=where.spec.dtype)
+        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=where.spec.dtype, device="cpu")
         row_bytes = out.element_size() * math.prod(shape[1:])
         want = out.numel() * out.element_size()
         view = memoryview(out.view(-1).view(torch.uint8).numpy()) if want else memoryview(b"")

@@ -58,7 +58,7 @@ class MergedReader:
         for part in module.parts:
             a, b = (self.matrices.get((str(layer), module.path, m, part)) for m in ("lora_A", "lora_B"))
             if a is None:
-                parts.append(torch.zeros(part_rows(self.shape_of, part), in_features))
+                parts.append(torch.zeros(part_rows(self.shape_of, part), in_features, device="cpu"))
             else:
                 parts.append(self.adapter.read(b).float() @ self.adapter.read(a).float() * self.scaling)
         return fuse(module.fuse, parts, self.shape_of)

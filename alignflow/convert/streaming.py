@@ -115,7 +115,7 @@ ROW_PLANS = {None: _plain_rows, "fc1": _fc1_rows, "qkv": _qkv_rows}
 
 
 def _zero_rows(rows: int, rest: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros((rows, *rest), dtype=dtype)  # vocab padding: zero rows, as Megatron pads
+    return torch.zeros((rows, *rest), dtype=dtype, device="cpu")  # vocab padding: zero rows, as Megatron pads
 
 
 def _fused_shape(param: Param, reader: SafetensorsReader, shape: ModelShape) -> tuple[int, ...]:

@@ -58,7 +58,7 @@ def preference_loss(
     else:
         per_pair = (h - 1 / (2 * cfg.beta)) ** 2
     preference = per_pair.mean()
-    sft = chosen_nll.mean() if chosen_nll is not None else torch.zeros((), dtype=h.dtype)
+    sft = chosen_nll.mean() if chosen_nll is not None else h.new_zeros(())
     chosen_reward = cfg.beta * (policy_chosen - ref_chosen).detach()
     rejected_reward = cfg.beta * (policy_rejected - ref_rejected).detach()
     return PreferenceLoss(

@@ -1,9 +1,10 @@
-"""Run Megatron-Core 0.16.1 on CPU (gloo), for laptops and CI: patches for where it hard-codes CUDA.
+"""Run Megatron-Core 0.16.1 without CUDA (gloo), for laptops and CI: patches for where it hard-codes CUDA.
 
 `apply()` installs them once, and only when CUDA is absent: on a GPU nothing changes.
 Each patch keeps Megatron's own code path (model, schedules, DistributedDataParallel, the
 mixed-precision and distributed optimizers, recompute) and only moves what it pins to CUDA
-onto the CPU:
+onto the rank's device (`alignflow.device.device()`: the CPU, or the stand-in accelerator of
+tests/test_device.py):
 
 - RNG tracker (`tensor_parallel/random.py`): the model-parallel RNG states are CUDA generator
   states; on CPU they are states of the CPU generator (`CpuRNGStatesTracker`). Activation
@@ -13,16 +14,18 @@ onto the CPU:
   generator and the tracker, which do draw the dropout masks, are restored by recompute itself.
 - `torch.cuda.current_device()`: Megatron allocates buffers with it everywhere (rotary
   `get_emb`, pipeline p2p receive buffers, TP gathers, DDP's gradient buffers); on a CPU-only
-  torch it raises, so it answers the CPU device. Nothing else calls it where CUDA is absent.
+  torch it raises, so it answers the rank's device. Nothing else calls it where CUDA is absent.
 - Tensors created on "cuda" by name: the causal and sliding-window masks
-  (`transformer/utils.py`) run under `_CudaOnCpu`, which places them on the CPU. Modules whose
-  step code does it (the schedules' token counter, the optimizers' unit scale, the grad-norm
-  and clipping buffers of `optimizer/clip_grads.py` and `utils.py`) see `_TorchOnCpu` as their
-  `torch`: a TorchFunctionMode around a whole step would tax every op of the model.
+  (`transformer/utils.py`) run under `_CudaOnRankDevice`, which places them on the rank's
+  device. Modules whose step code does it (the schedules' token counter, the optimizers' unit
+  scale, the grad-norm and clipping buffers of `optimizer/clip_grads.py` and `utils.py`) see
+  `_TorchOnRankDevice` as their `torch`: a TorchFunctionMode around a whole step would tax
+  every op of the model.
 - `Tensor.cuda()` returns the tensor itself (the tied embedding's copy on the last pipeline
   stage, optimizer state moves), and `Tensor.type()` without arguments answers the
-  `torch.cuda.*` name of a CPU tensor's type, which is what the mixed-precision and
-  distributed optimizers and the gradient clipping compare parameters and grads against.
+  `torch.cuda.*` name of the type of a tensor on the rank's device, which is what the
+  mixed-precision and distributed optimizers and the gradient clipping compare parameters and
+  grads against.
   Both only on a CPU-only torch, where neither could answer otherwise.
 - `torch.cuda.synchronize()`: a no-op, as there is no device queue to wait for (Megatron's
   checkpoint writer calls it before saving; the model is built with `batch_p2p_sync=False`).
@@ -46,6 +49,8 @@ from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as transformer_utils
 from torch.overrides import TorchFunctionMode
 
+from alignflow.device import device
+
 log = logging.getLogger(__name__)
 
 _applied = False
@@ -64,7 +69,7 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
             raise ValueError(f"rng state {name} already exists")
         self._is_initialized = True
         self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+        self.states_[name] = torch.Generator(device="cpu").manual_seed(seed).get_state()
 
     @contextlib.contextmanager
     def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
@@ -79,24 +84,24 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
             torch.set_rng_state(outer)
 
 
-def _on_cpu_device(device):
-    return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+def _on_rank_device(where):
+    return device() if where is not None and torch.device(where).type == "cuda" else where
 
 
-class _CudaOnCpu(TorchFunctionMode):
-    """Tensors a wrapped Megatron function creates with device="cuda" land on the CPU."""
+class _CudaOnRankDevice(TorchFunctionMode):
+    """Tensors a wrapped Megatron function creates with device="cuda" land on the rank's device."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs:
-            kwargs = {**kwargs, "device": _on_cpu_device(kwargs["device"])}
+            kwargs = {**kwargs, "device": _on_rank_device(kwargs["device"])}
         return func(*args, **kwargs)
 
 
-def _on_cpu(fn):
+def _on_rank_device_fn(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _CudaOnCpu():
+        with _CudaOnRankDevice():
             return fn(*args, **kwargs)
 
     return wrapper
@@ -111,8 +116,8 @@ CUDA_BY_NAME = (
 )
 
 
-class _TorchOnCpu(types.ModuleType):
-    """`torch` as the modules in `TORCH_BY_NAME` see it: factories asked for "cuda" build on the CPU."""
+class _TorchOnRankDevice(types.ModuleType):
+    """`torch` as the modules in `TORCH_BY_NAME` see it: factories asked for "cuda" build on the rank's device."""
 
     FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
 
@@ -123,28 +128,31 @@ class _TorchOnCpu(types.ModuleType):
 
         @functools.wraps(value)
         def factory(*args, device=None, **kwargs):
-            return value(*args, device=_on_cpu_device(device), **kwargs)
+            return value(*args, device=_on_rank_device(device), **kwargs)
 
         setattr(self, name, factory)
         return factory
 
 
-# Modules whose `torch` is `_TorchOnCpu`: each creates tensors on "cuda" by name at every step.
+# Modules whose `torch` is `_TorchOnRankDevice`: each creates tensors on "cuda" by name at every step.
 TORCH_BY_NAME = (schedules, mcore_optimizer, clip_grads, mcore_utils)
 
 _CPU_TYPE = torch.Tensor.type
 
 
 def _cuda_type_name(tensor: torch.Tensor, dtype=None, non_blocking: bool = False, **kwargs):
-    """`Tensor.type()`: a CPU tensor answers its `torch.cuda.*` name; with a dtype it converts as usual."""
+    """`Tensor.type()`: a tensor on the rank's device answers its `torch.cuda.*` name; with a
+    dtype it converts as usual."""
     if dtype is not None or kwargs:
         return _CPU_TYPE(tensor, dtype, non_blocking, **kwargs)
     name = _CPU_TYPE(tensor)
-    return name.replace("torch.", "torch.cuda.", 1) if tensor.device.type == "cpu" and not tensor.is_sparse else name
+    if tensor.device.type != device().type or tensor.is_sparse:
+        return name
+    return f"torch.cuda.{name.rsplit('.', 1)[-1]}"
 
 
 def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 def apply() -> None:
@@ -155,13 +163,13 @@ def apply() -> None:
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # what initialize_rng_tracker instantiates
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state
     mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_device = device
     torch.cuda.synchronize = lambda device=None: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.Tensor.type = _cuda_type_name
     for module in TORCH_BY_NAME:
-        module.torch = _TorchOnCpu("torch")
+        module.torch = _TorchOnRankDevice("torch")
     for owner, name in CUDA_BY_NAME:
-        setattr(owner, name, _on_cpu(getattr(owner, name)))
+        setattr(owner, name, _on_rank_device_fn(getattr(owner, name)))
     _applied = True
     log.debug("CUDA absent: Megatron-Core runs on CPU with alignflow.megatron.cpu_shim")

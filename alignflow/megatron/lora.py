@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from alignflow.convert import lora as targets
 from alignflow.convert.layout import merge_qkv
+from alignflow.device import device
 
 ADAPTER = "adapter"  # the child module of an adapted linear layer
 
@@ -156,8 +157,8 @@ def fuse_last_dim(module: targets.Module, parts: list[Tensor], config: Any) -> T
 
 def initial_a(r: int, fan_in: int, seed: int, layer: int, path: str, part: str) -> Tensor:
     """PEFT's A (kaiming uniform, a = sqrt(5)), whole, from a generator of its own."""
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{layer}:{path}:{part}".encode()))
-    a = torch.empty(r, fan_in)
+    generator = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{layer}:{path}:{part}".encode()))
+    a = torch.empty(r, fan_in, device="cpu")
     return nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
 
@@ -278,7 +279,7 @@ def trainable_params(chunks: Sequence[nn.Module]) -> int:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     local = sum(p.numel() for c in chunks for p in c.parameters()
                 if p.requires_grad and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0))
-    total = torch.tensor(local, dtype=torch.int64, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    total = torch.tensor(local, dtype=torch.int64, device=device())
     for group in (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()):
         torch.distributed.all_reduce(total, group=group)
     return int(total.item())

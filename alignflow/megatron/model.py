@@ -39,11 +39,11 @@ from torch import Tensor
 
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
+from alignflow.device import device
 from alignflow.megatron.runtime import parallel_sizes
 
 # TransformerConfig settings where CUDA is absent.
 CPU_SETTINGS = {
-    "use_cpu_initialization": True,  # weights built on the CPU, from the full weight: TP ranks agree
     "batch_p2p_sync": False,  # it calls torch.cuda.synchronize
     # On gloo, the interleaved (virtual PP) schedule's batched isend/irecv pairs activations and
     # gradients of the same shape in the wrong order; one op at a time in Megatron's fixed
@@ -91,6 +91,8 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
         moe_token_dispatcher_type="alltoall",
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
+        # On the CPU the weights are built from the full weight (TP ranks agree); elsewhere on the rank's device.
+        use_cpu_initialization=device().type == "cpu",
         **({} if torch.cuda.is_available() else CPU_SETTINGS),
     )
     return TransformerConfig(**{**settings, **overrides})
@@ -187,28 +189,33 @@ class Documents(PackedSeqParams):
         return starts, lengths, np.where(lengths > ALONE, lengths, rounded)
 
     @cached_property
-    def groups(self) -> list[tuple[int, Tensor | slice, Tensor | None]]:
+    def plan(self) -> list[tuple[int, np.ndarray | slice, np.ndarray | None]]:
         """(length, gather index [documents, length] or a long document's slice, real-position
-        mask [documents, length] or None for a slice)."""
+        mask [documents, length] or None for a slice), on the host."""
         starts, lengths, grouped = self.lengths
-        groups = [(int(n), slice(int(a), int(a + n)), None) for a, n in zip(starts, lengths) if n > ALONE]
+        plan = [(int(n), slice(int(a), int(a + n)), None) for a, n in zip(starts, lengths) if n > ALONE]
         short = lengths <= ALONE
         for length in np.unique(grouped[short]).tolist():
             picked = (grouped == length) & short
             offsets = np.arange(length)
             real = offsets[None] < lengths[picked, None]
-            index = np.where(real, starts[picked, None] + offsets[None], starts[picked, None])
-            groups.append((length, torch.from_numpy(index), torch.from_numpy(real)))
-        return groups
+            plan.append((length, np.where(real, starts[picked, None] + offsets[None], starts[picked, None]), real))
+        return plan
+
+    @cached_property
+    def groups(self) -> list[tuple[int, Tensor | slice, Tensor | None]]:
+        """`plan` with its index and mask tensors on the documents' device, where attention gathers."""
+        on = self.cu_seqlens_q.device
+        return [(n, where if real is None else torch.from_numpy(where).to(on), None if real is None else torch.from_numpy(real).to(on))
+                for n, where, real in self.plan]
 
     @cached_property
     def order(self) -> Tensor:
         """Where each flattened position lies in the groups' concatenated outputs."""
-        positions = np.concatenate([np.arange(where.start, where.stop) if real is None else where.numpy()[real.numpy()]
-                                    for _, where, real in self.groups])
+        positions = np.concatenate([np.arange(where.start, where.stop) if real is None else where[real] for _, where, real in self.plan])
         order = np.empty_like(positions)
         order[positions] = np.arange(len(positions))
-        return torch.from_numpy(order)
+        return torch.from_numpy(order).to(self.cu_seqlens_q.device)
 
     @cached_property
     def worthwhile(self) -> bool:
@@ -301,8 +308,7 @@ def _build_chunk(common: dict, vp_stage: Optional[int], vp_size: Optional[int]) 
     model = GPTModel(pre_process=pre, post_process=post, vp_stage=vp_stage, **common)
     # Every weight in params_dtype: the local spec builds its norms in fp32 whatever it says
     # (Megatron-LM's Float16Module casts them too; its optimizers expect one dtype).
-    model.to(common["config"].params_dtype)
-    return model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model
+    return model.to(device=device(), dtype=common["config"].params_dtype)
 
 
 def checkpoint_names(model: GPTModel) -> dict[str, str]:

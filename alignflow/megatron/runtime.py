@@ -1,16 +1,15 @@
 """Bring a rank into Megatron-Core: process group, model-parallel groups, seeds; and tear it down.
 
 `init_parallel` reads the torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, LOCAL_RANK) exported by `alignflow.worker` or torchrun; a single rank (WORLD_SIZE 1
-or unset) uses an in-process store instead, so it never binds a port another process may hold.
-The default process group is reused if the job entry point already created it: gloo on CPU
-(with `cpu_shim` applied), nccl on GPU.
+MASTER_PORT, LOCAL_RANK) exported by `alignflow.worker` or torchrun
+(`alignflow.device.init_process_group`, which also binds the rank's GPU); the default process
+group is reused if the job entry point already created it: gloo on CPU (with `cpu_shim`
+applied), nccl on GPU.
 
 Simplified: `use_distributed_optimizer` is not read here (it concerns the optimizer), and the
 data-parallel random init of Megatron-LM is not offered: all data-parallel replicas start equal.
 """
 
-import os
 import random
 from dataclasses import asdict, is_dataclass
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from alignflow.device import init_process_group
 from alignflow.megatron import cpu_shim
 
 
@@ -33,7 +33,7 @@ def init_parallel(parallel_cfg: Any, *, seed: int = 1234) -> None:
     cfg = parallel_sizes(parallel_cfg)
     cpu_shim.apply()
     if not dist.is_initialized():
-        _init_process_group()
+        init_process_group()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg["tensor_model_parallel_size"],
         pipeline_model_parallel_size=cfg["pipeline_model_parallel_size"],
@@ -61,13 +61,3 @@ def teardown() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _init_process_group() -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        dist.init_process_group(backend=backend)
-    else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -36,7 +36,7 @@ def dpo_objective(cfg: DPOLossConfig) -> Objective:
         out = pair_loss(cfg, per_token, batch)
         n = batch["pairs"]
         sums = {name: getattr(out, name) * n for name in METRICS}
-        return LossTerms(total=out.loss * n, count=torch.tensor(n, dtype=torch.int64), metrics=sums)
+        return LossTerms(total=out.loss * n, count=torch.tensor(n, dtype=torch.int64, device=per_token.device), metrics=sums)
 
     return Objective(forward=sft_forward, loss=loss, metric_names=METRICS)
 

@@ -29,13 +29,14 @@ from megatron.core import parallel_state
 from transformers import AutoTokenizer
 
 from alignflow.data.prepared import Prepared
+from alignflow.device import device
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.rewards import exact_match
 from alignflow.stages.ref_logprobs import pair_logprobs
 from alignflow.stages.sft import SFT
 from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
-from alignflow.train.engine import device, loss_sums
+from alignflow.train.engine import loss_sums
 from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.eval")

@@ -52,6 +52,7 @@ from alignflow.checkpoint import ModelOutput
 from alignflow.config.schema import GRPOLossConfig
 from alignflow.config.validate import grpo_batch_problems
 from alignflow.data.prepared import Prepared
+from alignflow.device import device
 from alignflow.generation import Completion, Sampling, generate
 from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import lora
@@ -60,7 +61,7 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train import engine
 from alignflow.train.data import packed_rows
 from alignflow.train.datasets import Prompts
-from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, device, every, finish, training
+from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, every, finish, training
 from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.grpo")
@@ -71,18 +72,21 @@ class Rollouts:
     """One step's samples on this rank (prompt + completion rows) as micro batches for the loss.
 
     Position t of a row predicts token t + 1, so the log-prob tensors (generation, old,
-    reference) hold at t the log-prob of token t + 1, and `loss_mask` marks the completion."""
+    reference) hold at t the log-prob of token t + 1, and `loss_mask` marks the completion.
+    The rows are host data (collated as SFT's are); the per-sample tensors (advantages, the
+    log-probs) stay on the rank's device, where the loss reads them."""
 
     def __init__(self, prompts: list[list[int]], completions: list[Completion], advantages: torch.Tensor,
                  trained: torch.Tensor, pad_id: int):
         self.rows, self.seq_length, self.pad_id = [], max(len(p) + len(c.tokens) for p, c in zip(prompts, completions)), pad_id
-        self.generation_logp = torch.zeros(len(prompts), self.seq_length)
+        generation_logp = np.zeros((len(prompts), self.seq_length), dtype=np.float32)
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
             ids = np.asarray(prompt + completion.tokens, dtype=np.int64)
             mask = np.r_[np.zeros(len(prompt)), np.full(len(completion.tokens), float(trained[i]))]
             self.rows.append((ids, mask, np.asarray([0, len(ids)])))
-            self.generation_logp[i, len(prompt) - 1 : len(ids) - 1] = torch.tensor(completion.sampling_logps)
-        self.advantages = advantages.float()
+            generation_logp[i, len(prompt) - 1 : len(ids) - 1] = completion.sampling_logps
+        self.generation_logp = torch.from_numpy(generation_logp).to(device())
+        self.advantages = advantages.float().to(device())
         self.old_logp: torch.Tensor | None = None  # set before the first update when needed
         self.ref_logp: torch.Tensor | None = None
 
@@ -92,10 +96,11 @@ class Rollouts:
     def collate(self, indices: Sequence[int]) -> dict:
         indices = [int(i) for i in indices]
         batch = vars(packed_rows([self.rows[i] for i in indices], self.seq_length, self.pad_id))
-        batch |= {"advantages": self.advantages[indices], "generation_logp": self.generation_logp[indices]}
+        index = torch.tensor(indices, device=device())
+        batch |= {"advantages": self.advantages[index], "generation_logp": self.generation_logp[index]}
         for name in ("old_logp", "ref_logp"):
             if getattr(self, name) is not None:
-                batch[name] = getattr(self, name)[indices]
+                batch[name] = getattr(self, name)[index]
         return batch
 
     def num_tokens(self, indices: Sequence[int]) -> int:
@@ -104,9 +109,9 @@ class Rollouts:
     def store(self, name: str, micro: list[np.ndarray], logps: list[torch.Tensor]) -> None:
         """Per-micro-batch log-probs (last pipeline stage) as the `name` tensor of every sample."""
         if logps:
-            full = torch.zeros(len(self.rows), self.seq_length)
+            full = torch.zeros(len(self.rows), self.seq_length, device=device())
             for indices, values in zip(micro, logps):
-                full[torch.as_tensor(indices)] = values.cpu()
+                full[torch.as_tensor(indices, device=device())] = values
             setattr(self, name, full)
 
 
@@ -145,6 +150,8 @@ def tempered_forward(temperature: float):
 
 @dataclass
 class RolloutStats:
+    """This rank's samples' scores, host data (from the decoded texts)."""
+
     rewards: torch.Tensor  # [samples] this rank's
     correct: torch.Tensor
     response_tokens: torch.Tensor
@@ -153,8 +160,8 @@ class RolloutStats:
     def global_metrics(self) -> dict[str, float]:
         """Metrics over every DP rank's samples."""
         r = self.rewards.double()
-        sums = torch.stack([torch.tensor(float(len(r))), r.sum(), (r * r).sum(), self.correct.double().sum(),
-                            self.response_tokens.double().sum(), self.truncated.double().sum()]).to(device())
+        sums = torch.tensor([len(r), r.sum(), (r * r).sum(), self.correct.double().sum(), self.response_tokens.double().sum(),
+                             self.truncated.double().sum()], dtype=torch.float64, device=device())
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         n, total, squares, correct, tokens, truncated = sums.tolist()
         mean = total / n
@@ -245,12 +252,13 @@ def score(cfg: Any, prompts: Prompts, mine: np.ndarray, tokens: list[list[int]],
     texts = [env.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     prompt_text = [prompts.text[int(i)] for i in mine for _ in range(g)]
     answers = [prompts.answer[int(i)] for i in mine for _ in range(g)]
-    rewards = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64)
+    rewards = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64, device="cpu")
     advantages = group_advantages(rewards.view(-1, g), cfg.use_rloo, cfg.normalize_rewards).flatten()
-    truncated = torch.tensor([c.truncated for c in completions])
+    truncated = torch.tensor([c.truncated for c in completions], device="cpu")
     trained = ~truncated if cfg.overlong_filtering else torch.ones_like(truncated)
-    stats = RolloutStats(rewards=rewards, correct=torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)]),
-                         response_tokens=torch.tensor([len(c.tokens) for c in completions]), truncated=truncated)
+    correct = torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)], device="cpu")
+    stats = RolloutStats(rewards=rewards, correct=correct, response_tokens=torch.tensor([len(c.tokens) for c in completions], device="cpu"),
+                         truncated=truncated)
     return Rollouts(tokens, completions, advantages, trained, env.pad_id), stats
 
 

@@ -12,6 +12,7 @@ val splits of prep's preference data (sums over response tokens, fp32 forward, a
 counts, so a consumer can average).
 """
 
+import functools
 import logging
 
 import numpy as np
@@ -53,19 +54,20 @@ def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -
     writes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if not writes:
         return None
-    columns: dict[str, list] = {"sample_id": [], **{f"{s}_{k}": [] for s in SIDES for k in ("logp", "tokens")}}
-    for m, batch, per_token in zip(micro, batches, outputs):
-        logps = sequence_sums(-per_token.double() * batch["loss_mask"], batch)
-        tokens = sequence_sums(batch["loss_mask"].double(), batch).to(torch.int32)
-        n = len(m)
-        columns["sample_id"] += pairs.sample_ids[m].tolist()
-        for k, side in enumerate(SIDES):
-            columns[f"{side}_logp"] += logps[k * n : (k + 1) * n].tolist()
-            columns[f"{side}_tokens"] += tokens[k * n : (k + 1) * n].tolist()
+    logps, tokens = torch.cat([out["sums"] for out in outputs], dim=-1).tolist() if outputs else ([[], []], [[], []])  # one host read
+    columns = {"sample_id": pairs.sample_ids[share].tolist()}
+    for k, side in enumerate(SIDES):
+        columns[f"{side}_logp"], columns[f"{side}_tokens"] = logps[k], [int(t) for t in tokens[k]]
     return columns
 
 
 def _forward_step(data_iterator, model):
-    """Per-token negative log-likelihood [b, s] on the last stage; no loss function, so the
-    schedule hands the outputs back as they are."""
-    return sft_forward(model, next(data_iterator)), None
+    batch = next(data_iterator)
+    return sft_forward(model, batch), functools.partial(_sequence_sums, batch)
+
+
+def _sequence_sums(batch: dict, per_token: torch.Tensor):
+    """A micro batch's log-prob sums and loss-token counts [2, sides, pairs], on the rank's device."""
+    mask = batch["loss_mask"]
+    sums = torch.stack([sequence_sums(-per_token.double() * mask, batch), sequence_sums(mask.double(), batch)])
+    return per_token.new_zeros(()), torch.tensor(1, device=per_token.device), {"sums": sums.view(2, len(SIDES), batch["pairs"])}

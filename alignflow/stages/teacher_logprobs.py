@@ -24,10 +24,11 @@ from megatron.core import parallel_state
 
 from alignflow.data import teacher_topk
 from alignflow.data.prepared import Prepared
+from alignflow.device import device
 from alignflow.megatron.model import document_params, packed_thd
 from alignflow.megatron.vocab_parallel import topk_logprobs
 from alignflow.train.datasets import PackedSFT
-from alignflow.train.engine import device, forward_only_splits, schedule
+from alignflow.train.engine import forward_only_splits, schedule
 
 log = logging.getLogger("alignflow.teacher_logprobs")
 
@@ -67,7 +68,7 @@ def row_topk(chunks: list, rows: PackedSFT, micro_batch_size: int, k: int, vocab
 
     def _topk(logits):
         logp, ids = topk_logprobs(logits, k, vocab_size)
-        return logits.new_zeros(()), torch.tensor(1), {"logp": logp.cpu(), "ids": ids.cpu()}
+        return logits.new_zeros(()), torch.tensor(1, device=logits.device), {"logp": logp.cpu(), "ids": ids.cpu()}  # host data to write
 
     with torch.no_grad():
         outputs = schedule(chunks, forward_step, batches, rows.seq_length, micro_batch_size, forward_only=True)

@@ -107,7 +107,7 @@ def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], lengt
         starts.append(i * length + (np.r_[cu[:-1], n] if n < length else cu[:-1]))
     cu_seqlens = np.r_[np.concatenate(starts), b * length]
     doc_t = torch.from_numpy(doc)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    causal = torch.ones(length, length, dtype=torch.bool, device="cpu").tril()
     allowed = (doc_t[:, :, None] == doc_t[:, None, :]) & causal
     return PackedRows(
         torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions), (~allowed)[:, None],

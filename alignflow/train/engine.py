@@ -77,6 +77,7 @@ from torch import Tensor
 
 from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
 from alignflow.data.prepared import Prepared
+from alignflow.device import device, to_device
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import lora, runtime
 from alignflow.megatron.decoder import LeanForward
@@ -313,11 +314,10 @@ def schedule(chunks: list, forward_step, batches: list[dict], seq_length: int, r
     length = seq_length
     if packed_thd():
         rows, length = 1, rows * length
-    batches = [to_device(b) for b in batches]
     if (lean := LeanForward.of(chunks, seq_length)) is not None:  # the same numbers, fewer ops
         forward_step = functools.partial(_with_model, forward_step, lean)
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+        forward_step_func=forward_step, data_iterator=[map(to_device, batches) for _ in chunks],  # one micro batch at a time
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
         seq_length=length, micro_batch_size=rows, forward_only=forward_only,
     )
@@ -351,7 +351,7 @@ def per_token_logps(run: Run, chunks: list, forward: Callable, micro: list[np.nd
     reference model); on the last pipeline stage only (an empty list elsewhere)."""
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        return forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1), {"logp": -nll.detach().float()})
+        return forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1, device=nll.device), {"logp": -nll.detach().float()})
 
     with eval_mode(chunks):
         outputs = schedule(chunks, forward_step, [dataset.collate(m) for m in micro], seq_length, run.cfg.micro_batch_size, forward_only=True)
@@ -599,16 +599,6 @@ def all_reduce_dp(value, op=dist.ReduceOp.SUM):
     t = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64, device=device())
     dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
     return type(value)(t.item())
-
-
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def to_device(batch: dict) -> dict:
-    if not torch.cuda.is_available():
-        return batch
-    return {k: v.cuda(non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
 
 
 def every(step: int, interval: int) -> bool:
