@@ -6,6 +6,13 @@ torch.distributed environment from `alignflow.worker`, and job stdout/stderr are
 forwarded line by line to the caller's logger (the Prefect run logger in a flow), with the
 job's state transitions (PENDING -> RUNNING -> REQUEUED -> ... -> COMPLETED).
 
+GPUs: every rank gets one GPU of its own. A job gets as many GPUs per node as it has ranks per
+node (`resources.tasks_per_node`), out of `launcher.gpus_per_node`; each of its ranks sees all
+of them and takes the one of its LOCAL_RANK (`alignflow.worker`), as torchrun and Megatron
+expect (a rank that saw only its own GPU would keep NCCL from reaching its peers' memory by
+CUDA IPC). Slurm is asked for them (`--gpus-per-node`) and sets CUDA_VISIBLE_DEVICES; a local
+job's are this machine's first ones, found without torch (`local_gpus`).
+
 Failures: a job that raised fails with the tail of its error (`StageFailed`, not retried);
 a job that died without a result (killed, cancelled, node lost, out of requeues) is an
 `InfrastructureError` and may be retried. Preemption and timeouts are handled by Slurm
@@ -23,14 +30,18 @@ import logging
 import math
 import os
 import random
+import re
+import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 import uuid
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -110,7 +121,7 @@ def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, time_min:
     params |= {
         "nodes": resources.nodes,
         "ntasks_per_node": resources.tasks_per_node,
-        "gpus_per_node": launcher.gpus_per_node or None,
+        "gpus_per_node": resources.tasks_per_node if gpus_per_node(launcher) else None,  # one per rank
         "mem": f"{launcher.mem_gb}GB" if launcher.mem_gb else None,
         "time": math.ceil(time_min),
         "setup": list(launcher.setup) or None,
@@ -140,13 +151,16 @@ class Attempt(submitit.helpers.Checkpointable):
     """The submitted callable: `fn(*args)`, requeued at most `requeues` times on preemption or
     timeout (Slurm USR2). Only rank 0 runs `checkpoint()`; it resubmits this object with one
     requeue less, so the count survives requeues. A stage that cannot resume gets 0: it is not
-    requeued but fails as an infrastructure error, and a retry starts it clean."""
+    requeued but fails as an infrastructure error, and a retry starts it clean. `devices` is a
+    local job's CUDA_VISIBLE_DEVICES (None on Slurm, which sets it)."""
 
-    def __init__(self, fn: Callable, requeues: int, master_port: int):
-        self.fn, self.requeues, self.master_port = fn, requeues, master_port
+    def __init__(self, fn: Callable, requeues: int, master_port: int, devices: str | None = None):
+        self.fn, self.requeues, self.master_port, self.devices = fn, requeues, master_port, devices
 
     def __call__(self, *args: Any) -> Any:
         os.environ["MASTER_PORT"] = str(self.master_port)  # read by alignflow.worker's rank set-up
+        if self.devices is not None:  # a local job's GPUs (`local_devices`): CUDA reads them at its first call, later
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.devices
         env = submitit.JobEnvironment()
         # A previous attempt of this job id may have left this rank's error result behind (a rank
         # != 0 whose peer left at the requeue): the orchestrator must not read it as this attempt's.
@@ -158,7 +172,7 @@ class Attempt(submitit.helpers.Checkpointable):
     def checkpoint(self, *args: Any) -> submitit.helpers.DelayedSubmission | None:
         if self.requeues <= 0:
             return None  # submitit: "Job not requeued because: checkpoint function returned None"
-        return submitit.helpers.DelayedSubmission(Attempt(self.fn, self.requeues - 1, self.master_port), *args)
+        return submitit.helpers.DelayedSubmission(Attempt(self.fn, self.requeues - 1, self.master_port, self.devices), *args)
 
 
 def _end_with_the_requeue() -> None:
@@ -293,7 +307,8 @@ def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Cal
     Local jobs end with this process, however it ends (`alignflow.orphans`)."""
     reap_on_exit()
     executor = make_executor(launcher, section, job_name)
-    attempt = Attempt(fn, launcher.max_requeues if resumable else 0, rendezvous_port())
+    devices = local_devices(launcher, section.resources.tasks_per_node) if launcher.name == LauncherName.local else None
+    attempt = Attempt(fn, launcher.max_requeues if resumable else 0, rendezvous_port(), devices)
     scope = _scope.get()
     if scope is None:
         return executor.submit(attempt, *args)
@@ -303,6 +318,80 @@ def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Cal
         job = executor.submit(attempt, *args)
         scope.jobs.add(job)
     return job
+
+
+# ----------------------------------------------------------------------------- GPUs
+
+PROC_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the NVIDIA driver has
+# What CUDA takes in CUDA_VISIBLE_DEVICES: an index or a GPU/MIG UUID; it reads up to the first
+# entry that is neither (`-1` hides every GPU).
+CUDA_DEVICE = re.compile(r"\d+|(?:GPU|MIG)-[\w/-]+")
+NVIDIA_SMI_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs local jobs can be given, as CUDA_VISIBLE_DEVICES names them, and where that
+    was read (said in messages)."""
+
+    ids: tuple[str, ...]
+    source: str
+
+
+def gpus_per_node(launcher: LauncherConfig) -> int:
+    """`launcher.gpus_per_node`, null resolved: the GPUs of this machine for the local launcher,
+    none for Slurm (the nodes are elsewhere)."""
+    if launcher.gpus_per_node is not None:
+        return launcher.gpus_per_node
+    return len(local_gpus().ids) if launcher.name == LauncherName.local else 0
+
+
+def local_devices(launcher: LauncherConfig, tasks: int) -> str:
+    """A local job's CUDA_VISIBLE_DEVICES: this machine's first `tasks` GPUs, one per rank; ""
+    (the CPU) when `launcher.gpus_per_node` is 0. Set by `Attempt` in each rank: submitit's own
+    `visible_gpus` takes indices only, not the UUIDs a user or a MIG set-up may give."""
+    return ",".join(local_gpus().ids[:tasks]) if gpus_per_node(launcher) > 0 else ""
+
+
+def local_gpus(proc: Path = PROC_GPUS) -> Gpus:
+    """This machine's GPUs, found without torch (the orchestrator never imports it): the
+    CUDA_VISIBLE_DEVICES the user set, else those `nvidia-smi -L` lists, else the driver's."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = (entry.strip() for entry in visible.split(","))
+        return Gpus(tuple(takewhile(CUDA_DEVICE.fullmatch, entries)), f"CUDA_VISIBLE_DEVICES={visible!r}")
+    listed = _nvidia_smi()
+    if isinstance(listed, Gpus):
+        return listed
+    if proc.is_dir():
+        return Gpus(tuple(str(i) for i in range(len(list(proc.iterdir())))), str(proc))
+    return Gpus((), f"CUDA_VISIBLE_DEVICES is unset, {listed}, {proc} does not exist")
+
+
+def _nvidia_smi() -> Gpus | str:
+    """The GPUs `nvidia-smi -L` lists ("GPU 0: NVIDIA H100 ... (UUID: GPU-...)", MIG devices
+    indented under theirs), or why it could not tell."""
+    if shutil.which("nvidia-smi") is None:
+        return "nvidia-smi is not on PATH"
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"nvidia-smi -L failed ({err})"
+    if done.returncode != 0:
+        return f"nvidia-smi -L failed (exit {done.returncode}: {(done.stdout + done.stderr).strip()[:200]})"
+    count = sum(line.startswith("GPU ") for line in done.stdout.splitlines())
+    return Gpus(tuple(str(i) for i in range(count)), "nvidia-smi -L")
+
+
+def cpu_warning(launcher: LauncherConfig) -> str | None:
+    """What to say when local jobs will run on the CPU of a machine that has GPUs."""
+    if launcher.name != LauncherName.local or gpus_per_node(launcher) != 0:
+        return None
+    found = local_gpus()
+    if not found.ids:
+        return None
+    return (f"launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has {len(found.ids)} "
+            f"GPU(s) ({found.source}); leave it unset (null) to give each rank one of them")
 
 
 def rendezvous_port() -> int:

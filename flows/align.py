@@ -19,7 +19,7 @@ from prefect.states import Cancelled
 
 from alignflow import runs
 from alignflow.config.compose import compose
-from alignflow.launch import cancel_jobs_on_interrupt
+from alignflow.launch import cancel_jobs_on_interrupt, cpu_warning
 from alignflow.orphans import reap_on_exit
 from alignflow.pipeline import Pipeline
 from alignflow.report import pipeline_report
@@ -48,7 +48,10 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
     """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed."""
     reap_on_exit()  # if this process is killed, its helpers (the ephemeral Prefect server) die with it; its jobs run on
     overrides = [*(overrides or []), *([f"force=[{','.join(force)}]"] if force else [])]
-    stages = Pipeline.build(compose(pipeline, overrides))
+    cfg = compose(pipeline, overrides)
+    if (warning := cpu_warning(cfg.launcher)) is not None:
+        get_run_logger().warning(warning)
+    stages = Pipeline.build(cfg)
     progress = dashboard.Progress(None, f"align {pipeline}: stages done")
     progress.set(0.0)
 

@@ -197,6 +197,25 @@ CASES = {
     "data-glob-matches-nothing": Case(("data.preference.train={W}/*.parquet",), ("data.preference.train: {W}/*.parquet matches no file",)),
     "store-not-writable": Case(("store.root=/proc/alignflow/outputs",), ("store.root: /proc/alignflow/outputs is not writable: /proc",)),
     "unknown-key": Case(("sft.optim.lrr=1e-4",), ("Key 'lrr' not in 'OptimConfig'", "sft.optim.lrr")),
+    # GPUs: one per rank, and no more than the launcher gives
+    "gpus-on-a-machine-without": Case(("launcher.gpus_per_node=2",),
+                                      ("launcher.gpus_per_node: 2 for the local launcher, but this machine has none (CUDA_VISIBLE_DEVICES='')",),
+                                      env={"CUDA_VISIBLE_DEVICES": ""}),
+    "gpus-more-than-visible": Case(("launcher.gpus_per_node=2",), ("launcher.gpus_per_node: 2 for the local launcher, but this machine has 1 "
+                                                                 "(CUDA_VISIBLE_DEVICES='3')",), env={"CUDA_VISIBLE_DEVICES": "3"}),
+    "gpus-negative": Case(("launcher.gpus_per_node=-1",), ("launcher.gpus_per_node: must be >= 0 (0: the ranks run on the CPU), got -1",)),
+    "ranks-more-than-gpus": Case(("sft.resources.tasks_per_node=4",),
+                                 ("sft.resources.tasks_per_node: 4 ranks per node but launcher.gpus_per_node is 2 (one GPU per rank): the "
+                                  "job's 4 ranks = tensor (1) x pipeline (1) x context (1) x data (4) need 4 GPUs, it gets nodes (1) x 2 = 2",),
+                                 env={"CUDA_VISIBLE_DEVICES": "0,1"}),
+    "model-replica-more-than-gpus": Case(("sft.parallel.tensor_model_parallel_size=2", "sft.parallel.pipeline_model_parallel_size=2",
+                                          "sft.resources.tasks_per_node=4", "launcher.gpus_per_node=2"),
+                                         ("sft.parallel: tensor (2) x pipeline (2) x context (1) = 4 ranks hold one model replica, more than "
+                                          "the 2 GPUs of sft.resources.nodes (1) x launcher.gpus_per_node (2)",
+                                          "sft.resources.tasks_per_node: 4 ranks per node but launcher.gpus_per_node is 2"),
+                                         env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
+    "slurm-ranks-more-than-gpus": Case(("launcher=slurm", "launcher.partition=debug", "launcher.gpus_per_node=1", "dpo.resources.tasks_per_node=2"),
+                                       ("dpo.resources.tasks_per_node: 2 ranks per node but launcher.gpus_per_node is 1 (one GPU per rank)",)),
     "tensor-parallel-does-not-divide-heads": Case(("sft.parallel.tensor_model_parallel_size=3", "sft.resources.tasks_per_node=3"),
                                                   ("sft.parallel.tensor_model_parallel_size: 3 does not divide the model's 4 attention heads",)),
 }

@@ -174,3 +174,25 @@ def test_iterative_dpo_runs_two_rounds_and_evaluates_every_model(base_overrides)
     assert results["dpo_round2"].uri.rstrip("/").split("/")[-2] == "dpo_round2"  # the store folder is the instance's
     for model in ("convert", "sft", "dpo_round1", "dpo_round2"):
         assert {f"{model}.accuracy", f"{model}.preference_accuracy", f"{model}.val_loss"} <= set(results["eval"].metrics), model
+
+
+def test_a_run_left_on_the_cpu_of_a_gpu_machine_says_so_at_warning(base_overrides, demo_dir, tmp_path, monkeypatch):
+    """On a machine where nvidia-smi lists GPUs, launcher.gpus_per_node=0 runs the ranks on the
+    CPU (CUDA_VISIBLE_DEVICES=""): the flow run's log says so at WARNING, before any stage."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_launch import nvidia_smi
+
+    nvidia_smi(tmp_path, monkeypatch)
+    state = align(pipeline="convert", overrides=[*base_overrides, f"model.tokenizer={demo_dir / 'tokenizer'}", "launcher.gpus_per_node=0"],
+                  return_state=True)
+    assert state.is_completed()
+
+    async def flow_logs():
+        async with get_client() as client:
+            return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+
+    warnings = [log.message for log in asyncio.run(flow_logs()) if log.level == 30 and log.task_run_id is None]
+    assert warnings == ["launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has 4 GPU(s) (nvidia-smi -L); "
+                        "leave it unset (null) to give each rank one of them"], warnings

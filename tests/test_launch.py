@@ -12,13 +12,15 @@ import pytest
 from omegaconf import OmegaConf
 
 from alignflow.config.schema import LauncherConfig
-from alignflow.launch import RENDEZVOUS_PORTS, InfrastructureError, StageFailed, job_record, make_executor, submit, wait
+from alignflow.launch import (RENDEZVOUS_PORTS, Gpus, InfrastructureError, StageFailed, cpu_warning, job_record, local_gpus,
+                              make_executor, submit, wait)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job imports this file's functions by value
 
 
-def launcher(tmp_path):
-    return OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs")})
+def launcher(tmp_path, **settings):
+    """A local launcher; on the CPU unless `settings` say otherwise (these tests' ranks use gloo)."""
+    return OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs"), "gpus_per_node": 0, **settings})
 
 
 def section(tasks: int = 1, timeout_min: int = 5):
@@ -86,10 +88,10 @@ def test_slurm_parameters_are_a_table(tmp_path):
 def test_only_resumable_stages_are_requeued_and_at_most_max_requeues_times():
     from alignflow.launch import Attempt
 
-    attempt = Attempt(print, requeues=2, master_port=23456)
+    attempt = Attempt(print, requeues=2, master_port=23456, devices="0,1")
     again = attempt.checkpoint("x").function
     assert again.requeues == 1 and again.checkpoint("x").function.requeues == 0
-    assert again.master_port == 23456  # the requeued ranks meet where the first attempt's did
+    assert again.master_port == 23456 and again.devices == "0,1"  # the requeued ranks meet where the first attempt's did, on its GPUs
     assert Attempt(print, requeues=0, master_port=23456).checkpoint("x") is None  # submitit then fails the job: "Job not requeued because ..."
 
 
@@ -204,3 +206,98 @@ def test_a_job_killed_for_memory_is_reported_as_such(tmp_path):
         group.rmdir()
     assert outcome["state"] == "OUT_OF_MEMORY", outcome
     assert "was killed for running out of memory" in outcome["error"]
+
+
+# ----------------------------------------------------------------------------- GPUs
+
+# What `nvidia-smi -L` prints on a machine with 4 GPUs, the last one split into MIG instances.
+NVIDIA_SMI_L = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1b0a9ef5-5d51-7e53-3a2e-3c3c1e7a0f10)
+GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2c1b0f06-6e62-8f64-4b3f-4d4d2f8b1021)
+GPU 2: NVIDIA H100 80GB HBM3 (UUID: GPU-3d2c1017-7f73-9075-5c40-5e5e309c2132)
+GPU 3: NVIDIA H100 80GB HBM3 (UUID: GPU-4e3d2128-8084-a186-6d51-6f6f41ad3243)
+  MIG 3g.40gb     Device  0: (UUID: MIG-5f4e3239-9195-b297-7e62-7070520e4354)
+  MIG 3g.40gb     Device  1: (UUID: MIG-605f434a-a2a6-c3a8-8f73-8181631f5465)
+"""
+DRIVER_DOWN = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
+
+
+def nvidia_smi(tmp_path, monkeypatch, prints: str = NVIDIA_SMI_L, exit_code: int = 0) -> None:
+    """NVIDIA's program as a script first on PATH (the external program, not our code), with no
+    CUDA_VISIBLE_DEVICES set: what a GPU machine shows the orchestrator."""
+    folder = tmp_path / "bin"
+    folder.mkdir(exist_ok=True)
+    script = folder / "nvidia-smi"
+    script.write_text(f'#!/bin/sh\n[ "$1" = -L ] || exit 2\ncat <<"END"\n{prints}END\nexit {exit_code}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+@pytest.mark.parametrize("visible, ids", [
+    ("2,3", ("2", "3")),
+    (" 1, 0 ", ("1", "0")),
+    ("", ()),  # every GPU hidden
+    ("-1", ()),  # CUDA reads up to the first entry that names no device
+    ("1,-1,0", ("1",)),
+    ("GPU-1b0a9ef5-5d51-7e53-3a2e-3c3c1e7a0f10,MIG-5f4e3239-9195-b297-7e62-7070520e4354",
+     ("GPU-1b0a9ef5-5d51-7e53-3a2e-3c3c1e7a0f10", "MIG-5f4e3239-9195-b297-7e62-7070520e4354")),
+])
+def test_the_gpus_a_user_made_visible_are_those_local_jobs_get(tmp_path, monkeypatch, visible, ids):
+    nvidia_smi(tmp_path, monkeypatch)  # it lists 4: CUDA_VISIBLE_DEVICES wins
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert local_gpus() == Gpus(ids, f"CUDA_VISIBLE_DEVICES={visible!r}")
+
+
+def test_gpus_are_found_by_nvidia_smi_then_by_the_driver(tmp_path, monkeypatch):
+    nvidia_smi(tmp_path, monkeypatch)
+    found = local_gpus(proc=tmp_path / "no-driver")
+    assert found.ids == ("0", "1", "2", "3") and found.source == "nvidia-smi -L"  # MIG instances are parts of GPU 3
+
+    driver = tmp_path / "gpus"
+    for bus in ("0000:07:00.0", "0000:0f:00.0"):
+        (driver / bus).mkdir(parents=True)
+    nvidia_smi(tmp_path, monkeypatch, prints=DRIVER_DOWN + "\n", exit_code=9)
+    assert local_gpus(proc=driver).ids == ("0", "1")
+    none = local_gpus(proc=tmp_path / "no-driver")
+    assert none.ids == () and f"nvidia-smi -L failed (exit 9: {DRIVER_DOWN})" in none.source and "no-driver does not exist" in none.source
+
+
+def rank_devices() -> dict:
+    from alignflow.worker import _setup_rank
+
+    rank = _setup_rank()
+    return {"rank": rank, "local_rank": os.environ["LOCAL_RANK"], "visible": os.environ["CUDA_VISIBLE_DEVICES"]}
+
+
+@pytest.mark.parametrize("visible, settings, expected", [
+    (None, {"gpus_per_node": None}, "0,1"),  # nvidia-smi's first two of 4, by default
+    ("GPU-aa11,GPU-bb22,GPU-cc33", {"gpus_per_node": 2}, "GPU-aa11,GPU-bb22"),  # the user's, by UUID
+    (None, {"gpus_per_node": 0}, ""),  # the CPU, as asked
+])
+def test_each_local_rank_sees_its_jobs_gpus_and_takes_the_one_of_its_local_rank(tmp_path, monkeypatch, visible, settings, expected):
+    """A real local job of 2 ranks on a machine with 4 GPUs: submitit's local executor gives every
+    job CUDA_VISIBLE_DEVICES="" unless told otherwise; each rank must see its job's 2 GPUs."""
+    nvidia_smi(tmp_path, monkeypatch)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    job = submit(launcher(tmp_path, **settings), section(tasks=2), "gpus", rank_devices)
+    wait(job, lambda _: None, poll_s=0.2)
+    assert job.results() == [{"rank": 0, "local_rank": "0", "visible": expected}, {"rank": 1, "local_rank": "1", "visible": expected}]
+
+
+def test_a_machine_whose_gpus_are_left_idle_is_warned_about(tmp_path, monkeypatch):
+    nvidia_smi(tmp_path, monkeypatch)
+    warning = cpu_warning(launcher(tmp_path, gpus_per_node=0))
+    assert warning.startswith("launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has 4 GPU(s) (nvidia-smi -L)")
+    assert cpu_warning(launcher(tmp_path, gpus_per_node=None)) is None  # they are used
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cpu_warning(launcher(tmp_path, gpus_per_node=0)) is None  # the user hid them
+
+
+def test_a_slurm_job_asks_for_one_gpu_per_rank(tmp_path):
+    from alignflow.launch import _slurm_parameters
+
+    params = lambda gpus, tasks: _slurm_parameters(OmegaConf.merge(launcher(tmp_path), {"name": "slurm", "gpus_per_node": gpus}),  # noqa: E731
+                                                   section(tasks=tasks).resources, 30)
+    assert params(8, 2)["gpus_per_node"] == 2 and params(8, 2)["ntasks_per_node"] == 2
+    assert "gpus_per_node" not in params(0, 2) and "gpus_per_node" not in params(None, 2)  # the CPU: no GPU asked

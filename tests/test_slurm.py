@@ -90,6 +90,17 @@ def pausing_after_checkpoints(*args):
 
 
 @pytest.mark.slow
+def test_a_gpu_job_asks_slurm_for_one_gpu_per_rank(tmp_path):
+    """Read back from the sbatch script submitit wrote. This cluster's node has no GPUs (no gres),
+    so sbatch refuses the job at submission, as a partition without GPUs would."""
+    import submitit
+
+    with pytest.raises(submitit.core.utils.FailedJobError, match="Invalid generic resource"):
+        submit(OmegaConf.merge(slurm(tmp_path), {"gpus_per_node": 8}), section(2), "gpus", all_reduce_rank)
+    script = next((tmp_path / "jobs" / "gpus").glob("*/.submission_file_*.sh")).read_text().splitlines()
+    assert "#SBATCH --gpus-per-node=2" in script and "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --nodes=1" in script
+
+
 def test_a_preempted_training_job_is_requeued_and_resumes_to_the_uninterrupted_weights(demo_dir, inputs, tmp_path):
     """DP2 on 2 Slurm tasks, dropout on. `scancel --signal=USR2` after the first checkpoint:
     rank 0's checkpoint() resubmits the job, Slurm requeues it, the engine resumes from step 3,

@@ -186,7 +186,10 @@ class LauncherConfig:
     account: Optional[str] = None
     qos: Optional[str] = None
     time_min: float = 60  # a Slurm job's time limit (sbatch --time), in minutes; a stage's timeout_min may lower it
-    gpus_per_node: int = 0
+    # GPUs a node gives a job's ranks, one per rank: a job gets (Slurm: asks for) as many per node
+    # as it has ranks per node, at most this many. 0: the ranks run on the CPU. null: local: the
+    # GPUs of this machine (CUDA_VISIBLE_DEVICES, else nvidia-smi); slurm: 0.
+    gpus_per_node: Optional[int] = None
     cpus_per_task: int = 1
     mem_gb: Optional[int] = None
     container_image: Optional[str] = None

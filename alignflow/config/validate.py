@@ -23,7 +23,7 @@ from alignflow.config.slices import secret_problems
 from alignflow.convert import lora as lora_targets
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.data.formats import FORMATS
-from alignflow.launch import time_limit
+from alignflow.launch import gpus_per_node, local_gpus, time_limit
 from alignflow.lease import conditional_writes_problem
 from alignflow.pipeline import Pipeline, PipelineError, Stage
 from alignflow.rewards import resolve
@@ -44,17 +44,18 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in dict.fromkeys(text + err.problems))) from None
     problems: list[str] = text + secret_problems(cfg) + destination_problems(pipeline, cfg, read=check_paths)
     shapes: dict[str, ModelShape | None] = {}
+    gpus = gpus_per_node(cfg.launcher)
     for stage in pipeline:
         key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"
         shape = _model_shape(stage.cfg, problems, shapes) if check_paths and "parallel" in stage.section else None
-        problems += _check_stage(stage, key, shape) + _check_time_limit(stage, key)
+        problems += _check_stage(stage, key, shape) + _check_time_limit(stage, key) + _check_ranks_on_gpus(stage.section, key, gpus)
         problems += KIND_CHECKS.get(stage.kind, lambda key, section: [])(key, stage.section)
         problems += _check_lineage(pipeline, stage, cfg if check_paths else None)
         if stage.kind == "prep":
             problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
         if stage.kind == "convert" and check_paths:
             problems += _check_safetensors(stage.cfg) + _check_not_pickled(stage.cfg)
-    problems += _check_retention(cfg.store.retention) + _check_lease(cfg.store)
+    problems += _check_retention(cfg.store.retention) + _check_lease(cfg.store) + _check_gpus(cfg.launcher)
     if check_paths:
         problems += _check_store(cfg) + _check_launcher(cfg)
     if problems:
@@ -190,6 +191,41 @@ def grpo_batch_problems(section: DictConfig, dp: int, key: str = "grpo") -> list
                 f"num_generations_per_prompt) do not split into num_optimizer_steps_per_batch ({section.num_optimizer_steps_per_batch}) "
                 f"x micro_batch_size ({section.micro_batch_size})"]
     return []
+
+
+def _check_gpus(launcher: DictConfig) -> list[str]:
+    """A GPU count the launcher can give: none or more, and for local jobs no more than this machine has."""
+    asked = launcher.gpus_per_node
+    if asked is None:
+        return []
+    if asked < 0:
+        return [f"launcher.gpus_per_node: must be >= 0 (0: the ranks run on the CPU), got {asked}"]
+    found = local_gpus() if launcher.name == LauncherName.local else None
+    if found is None or asked <= len(found.ids):
+        return []
+    return [f"launcher.gpus_per_node: {asked} for the local launcher, but this machine has {len(found.ids) or 'none'} ({found.source}); "
+            "leave it unset (null) to use the GPUs there are, or set 0 to run on the CPU"]
+
+
+def _check_ranks_on_gpus(section: DictConfig, key: str, gpus: int) -> list[str]:
+    """One GPU per rank: a node's ranks need as many GPUs, and one model replica (tensor x
+    pipeline x context ranks) needs at least that many in the job."""
+    nodes, tasks = section.resources.nodes, section.resources.tasks_per_node
+    if gpus <= 0 or min(nodes, tasks) < 1:
+        return []
+    world, given, problems = nodes * tasks, nodes * gpus, []
+    par = section.parallel if "parallel" in section else None
+    tp, pp, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size) if par else (1, 1, 1)
+    model = tp * pp * cp
+    if tasks > gpus:
+        divides = par is not None and model >= 1 and world % model == 0
+        layout = f" = tensor ({tp}) x pipeline ({pp}) x context ({cp}) x data ({world // model})" if divides else ""
+        problems.append(f"{key}.resources.tasks_per_node: {tasks} ranks per node but launcher.gpus_per_node is {gpus} (one GPU per "
+                        f"rank): the job's {world} ranks{layout} need {world} GPUs, it gets nodes ({nodes}) x {gpus} = {given}")
+    if model > given:
+        problems.append(f"{key}.parallel: tensor ({tp}) x pipeline ({pp}) x context ({cp}) = {model} ranks hold one "
+                        f"model replica, more than the {given} GPUs of {key}.resources.nodes ({nodes}) x launcher.gpus_per_node ({gpus})")
+    return problems
 
 
 def _check_optim(stage: str, section: DictConfig) -> list[str]:  # stage: the section's key
