@@ -66,6 +66,12 @@ def test_an_instance_precision_auto_is_resolved_too(base_overrides):
     assert Pipeline.build(compose("sft_dpo", [*base_overrides, *auto], check_paths=False))["sft"].section.precision == "fp32"
 
 
+def test_keeping_the_optimizer_state_is_identity(base_overrides):
+    """An output committed without its optimizer state is not served to a config that asks for it."""
+    upstream = {"prep": "a", "convert": "b"}
+    assert fp([*base_overrides, "sft.checkpoint.keep_optimizer=true"], "sft", upstream) != fp(base_overrides, "sft", upstream)
+
+
 def test_training_identity_ignores_log_interval_but_not_lr(base_overrides):
     base = fp(base_overrides, "sft", {"prep": "a", "convert": "b"})
     assert fp([*base_overrides, "sft.trainer.log_every_n_steps=1"], "sft", {"prep": "a", "convert": "b"}) == base

@@ -274,6 +274,10 @@ class CheckpointConfig:
     monitor: str = not_identity("val_loss")
     mode: MonitorMode = not_identity(MonitorMode.min)
     resume: bool = not_identity(True)
+    # Commit the final checkpoint (weights, optimizer state, RNG and trainer state: what continuing
+    # the training needs) with the output, as checkpoints/step-N/; otherwise the commit leaves all
+    # checkpoints out (a retry resumes from its staging). Identity: an output without it is another.
+    keep_optimizer: bool = False
 
 
 @dataclass

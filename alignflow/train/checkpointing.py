@@ -18,6 +18,9 @@ Layout under `{out}/checkpoints/`:
     .tmp-step-00000010/      a checkpoint being written (removed when found stale)
     wandb-run-id             the wandb run a retry continues
 
+They live in the staging area: the commit leaves them out, or keeps the final one with
+`checkpoint.keep_optimizer` (`alignflow.store.committed_checkpoint`).
+
 Every rank writes into the temp folder; after a barrier rank 0 writes trainer.json,
 renames the folder to `step-N` and writes `complete`. Weights and optimizer state reshard on
 load: a job resumes at another TP, PP or DP size (with the same precision and the same
@@ -51,11 +54,11 @@ from megatron.core.optimizer import MegatronOptimizer
 
 from alignflow.checkpoint.untrusted import load_plain
 from alignflow.megatron import checkpoint as megatron_checkpoint
+from alignflow.store import COMPLETE
 from alignflow.train.data import DataPosition
 
 log = logging.getLogger("alignflow.train")
 
-COMPLETE = "complete"
 WANDB_RUN_ID = "wandb-run-id"
 
 
