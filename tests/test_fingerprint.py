@@ -50,11 +50,12 @@ def test_precision_auto_is_hashed_as_the_precision_it_resolves_to(base_overrides
     served for a GPU request, and `auto` on GPU is the same output as an explicit `bf16`."""
     upstream = {"prep": "a", "convert": "b", "sft": "c"}
     gpu = ["launcher=slurm", "launcher.gpus_per_node=1"]
-    on_cpu, on_gpu = fp(base_overrides, stage, upstream), fp([*base_overrides, *gpu], stage, upstream)
+    of = lambda *overrides: fp([*base_overrides, *overrides], stage, upstream)  # noqa: E731
+    on_cpu, on_gpu = of(), of(*gpu)
     assert on_cpu != on_gpu
-    assert on_gpu == fp([*base_overrides, *gpu, f"{stage}.precision=bf16"], stage, upstream) == fp([*base_overrides, f"{stage}.precision=bf16"], stage, upstream)
-    assert on_cpu == fp([*base_overrides, f"{stage}.precision=fp32"], stage, upstream) == fp([*base_overrides, *gpu, f"{stage}.precision=fp32"], stage, upstream)
-    assert fp([*base_overrides, "launcher=slurm"], stage, upstream) == on_cpu  # where it runs is not what it is, at the same precision
+    assert on_gpu == of(*gpu, f"{stage}.precision=bf16") == of(f"{stage}.precision=bf16")
+    assert on_cpu == of(f"{stage}.precision=fp32") == of(*gpu, f"{stage}.precision=fp32")
+    assert of("launcher=slurm") == on_cpu  # where it runs is not what it is, at the same precision
     sections = [Pipeline.build(compose("sft_dpo", [*base_overrides, *extra], check_paths=False))[stage].section for extra in ([], gpu)]
     assert [s.precision for s in sections] == ["fp32", "bf16"]  # the job computes in what was hashed
 
