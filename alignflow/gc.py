@@ -9,8 +9,10 @@ Only alignflow's own layout (`alignflow.store`) is ever touched; anything else u
 - `leftovers`: what interrupted operations leave, once unchanged for a lease ttl: an output
   folder without a manifest (an object-store commit or a deletion cut short), `{fp}.replaced-*`
   (a forced local commit), a lease's `.stale-*` (a takeover);
-- `checkpoints`: the `checkpoints/` of kept committed outputs (unless `keep_checkpoints`).
-  Nothing reads them once the output is committed: a retry resumes from its staging, and a
+- `checkpoints`: the `checkpoints/` of kept committed outputs (unless `keep_checkpoints`), which
+  outputs committed before the commit left them out hold (or a commit cut short before it
+  removed them), but not the final checkpoint a config asked to keep (`checkpoint.keep_optimizer`:
+  the manifest's `training_state`). Nothing reads them: a retry resumes from its staging, and a
   reader loads `model/` or `adapter/` + `lora.json`, whose base is an upstream output. The
   manifest is rewritten first (atomically), its file list without them plus a `reclaimed` record;
 - `outputs`: committed outputs that nothing keeps. Kept are those named by the newest
@@ -40,7 +42,7 @@ from rich.filesize import decimal
 
 from alignflow.fingerprint import FINGERPRINT_CHARS
 from alignflow.runs import REPORTS, RUNS
-from alignflow.store import CHECKPOINTS, MANIFEST, Store
+from alignflow.store import CHECKPOINTS, MANIFEST, TRAINING_STATE, Store
 
 CATEGORIES = ("staging", "leftovers", "checkpoints", "outputs")
 DAY_S = 86400.0
@@ -124,12 +126,14 @@ def survey(store: Store, cfg: DictConfig) -> Survey:
     found.outputs, found.output_bytes = len(committed), sum(u.bytes for u in committed.values())
     found.staging, found.staging_bytes = len(staging), sum(u.bytes for u in staging.values())
 
-    kept = _kept_outputs(store, committed, live, _run_references(store, units, retention, now), retention, now)
+    manifests = _manifests(store, committed)
+    kept = _kept_outputs(manifests, committed, live, _run_references(store, units, retention, now), retention, now)
     for (stage, fp), unit in committed.items():
         path = store.output_path(stage, fp)
+        asked = TRAINING_STATE in (manifests[(stage, fp)] or {})  # its config kept its final checkpoint (checkpoint.keep_optimizer)
         if (stage, fp) not in kept:
             found.reclaim.append(Item("outputs", path, unit.bytes, "no kept run names it, nor any kept output as an upstream", stage, fp))
-        elif unit.checkpoints and not retention.keep_checkpoints and (stage, fp) not in live:
+        elif unit.checkpoints and not retention.keep_checkpoints and (stage, fp) not in live and not asked:
             found.reclaim.append(Item("checkpoints", f"{path}/{CHECKPOINTS}", unit.checkpoint_bytes,
                                       "training checkpoints of a committed output (nothing reads them)", stage, fp))
     whys = list(kept.values())
@@ -251,15 +255,24 @@ def _run_references(store: Store, units: dict, retention: DictConfig, now: float
     return keeps
 
 
-def _kept_outputs(store: Store, committed: dict, live: set, named: dict, retention: DictConfig, now: float) -> dict[tuple[str, str], str]:
-    """(stage, fingerprint) -> why it is kept, for the committed outputs gc keeps, upstreams included."""
+def _manifests(store: Store, committed: dict) -> dict[tuple[str, str], dict | None]:
+    """(stage, fingerprint) -> the committed output's manifest, None where it does not parse."""
     paths = {key: f"{store.output_path(*key)}/{MANIFEST}" for key in committed}
     bodies = store.fs.cat(list(paths.values()), on_error="return") if paths else {}
-    manifests, kept = {}, {}
+    manifests = {}
     for key, path in paths.items():
         try:
             manifests[key] = json.loads(bodies[path])
         except (TypeError, ValueError):
+            manifests[key] = None
+    return manifests
+
+
+def _kept_outputs(manifests: dict, committed: dict, live: set, named: dict, retention: DictConfig, now: float) -> dict[tuple[str, str], str]:
+    """(stage, fingerprint) -> why it is kept, for the committed outputs gc keeps, upstreams included."""
+    kept = {}
+    for key in committed:
+        if manifests[key] is None:
             kept[key] = "its manifest does not parse"
             continue
         committed_at = _epoch(manifests[key].get("committed_at"), committed[key].newest)
@@ -272,7 +285,7 @@ def _kept_outputs(store: Store, committed: dict, live: set, named: dict, retenti
     todo = list(kept)
     while todo:
         stage, fp = todo.pop()
-        for up, ref in (manifests.get((stage, fp), {}).get("inputs") or {}).items():
+        for up, ref in ((manifests[(stage, fp)] or {}).get("inputs") or {}).items():
             key = (up, ref.get("fingerprint", ""))
             if key in committed and key not in kept:
                 kept[key] = "upstream of a kept output"

@@ -20,7 +20,8 @@ name outside `NAME`), naming the stage and key. Validation, `align plan`, the ru
 An instance's effective config: the kind's schema defaults < the root section of its kind
 (`dpo:`) < the instance's overrides; likewise for the config it reads (`data`, `model`). It is
 the root config as the instance sees it (`Stage.cfg`, read-only), so its kind's section there
-is its own. On the command line: `pipeline.stages.dpo_round2.loss.beta=0.2`.
+is its own. On the command line: `pipeline.stages.dpo_round2.loss.beta=0.2`. Its `precision: auto`
+is resolved there, to bf16 when `launcher.gpus_per_node` gives its ranks GPUs and fp32 otherwise.
 """
 
 import re
@@ -30,6 +31,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from alignflow.config.schema import Precision, resolved_precision
 from alignflow.stages import STAGES, StageKind, as_names
 
 RESERVED = ("kind", "inputs")
@@ -125,7 +127,8 @@ def _instance(cfg: DictConfig, name: str, entry: dict, problems: list[str]) -> S
         if setting not in section_keys and setting not in read_roots:
             problems.append(f"{key}.{setting}: not a setting of stage kind {kind} (the `{kind}` section) "
                             f"nor of what it reads ({', '.join(sorted(read_roots)) or 'nothing'})")
-    merged = {kind: {k: v for k, v in overrides.items() if k in section_keys}, **{k: v for k, v in overrides.items() if k in read_roots}}
+    section = {k: v for k, v in overrides.items() if k in section_keys}
+    merged = {kind: section | _resolved(cfg, kind, section), **{k: v for k, v in overrides.items() if k in read_roots}}
     try:
         view = OmegaConf.merge(cfg, merged) if any(merged.values()) else cfg.copy()
         OmegaConf.to_container(view[kind], resolve=True)  # surface interpolation errors now
@@ -138,6 +141,15 @@ def _instance(cfg: DictConfig, name: str, entry: dict, problems: list[str]) -> S
     wiring = {role: names if isinstance(names, str) else tuple(names) for role, names in inputs.items()}
     wiring |= {role: () for role, r in spec.inputs.items() if r.many and role not in wiring}
     return Stage(name, kind, wiring, view)
+
+
+def _resolved(cfg: DictConfig, kind: str, section: dict) -> dict:
+    """`precision: auto` (the root's or the instance's) as the precision the instance's ranks
+    compute in (`resolved_precision`): its identity, its job and its manifest hold that."""
+    precision = section.get("precision", cfg[kind].precision) if "precision" in cfg[kind] else None
+    if precision != Precision.auto:
+        return {}
+    return {"precision": resolved_precision(precision, on_gpu=cfg.launcher.gpus_per_node > 0)}
 
 
 def _check_roles(key: str, kind: str, wiring: dict) -> list[str]:

@@ -23,7 +23,8 @@ from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
 from alignflow.stages import OUTPUTS, user_imports, worker_module
-from alignflow.store import Store, options_for, store_of
+from alignflow.store import TRAINING_STATE, Store, committed_checkpoint, options_for, store_of
+from alignflow.verify import IncompleteOutput
 from alignflow.worker import run_stage_job
 
 _RECORDED_PACKAGES = ("torch", "megatron-core", "transformers", "tokenizers", "pyarrow", "submitit")
@@ -135,6 +136,11 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
                "config": masked(cfg, paths)}
     if records := read_metrics(staging, options_for(staging, cfg)):  # a training stage: its curves beside its output
         store.fs.pipe(f"{store.staging_path(name, fp)}/{REPORT}", stage_report(name, summary, records).encode())
+    keep = keeps_optimizer(stage)
+    kept, leave_out = committed_checkpoint(store.staged_files(name, fp), keep_latest=keep)
+    if keep and kept is None:
+        raise IncompleteOutput(f"{name} {fp}: not committed: {stage.kind}.checkpoint.keep_optimizer is true, but no complete "
+                               f"training checkpoint is staged at {staging}")
     manifest = {
         **summary,
         "identity": ident,
@@ -143,11 +149,11 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
         "versions": {"alignflow": __version__, **package_versions(_RECORDED_PACKAGES)},
         "job": asdict(record),
         "seconds": round(time.time() - started, 3),
-        "files": store.staged_files(name, fp),
+        "files": store.staged_files(name, fp, leave_out),
         "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    } | ({TRAINING_STATE: kept} if kept else {})
     lease.check()  # a run whose lease was taken over commits nothing
-    uri = store.commit(name, fp, manifest, OUTPUTS[spec.output])  # IncompleteOutput: the stage's bug or the disk's, not retried
+    uri = store.commit(name, fp, manifest, OUTPUTS[spec.output], leave_out)  # IncompleteOutput: the stage's bug or the disk's, not retried
     log(f"{name} {fp}: committed {uri}")
     return _result(store, name, fp, manifest, cached=False)
 
@@ -174,6 +180,11 @@ def _start_or_adopt(stage: Stage, store: Store, ident: dict, inputs: dict, paths
     lease.record_job(asdict(record))
     log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}, log {record.stdout}")
     return job, record, True
+
+
+def keeps_optimizer(stage: Stage) -> bool:
+    """Whether `stage`'s commit keeps its final training checkpoint (`checkpoint.keep_optimizer`)."""
+    return stage.spec.resumable and stage.section.checkpoint.keep_optimizer
 
 
 def headline_first(metrics: dict, headline: tuple[str, ...]) -> dict:

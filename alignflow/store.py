@@ -4,8 +4,10 @@ Layout per stage output:
 - `{root}/{stage}/{fp}/`            the committed output; `_SUCCESS.json` inside is the commit.
 - `{root}/{stage}/_staging/{fp}/`   where a job writes (and checkpoints, so a retry resumes).
 - `{root}/{stage}/_leases/{fp}.json` who is producing `fp` now, with a heartbeat.
-- `{root}/{stage}/{fp}/checkpoints/` a training stage's checkpoints, committed with its output
-  (`alignflow.train.checkpointing`); nothing reads them once it is committed (`alignflow.gc`).
+- `{root}/{stage}/_staging/{fp}/checkpoints/` a training stage's checkpoints
+  (`alignflow.train.checkpointing`): a retry resumes from them, so the commit leaves them out
+  (`committed_checkpoint`), all of them, or all but the final one when its config asks to keep
+  the optimizer (`checkpoint.keep_optimizer`: the manifest names it under `training_state`).
 
 An output without a manifest does not exist, and a manifest is written only once the staged
 files hold what the stage's output format declares (`alignflow.verify`): never for an empty
@@ -28,10 +30,12 @@ from fsspec.implementations.local import LocalFileSystem
 from omegaconf import DictConfig, OmegaConf
 
 from alignflow.lease import Lease
-from alignflow.verify import IncompleteOutput, OutputFormat
+from alignflow.verify import IncompleteOutput, OutputFormat, under
 
 MANIFEST = "_SUCCESS.json"
 CHECKPOINTS = "checkpoints"
+COMPLETE = "complete"  # written last into a training checkpoint: one without it does not exist
+TRAINING_STATE = "training_state"  # the manifest's name for the checkpoint a commit kept
 
 
 def store_of(cfg: DictConfig) -> "Store":
@@ -48,6 +52,20 @@ def staging_owner(uri: str) -> tuple[str | None, str | None]:
     """(stage, fingerprint) whose staging folder `uri` is (`Store.staging_path`), else (None, None)."""
     parts = uri.rstrip("/").split("/")
     return (parts[-3], parts[-1]) if len(parts) >= 3 and parts[-2] == "_staging" else (None, None)
+
+
+def committed_checkpoint(files: list[dict], keep_latest: bool) -> tuple[str | None, tuple[str, ...]]:
+    """What the commit of a staged output (`files` as `Store.staged_files` lists them) does with
+    its training checkpoints: the latest complete one it keeps with `keep_latest` (else None),
+    and the paths it leaves out: `checkpoints/` whole, or everything in it but the kept one."""
+    paths = {f["path"] for f in files}
+    entries = sorted({p.split("/")[1] for p in paths if p.startswith(f"{CHECKPOINTS}/")})
+    complete = [e for e in entries if f"{CHECKPOINTS}/{e}/{COMPLETE}" in paths]  # step-%08d: in step order
+    if not entries:
+        return None, ()
+    if not (keep_latest and complete):
+        return None, (CHECKPOINTS,)
+    return f"{CHECKPOINTS}/{complete[-1]}", tuple(f"{CHECKPOINTS}/{e}" for e in entries if e != complete[-1])
 
 
 @dataclass(frozen=True)
@@ -89,29 +107,33 @@ class Store:
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
-    def staged_files(self, stage: str, fp: str) -> list[dict]:
+    def staged_files(self, stage: str, fp: str, leave_out: tuple[str, ...] = ()) -> list[dict]:
+        """The staged files (path relative to the staging folder, size), but those under `leave_out`."""
         root = self.staging_path(stage, fp)
         found = self.fs.find(root, detail=True) if self.fs.exists(root) else {}
-        return [{"path": p[len(root) + 1 :], "size": info["size"]} for p, info in sorted(found.items())]
+        listed = [{"path": p[len(root) + 1 :], "size": info["size"]} for p, info in sorted(found.items())]
+        return [f for f in listed if not under(f["path"], leave_out)]
 
-    def commit(self, stage: str, fp: str, manifest: dict, holds: OutputFormat) -> str:
-        """Publish the staging directory as the output of `fp` once it `holds` its format (else
-        IncompleteOutput, and nothing is written); returns the output URI."""
+    def commit(self, stage: str, fp: str, manifest: dict, holds: OutputFormat, leave_out: tuple[str, ...] = ()) -> str:
+        """Publish the staging directory, but the paths `leave_out` (relative to it), as the output
+        of `fp` once what is published `holds` its format (else IncompleteOutput, and nothing is
+        written); returns the output URI."""
         staging, output = self.staging_path(stage, fp), self.output_path(stage, fp)
         self.fs.invalidate_cache(staging)  # the job wrote it from another process
-        problems = holds.problems(self.fs, staging) if self.staged_files(stage, fp) else ["the folder is empty or absent"]
+        staged = self.staged_files(stage, fp, leave_out)
+        problems = holds.problems(self.fs, staging, leave_out) if staged else ["the folder is empty or absent"]
         if problems:
             raise IncompleteOutput(f"{stage} {fp}: not committed: the output staged at {self.uri(staging)} is incomplete: "
                                    + "; ".join(problems))
         body = json.dumps(manifest, indent=2)  # insertion order: a stage lists its headline metrics first
         if isinstance(self.fs, LocalFileSystem):
-            self._commit_local(staging, output, body)
+            self._commit_local(staging, output, body, leave_out)
         else:
-            self._commit_object_store(staging, output, body)
+            self._commit_object_store(staging, output, body, [f["path"] for f in staged])
         return self.uri(output)
 
-    def _commit_local(self, staging: str, output: str, body: str) -> None:
-        _fsync_tree(staging)  # the data is on disk before the manifest that vouches for it
+    def _commit_local(self, staging: str, output: str, body: str, leave_out: tuple[str, ...]) -> None:
+        _fsync_tree(staging, leave_out)  # the data is on disk before the manifest that vouches for it
         _write_atomic(f"{staging}/{MANIFEST}", body)
         replaced = f"{output}.replaced-{uuid.uuid4().hex[:8]}"
         if os.path.exists(output):  # a forced re-run: the old output stays whole until the new one is in
@@ -120,15 +142,16 @@ class Store:
         _fsync(os.path.dirname(output))
         if os.path.exists(replaced):
             self.fs.rm(replaced, recursive=True)
+        for path in leave_out:  # after the rename: until then a retry may still resume from them
+            self.fs.rm(f"{output}/{path}", recursive=True)
 
-    def _commit_object_store(self, staging: str, output: str, body: str) -> None:
+    def _commit_object_store(self, staging: str, output: str, body: str, files: list[str]) -> None:
         fs = self.fs
         if fs.exists(output):  # uncommit first, so no reader sees old files with a new manifest
             if fs.exists(f"{output}/{MANIFEST}"):
                 fs.rm(f"{output}/{MANIFEST}")
             fs.rm(output, recursive=True)
-        files = fs.find(staging)
-        fs.copy(files, [f"{output}/{path[len(staging) + 1 :]}" for path in files])  # server-side, concurrently
+        fs.copy([f"{staging}/{path}" for path in files], [f"{output}/{path}" for path in files])  # server-side, concurrently
         fs.pipe(f"{output}/{MANIFEST}", body.encode())
         fs.rm(staging, recursive=True)
 
@@ -203,10 +226,13 @@ def _write_atomic(path: str, body: str) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_tree(root: str) -> None:
-    for folder, _, files in os.walk(root):
+def _fsync_tree(root: str, leave_out: tuple[str, ...] = ()) -> None:
+    for folder, subfolders, files in os.walk(root):
+        relative = os.path.relpath(folder, root)
+        subfolders[:] = [d for d in subfolders if not under(os.path.normpath(os.path.join(relative, d)), leave_out)]
         for name in files:
-            _fsync(os.path.join(folder, name))
+            if not under(os.path.normpath(os.path.join(relative, name)), leave_out):
+                _fsync(os.path.join(folder, name))
         _fsync(folder)
 
 

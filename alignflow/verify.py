@@ -43,19 +43,25 @@ class OutputFormat:
     needs: tuple[Need, ...] = ()
     one_of: tuple[tuple[Need, ...], ...] = ()
 
-    def problems(self, fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
-        """Why the output at `root` is not one of this format (empty: it is), each naming a file."""
+    def problems(self, fs: fsspec.AbstractFileSystem, root: str, leave_out: tuple[str, ...] = ()) -> list[str]:
+        """Why the output at `root`, without the paths `leave_out` (relative to it: what its
+        commit leaves out), is not one of this format (empty: it is), each naming a file."""
         root = root.rstrip("/")
-        problems = [p for need in self.needs for p in _need_problems(fs, root, need)]
-        failed = [[p for need in variant for p in _need_problems(fs, root, need)] for variant in self.one_of]
+        problems = [p for need in self.needs for p in _need_problems(fs, root, need, leave_out)]
+        failed = [[p for need in variant for p in _need_problems(fs, root, need, leave_out)] for variant in self.one_of]
         if failed and all(failed):
             alternatives = " or ".join(" + ".join(need.pattern for need in variant) for variant in self.one_of)
             problems.append(f"needs {alternatives}: " + "; ".join(p for variant in failed for p in variant))
         return problems
 
 
-def _need_problems(fs: fsspec.AbstractFileSystem, root: str, need: Need) -> list[str]:
-    matches = sorted(fs.glob(f"{root}/{need.pattern}"))
+def under(path: str, parts: tuple[str, ...]) -> bool:
+    """Whether `path` is one of `parts` or inside one."""
+    return any(path == part or path.startswith(f"{part}/") for part in parts)
+
+
+def _need_problems(fs: fsspec.AbstractFileSystem, root: str, need: Need, leave_out: tuple[str, ...]) -> list[str]:
+    matches = sorted(m for m in fs.glob(f"{root}/{need.pattern}") if not under(m[len(root) + 1 :], leave_out))
     if not matches:
         return [f"{need.pattern}: missing"] if need.required else []
     return [f"{path[len(root) + 1:]}: {why}" for path in matches if (why := why_not(need.check, fs, path))]

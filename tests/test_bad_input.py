@@ -180,6 +180,11 @@ CASES = {
                                              ("sft.checkpoint.every_n_minutes: null (no checkpoints by time) does not fit",)),
     "checkpoint-minutes-negative": Case(("sft.checkpoint.every_n_minutes=-5",), ("sft.checkpoint.every_n_minutes: must be > 0 or null",)),
     "timeout-not-a-number": Case(("sft.timeout_min=soon",), ("sft.timeout_min",)),
+    "keep-optimizer-not-a-bool": Case(("dpo.checkpoint.keep_optimizer=sometimes",), ("dpo.checkpoint.keep_optimizer=sometimes",)),
+    "instance-keep-optimizer-not-a-bool": Case(("pipeline.stages.sft.checkpoint.keep_optimizer=sometimes",),
+                                               ("pipeline.stages.sft.checkpoint.keep_optimizer: Value 'sometimes' is not a valid bool",)),
+    "instance-precision-unknown": Case(("pipeline.stages.sft.precision=fp16",),
+                                       ("pipeline.stages.sft.precision: Invalid value 'fp16', expected one of [auto, fp32, bf16]",)),
     # lease and poll settings, retention
     "lease-ttl-too-short": Case(("store.lease_ttl_s=1",), ("store.lease_ttl_s: must be >= 2 s",)),
     "poll-zero": Case(("store.poll_interval_s=0",), ("store.poll_interval_s: must be > 0",)),

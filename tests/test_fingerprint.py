@@ -44,6 +44,35 @@ def test_the_layout_is_not_identity_but_the_distributed_optimizer_is(base_overri
     assert fp([*base_overrides, "sft.parallel.use_distributed_optimizer=true"], "sft", {"prep": "a", "convert": "b"}) != base
 
 
+@pytest.mark.parametrize("stage", ["sft", "ref_logprobs"])
+def test_precision_auto_is_hashed_as_the_precision_it_resolves_to(base_overrides, stage):
+    """`auto` on a launcher that declares GPUs is bf16, on CPU fp32: a CPU output is never
+    served for a GPU request, and `auto` on GPU is the same output as an explicit `bf16`."""
+    upstream = {"prep": "a", "convert": "b", "sft": "c"}
+    gpu = ["launcher=slurm", "launcher.gpus_per_node=1"]
+    of = lambda *overrides: fp([*base_overrides, *overrides], stage, upstream)  # noqa: E731
+    on_cpu, on_gpu = of(), of(*gpu)
+    assert on_cpu != on_gpu
+    assert on_gpu == of(*gpu, f"{stage}.precision=bf16") == of(f"{stage}.precision=bf16")
+    assert on_cpu == of(f"{stage}.precision=fp32") == of(*gpu, f"{stage}.precision=fp32")
+    assert of("launcher=slurm") == on_cpu  # where it runs is not what it is, at the same precision
+    sections = [Pipeline.build(compose("sft_dpo", [*base_overrides, *extra], check_paths=False))[stage].section for extra in ([], gpu)]
+    assert [s.precision for s in sections] == ["fp32", "bf16"]  # the job computes in what was hashed
+
+
+def test_an_instance_precision_auto_is_resolved_too(base_overrides):
+    gpu = ["launcher=slurm", "launcher.gpus_per_node=1"]
+    auto = ["sft.precision=fp32", "pipeline.stages.sft.precision=auto"]
+    assert Pipeline.build(compose("sft_dpo", [*base_overrides, *gpu, *auto], check_paths=False))["sft"].section.precision == "bf16"
+    assert Pipeline.build(compose("sft_dpo", [*base_overrides, *auto], check_paths=False))["sft"].section.precision == "fp32"
+
+
+def test_keeping_the_optimizer_state_is_identity(base_overrides):
+    """An output committed without its optimizer state is not served to a config that asks for it."""
+    upstream = {"prep": "a", "convert": "b"}
+    assert fp([*base_overrides, "sft.checkpoint.keep_optimizer=true"], "sft", upstream) != fp(base_overrides, "sft", upstream)
+
+
 def test_training_identity_ignores_log_interval_but_not_lr(base_overrides):
     base = fp(base_overrides, "sft", {"prep": "a", "convert": "b"})
     assert fp([*base_overrides, "sft.trainer.log_every_n_steps=1"], "sft", {"prep": "a", "convert": "b"}) == base

@@ -26,7 +26,7 @@ from alignflow.gc import CATEGORIES
 from alignflow.pipeline import Pipeline
 from alignflow.runner import plan, run_stage
 from alignflow.stages import OUTPUTS
-from alignflow.store import Store
+from alignflow.store import TRAINING_STATE, Store
 from flows.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -58,8 +58,10 @@ def put(store: Store, source: Path, dest: str) -> None:
     store.fs.put(f"{source}/", f"{dest}/", recursive=True)
 
 
-def commit(store: Store, stage: str, key: str, source: Path, output: str, days_ago: float, inputs: dict, checkpoints: bool = False) -> None:
-    """`source` committed as `stage`'s output `key` (a training output's with a checkpoint of its model)."""
+def commit(store: Store, stage: str, key: str, source: Path, output: str, days_ago: float, inputs: dict, checkpoints: bool = False,
+           training_state: bool = False) -> None:
+    """`source` committed as `stage`'s output `key` (a training output's with a checkpoint of its
+    model, as commits before #22 kept them, or as the one its config asked to keep)."""
     staging = store.staging_path(stage, key)
     put(store, source, staging)
     if checkpoints:
@@ -68,6 +70,8 @@ def commit(store: Store, stage: str, key: str, source: Path, output: str, days_a
         store.fs.pipe(f"{staging}/checkpoints/step-00000002/complete", b"")
     manifest = {"stage": stage, "fingerprint": key, "inputs": {up: {"fingerprint": f} for up, f in inputs.items()},
                 "files": store.staged_files(stage, key), "committed_at": stamp(days_ago)}
+    if training_state:
+        manifest[TRAINING_STATE] = "checkpoints/step-00000002"
     store.commit(stage, key, manifest, OUTPUTS[output])
 
 
@@ -276,3 +280,15 @@ def test_keep_checkpoints_keeps_a_kept_outputs_checkpoints(capsys, base_override
     assert gc(capsys, base_overrides)["reclaim"]["checkpoints"]["count"] == 1
     assert gc(capsys, [*base_overrides, "store.retention.keep_checkpoints=true"], "--yes")["reclaim_bytes"] == 0
     assert store.fs.exists(f"{store.output_path('sft', S)}/checkpoints/step-00000002/complete")
+
+
+def test_a_final_checkpoint_its_config_asked_to_keep_stays(capsys, base_overrides, assets):
+    """An output committed with `checkpoint.keep_optimizer` (its manifest names its training_state)
+    keeps its checkpoint; one committed with its checkpoints before the commit left them out does not."""
+    store = Store(compose(None, base_overrides, check_paths=False).store.root, {})
+    commit(store, "sft", S, assets["model"], "model", 0, {}, checkpoints=True)
+    commit(store, "dpo", S, assets["model"], "model", 0, {}, checkpoints=True, training_state=True)
+    done = gc(capsys, base_overrides, "--yes")
+    assert [(i["stage"], i["category"]) for c in CATEGORIES for i in done["reclaim"][c]["items"]] == [("sft", "checkpoints")]
+    assert store.fs.exists(f"{store.output_path('dpo', S)}/checkpoints/step-00000002/complete")
+    assert not store.fs.exists(f"{store.output_path('sft', S)}/checkpoints")

@@ -111,6 +111,7 @@ def test_jobs_receive_resolved_values_and_secrets_as_their_env_text(committed):
     calls = dict(submitit.helpers.DelayedSubmission.load(pickle).args[:2] for pickle in committed.submitted)
     assert set(calls) == set(TRAINED) and len(committed.submitted) == len(TRAINED)
     assert calls["sft"]["sft"]["trainer"]["max_steps"] == 2
+    assert calls["sft"]["sft"]["precision"] == calls["grpo"]["grpo"]["precision"] == "fp32"  # auto, as hashed: no GPU declared
     assert calls["sft"]["logging"]["wandb"]["api_key"] == "${oc.env:WANDB_API_KEY,null}"
     assert calls["grpo"]["grpo"]["environment"] == [{"name": "my_rewards:near", "kwargs": {"api_key": "${oc.env:JUDGE_API_KEY}"}}]
     assert len(committed.files) > 50

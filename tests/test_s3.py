@@ -138,14 +138,14 @@ def test_demo_pipeline_with_everything_on_s3(s3_endpoint, demo_dir, base_overrid
     root = f"test/store3/sft/{sft.fingerprint}"
     assert sft.uri == f"s3://{root}" and sft.metrics["steps"] == 2
     manifest = json.loads(fs.cat_file(f"{root}/_SUCCESS.json"))
-    assert {f["path"] for f in manifest["files"]} >= {
-        "model/.metadata", "hf/config.json", "tokenizer/tokenizer.json", "metrics.jsonl", "checkpoints/step-00000002/complete"}
+    listed = {f["path"] for f in manifest["files"]}
+    assert listed >= {"model/.metadata", "hf/config.json", "tokenizer/tokenizer.json", "metrics.jsonl"}
+    assert not any(p.startswith("checkpoints/") for p in listed) and not fs.exists(f"{root}/checkpoints")  # left in staging, removed with it
     assert [json.loads(line)["step"] for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()] == [1, 2]
-    assert fs.ls(f"{root}/checkpoints") == [f"{root}/checkpoints/step-00000002"]  # save_top_k=0 pruned step 1 in the store too
     assert not fs.exists(f"test/store3/sft/_staging/{sft.fingerprint}")
     fsspec.config.conf.setdefault("s3", {}).update(options)
-    final, last = (DistCheckpointReader(f"s3://{root}/{path}") for path in ("model", "checkpoints/step-00000002/model"))
-    assert all(torch.equal(final.read(k), last.read(k)) for k in final.keys())
+    final = DistCheckpointReader(f"s3://{root}/model")
+    assert all(torch.isfinite(final.read(k)).all() for k in final.keys())
 
     evaluated = json.loads(fs.cat_file(f"test/store3/eval/{results['eval'].fingerprint}/eval.json"))
     assert {"sft.val_loss", "convert.val_loss"} <= set(evaluated["metrics"])

@@ -114,6 +114,35 @@ def test_killed_job_resumes_to_the_uninterrupted_weights(demo_dir, inputs, tmp_p
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(p.name for p in (reference / "checkpoints").iterdir())
 
 
+def as_a_gpu_job_writes_it(rank_file: Path) -> None:
+    """A rank file of this CPU run rewritten as a GPU job writes it: Megatron's tracker holds
+    CUDA generator states (Philox: 8 bytes of seed, 8 of offset) and CUDA's own state is
+    beside the host's (python, numpy, torch: kept as drawn here)."""
+    saved = torch.load(rank_file, weights_only=True)
+    philox = lambda seed: torch.tensor([seed, 0], dtype=torch.int64).view(torch.uint8)  # noqa: E731
+    assert set(saved["rng"]) == {"python", "numpy", "torch", "tracker"} and saved["rng"]["tracker"]
+    saved["rng"]["tracker"] = {name: philox(3952 + i) for i, name in enumerate(saved["rng"]["tracker"])}
+    saved["rng"]["cuda"] = philox(1234)
+    torch.save(saved, rank_file)
+
+
+def test_a_checkpoint_written_on_gpu_resumes_on_cpu(demo_dir, inputs, tmp_path, caplog):
+    """With dropout on (attention dropout draws from Megatron's tracker), a CPU job resumes the
+    checkpoint a GPU job wrote, re-seeding the device's RNG states and saying so; it used to
+    crash at the first forward ("Expected a CPUGeneratorImplState of size 5056 ... 16")."""
+    cfg = sft_cfg(demo_dir, hidden_dropout=0.1, attention_dropout=0.1, trainer={"max_steps": 2, "val_check_interval": 2},
+                  checkpoint={"every_n_steps": 2})
+    out = tmp_path / "out"
+    run_sft(cfg, inputs, out)
+    as_a_gpu_job_writes_it(out / "checkpoints" / "step-00000002" / "rank-00000.pt")
+    cfg["sft"]["trainer"]["max_steps"] = 4
+    with caplog.at_level(logging.INFO, logger="alignflow"):
+        assert run_sft(cfg, inputs, out)["steps"] == 4
+    assert (f"{out / 'checkpoints' / 'step-00000002'} was written on cuda, this job runs on cpu: RNG states tracker, cuda "
+            "re-seeded (as this job's start seeded them from trainer.seed), python, numpy and torch restored") in caplog.text
+    assert [line["step"] for line in metrics_lines(out)] == [1, 2, 3, 4]
+
+
 @pytest.mark.slow
 def test_sft_lowers_the_val_loss_on_the_demo_task(demo_dir, inputs, tmp_path):
     cfg = sft_cfg(demo_dir, micro_batch_size=4, global_batch_size=16,

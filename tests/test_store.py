@@ -13,7 +13,7 @@ import pytest
 
 from alignflow.lease import LeaseLost, watch
 from alignflow.stages import OUTPUTS
-from alignflow.store import MANIFEST, Store
+from alignflow.store import MANIFEST, Store, committed_checkpoint
 from alignflow.verify import IncompleteOutput, OutputFormat
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -284,3 +284,78 @@ def test_an_s3_commit_is_verified_too(s3_endpoint, real_outputs):
     with pytest.raises(IncompleteOutput, match="is empty or absent"):
         store.commit("prep", "f1", {}, OUTPUTS["prep"])
     assert not fs.exists(store.output_path("prep", "f1"))
+
+
+# ----------------------------------------------------------------------------- training outputs
+
+
+def staged_training_output(model: Path, dest: Path) -> None:
+    """A training stage's staging folder as a job leaves it: the model output (model/, hf/,
+    tokenizer/), metrics.jsonl and its checkpoints: steps 1 and 2 complete (torch_dist model and
+    optimizer, trainer.json, a rank file), a step renamed but never marked complete, a
+    half-written one, and the wandb run id."""
+    shutil.copytree(model, dest)
+    (dest / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    checkpoints = dest / "checkpoints"
+    for step in (1, 2):
+        path = checkpoints / f"step-{step:08d}"
+        for part in ("model", "optimizer"):
+            shutil.copytree(model / "model", path / part)  # a torch_dist folder (the optimizer's holds other keys)
+        (path / "trainer.json").write_text(json.dumps({"step": step}))
+        (path / "rank-00000.pt").write_bytes(b"rng states")
+        (path / "complete").write_text("")
+    shutil.copytree(model / "model", checkpoints / "step-00000003" / "model")
+    (checkpoints / ".tmp-step-00000004" / "model").mkdir(parents=True)
+    (checkpoints / ".tmp-step-00000004" / "model" / "__0_0.distcp").write_bytes(b"half")
+    (checkpoints / "wandb-run-id").write_text("abc123")
+
+
+def files_under(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, int]:
+    fs.invalidate_cache()
+    return {p[len(root) + 1:]: info["size"] for p, info in fs.find(root, detail=True).items()}
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["weights-only", "keep-optimizer"])
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_training_commit_leaves_its_checkpoints_out_or_keeps_only_the_final_one(keep, where, real_outputs, tmp_path, request):
+    local = tmp_path / "staged"
+    staged_training_output(real_outputs["model"], local)
+    store = Store(str(tmp_path / "store"), {}) if where == "local" else Store(
+        f"s3://test/training-{keep}", {"client_kwargs": {"endpoint_url": request.getfixturevalue("s3_endpoint")}})
+    store.fs.put(f"{local}/", f"{store.staging_path('sft', 'f1')}/", recursive=True)
+    staged = store.staged_files("sft", "f1")
+
+    kept, leave_out = committed_checkpoint(staged, keep_latest=keep)
+    assert kept == ("checkpoints/step-00000002" if keep else None)
+    assert leave_out == (("checkpoints/.tmp-step-00000004", "checkpoints/step-00000001", "checkpoints/step-00000003",
+                          "checkpoints/wandb-run-id") if keep else ("checkpoints",))
+    manifest = {"files": store.staged_files("sft", "f1", leave_out)}
+    store.commit("sft", "f1", manifest, OUTPUTS["model"], leave_out)
+
+    output = store.output_path("sft", "f1")
+    committed = files_under(store.fs, output)
+    expected = {f["path"]: f["size"] for f in staged if not f["path"].startswith("checkpoints/")}
+    if keep:
+        expected |= {f["path"]: f["size"] for f in staged if f["path"].startswith("checkpoints/step-00000002/")}
+    assert {p: s for p, s in committed.items() if p != MANIFEST} == expected
+    assert {f["path"]: f["size"] for f in store.read_manifest("sft", "f1")["files"]} == expected
+    assert not store.fs.exists(store.staging_path("sft", "f1"))
+
+
+def test_a_kept_training_checkpoint_is_verified_and_a_left_out_one_is_not(real_outputs, tmp_path):
+    store = Store(str(tmp_path / "store"), {})
+    staging = Path(store.staging_path("sft", "f1"))
+    staged_training_output(real_outputs["model"], staging)
+    (staging / "checkpoints" / "step-00000002" / "optimizer" / ".metadata").unlink()  # cut short
+    kept, leave_out = committed_checkpoint(store.staged_files("sft", "f1"), keep_latest=True)
+    with pytest.raises(IncompleteOutput, match=r"checkpoints/step-00000002/optimizer: no \.metadata"):
+        store.commit("sft", "f1", {}, OUTPUTS["model"], leave_out)
+    assert store.read_manifest("sft", "f1") is None and (staging / "checkpoints" / "step-00000002").is_dir()
+
+    _, leave_out = committed_checkpoint(store.staged_files("sft", "f1"), keep_latest=False)
+    store.commit("sft", "f1", {}, OUTPUTS["model"], leave_out)  # not committed, so not checked
+    assert store.read_manifest("sft", "f1") == {} and not (Path(store.output_path("sft", "f1")) / "checkpoints").exists()
+
+
+def test_an_output_without_checkpoints_commits_as_it_is():
+    assert committed_checkpoint([{"path": "model/.metadata", "size": 1}], keep_latest=True) == (None, ())

@@ -3,6 +3,7 @@ packed row's loss equal to its documents' losses run one by one."""
 
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -114,6 +115,42 @@ def test_prune_keeps_the_top_k_and_the_latest(tmp_path):
     assert checkpointing.prune(tmp_path, 1, "val_loss", "max") == [20]
     assert checkpointing.prune(tmp_path, 0, "val_loss", "min") == [30]
     assert checkpointing.complete_steps(tmp_path) == [50]
+
+
+def philox(seed: int) -> torch.Tensor:
+    """A CUDA generator's state as `torch.cuda.get_rng_state` gives it: 8 bytes of seed, 8 of offset."""
+    return torch.tensor([seed, 0], dtype=torch.int64).view(torch.uint8)
+
+
+def seed_host(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.mark.parametrize("drawn_on,here", [("cuda", "cpu"), ("cpu", "cuda"), ("cpu", "cpu")])
+def test_rng_states_of_the_other_device_type_are_re_seeded_and_the_hosts_restored(drawn_on, here):
+    """A checkpoint's python, numpy and torch (CPU) states resume on any device type; Megatron's
+    tracker and CUDA's states only on the device type that drew them (CPU ones are 5056 bytes,
+    CUDA ones 16). What a CUDA rank does with its own states needs CUDA: not run here."""
+    from megatron.core import tensor_parallel
+
+    seed_host(1)
+    states = {"python": random.getstate(), "numpy": checkpointing._plain_numpy_state(np.random.get_state()), "torch": torch.get_rng_state(),
+              "tracker": {"model-parallel-rng": torch.Generator().manual_seed(4).get_state()}}
+    if drawn_on == "cuda":
+        states |= {"tracker": {"model-parallel-rng": philox(4)}, "cuda": philox(3)}
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    seed_host(9)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(9).get_state()})
+    before = tracker.get_states()
+
+    reseeded = checkpointing.set_rng_states(states, here)
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+    assert checkpointing.rng_device(states) == drawn_on
+    assert reseeded == (() if drawn_on == here else ("tracker", "cuda"))
+    assert tracker.get_states() == (states["tracker"] if drawn_on == here else before)
 
 
 # ---------------------------------------------------------------- packed attention

@@ -61,9 +61,18 @@ class Schedule(StrEnum):
 
 
 class Precision(StrEnum):
-    auto = "auto"  # bf16 on GPU, fp32 on CPU
+    auto = "auto"  # bf16 on GPU, fp32 on CPU (`resolved_precision`)
     fp32 = "fp32"
     bf16 = "bf16"  # bf16 weights and activations, fp32 main weights, grads reduced in fp32
+
+
+def resolved_precision(precision: str, on_gpu: bool) -> Precision:
+    """The precision a stage computes in: `auto` is bf16 where its ranks have GPUs, fp32 on CPU
+    (where bf16 runs too when asked). Resolved before fingerprinting (`alignflow.pipeline`), so a
+    CPU output is never served for a GPU request, and `auto` on GPU is the same output as `bf16`."""
+    if precision != Precision.auto:
+        return Precision(precision)
+    return Precision.bf16 if on_gpu else Precision.fp32
 
 
 class RecomputeGranularity(StrEnum):
@@ -268,6 +277,10 @@ class CheckpointConfig:
     monitor: str = not_identity("val_loss")
     mode: MonitorMode = not_identity(MonitorMode.min)
     resume: bool = not_identity(True)
+    # Commit the final checkpoint (weights, optimizer state, RNG and trainer state: what continuing
+    # the training needs) with the output, as checkpoints/step-N/; otherwise the commit leaves all
+    # checkpoints out (a retry resumes from its staging). Identity: an output without it is another.
+    keep_optimizer: bool = False
 
 
 @dataclass

@@ -40,8 +40,11 @@ from alignflow.verify import Need, OutputFormat, json_file, nonempty, parquet, s
 OUTPUTS = {
     "prep": OutputFormat("Parquet token tables + metadata.json (alignflow.data.prepared)",
                          (Need("metadata.json", json_file), Need("*/*.parquet", parquet))),
-    "model": OutputFormat("Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.checkpoint)",
-                          (Need("hf/config.json", json_file), Need("tokenizer/*", nonempty)),
+    "model": OutputFormat("Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.checkpoint); "
+                          "with checkpoint.keep_optimizer the final training checkpoint (alignflow.train.checkpointing)",
+                          (Need("hf/config.json", json_file), Need("tokenizer/*", nonempty),
+                           *(Need(f"checkpoints/step-*/{part}", check, required=False)
+                             for part, check in (("model", torch_dist), ("optimizer", torch_dist), ("trainer.json", json_file)))),
                           one_of=((Need("model", torch_dist),), (Need("adapter", torch_dist), Need("lora.json", json_file)))),
     "ref_logprobs": OutputFormat("Parquet per-pair reference log-probs (alignflow.stages.ref_logprobs)",
                                  (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False))),

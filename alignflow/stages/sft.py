@@ -4,7 +4,8 @@ Inputs: `data` = a prep output (`sft/train-*.parquet`, optional `sft/val-*.parqu
 `metadata.json`), `model` = a model stage output (`alignflow.checkpoint` layout).
 Output under `out`: `model/` (the final weights, torch_dist), `hf/` and `tokenizer/` copied
 from the input model, `metrics.jsonl`, and `checkpoints/` (see
-`alignflow.train.checkpointing`), from whose latest complete step a retried job resumes.
+`alignflow.train.checkpointing`), from whose latest complete step a retried job resumes; the
+commit leaves them out, or keeps the final one with `checkpoint.keep_optimizer`.
 Returns the final train loss, final val loss, steps, tokens and tokens/s.
 
 Supported: everything `alignflow.train.engine` supports (TP, PP, virtual PP, DP, the

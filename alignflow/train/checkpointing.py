@@ -18,12 +18,17 @@ Layout under `{out}/checkpoints/`:
     .tmp-step-00000010/      a checkpoint being written (removed when found stale)
     wandb-run-id             the wandb run a retry continues
 
+They live in the staging area: the commit leaves them out, or keeps the final one with
+`checkpoint.keep_optimizer` (`alignflow.store.committed_checkpoint`).
+
 Every rank writes into the temp folder; after a barrier rank 0 writes trainer.json,
 renames the folder to `step-N` and writes `complete`. Weights and optimizer state reshard on
 load: a job resumes at another TP, PP or DP size (with the same precision and the same
 `use_distributed_optimizer`). At the same layout a resumed run continues bit-exactly; at
 another one the RNG states are not restored (they belong to ranks that no longer exist), so
-dropout draws other masks from there on. On a filesystem (local or shared POSIX); when the
+dropout draws other masks from there on. A checkpoint written on the other device type (CPU
+<-> GPU) resumes too: the host's RNG states are restored, the device's (Megatron's tracker,
+CUDA's) are re-seeded, and the job log says so. On a filesystem (local or shared POSIX); when the
 store is an object store, `alignflow.train.workspace` writes them in a local scratch and
 uploads each complete one.
 
@@ -49,11 +54,11 @@ from megatron.core.optimizer import MegatronOptimizer
 
 from alignflow.checkpoint.untrusted import load_plain
 from alignflow.megatron import checkpoint as megatron_checkpoint
+from alignflow.store import COMPLETE
 from alignflow.train.data import DataPosition
 
 log = logging.getLogger("alignflow.train")
 
-COMPLETE = "complete"
 WANDB_RUN_ID = "wandb-run-id"
 
 
@@ -108,13 +113,30 @@ def _plain_numpy_state(state: tuple) -> tuple:
     return (name, keys.tolist(), *rest)
 
 
-def set_rng_states(states: dict) -> None:
+# States of the device that drew them: Megatron's tracker (dropout in tensor-parallel regions)
+# holds CUDA generator states on GPU and CPU ones on CPU (`cpu_shim.CpuRNGStatesTracker`), of
+# another size; `cuda` is CUDA's default generator's.
+DEVICE_RNG = ("tracker", "cuda")
+
+
+def rng_device(states: dict) -> str:
+    """The device type that drew `states`: `rng_states` adds `cuda` where CUDA is."""
+    return "cuda" if "cuda" in states else "cpu"
+
+
+def set_rng_states(states: dict, device_type: str) -> tuple[str, ...]:
+    """Restore `states` on a rank of `device_type`: the host's (python, numpy, torch) always, the
+    device's only when drawn on the same device type; returns those not restored, which stay as
+    this job's start seeded them (`alignflow.megatron.runtime.seed_all`)."""
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
+    if rng_device(states) != device_type:
+        return DEVICE_RNG
     tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
+    return ()
 
 
 def layout() -> dict:
@@ -155,10 +177,13 @@ def load(path: Path, chunks, optimizer: MegatronOptimizer, select: str = "all") 
     megatron_checkpoint.load(chunks, str(path / "model"), select)
     rank_file = path / f"rank-{dist.get_rank():05d}.pt"
     saved = load_plain(str(rank_file)) if rank_file.exists() else {"layout": None}
-    if saved["layout"] == layout():
-        set_rng_states(saved["rng"])
-    elif dist.get_rank() == 0:
-        log.warning("%s was written at layout %s, this job runs at %s: RNG states not restored", path, saved["layout"], layout())
+    here, rank0 = "cuda" if torch.cuda.is_available() else "cpu", dist.get_rank() == 0
+    if saved["layout"] != layout():
+        if rank0:
+            log.warning("%s was written at layout %s, this job runs at %s: RNG states not restored", path, saved["layout"], layout())
+    elif (reseeded := set_rng_states(saved["rng"], here)) and rank0:
+        log.info("%s was written on %s, this job runs on %s: RNG states %s re-seeded (as this job's start seeded them from "
+                 "trainer.seed), python, numpy and torch restored", path, rng_device(saved["rng"]), here, ", ".join(reseeded))
     return TrainerState.from_json(json.loads((path / "trainer.json").read_text()))
 
 

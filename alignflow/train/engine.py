@@ -76,6 +76,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
+from alignflow.config.schema import resolved_precision
 from alignflow.data.prepared import Prepared
 from alignflow.device import device, to_device
 from alignflow.megatron import checkpoint as megatron_checkpoint
@@ -140,8 +141,9 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_precision(precision: str) -> torch.dtype:
-    """The weights' dtype: auto = bf16 on GPU, fp32 on CPU (where bf16 runs too, e.g. to test it)."""
-    return PRECISIONS[("bf16" if torch.cuda.is_available() else "fp32") if precision == "auto" else precision]
+    """The weights' dtype. A pipeline's stage arrives resolved (`alignflow.pipeline`); `auto` in
+    a config given straight to a stage is resolved by this machine's CUDA, the same way."""
+    return PRECISIONS[resolved_precision(precision, on_gpu=torch.cuda.is_available())]
 
 
 @dataclass

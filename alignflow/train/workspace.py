@@ -37,8 +37,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
-from alignflow.store import CHECKPOINTS, MANIFEST
-from alignflow.train.checkpointing import COMPLETE, WANDB_RUN_ID, pruned_steps, step_dir
+from alignflow.store import CHECKPOINTS, COMPLETE, MANIFEST
+from alignflow.train.checkpointing import WANDB_RUN_ID, pruned_steps, step_dir
 
 log = logging.getLogger("alignflow.workspace")
 
