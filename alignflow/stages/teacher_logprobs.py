@@ -49,7 +49,7 @@ def logits_forward(model, batch: dict) -> torch.Tensor:
     attention the micro batch runs as one flat sequence of documents (as `sft_forward`)."""
     tokens, documents = batch["tokens"], document_params(batch)
     if not packed_thd():
-        return model(tokens, batch["position_ids"], batch["attention_mask"], packed_seq_params=documents)
+        return model(tokens, batch["position_ids"], None, packed_seq_params=documents)
     out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None, packed_seq_params=documents)
     return out.view(*tokens.shape, -1) if getattr(model, "module", model).post_process else out
 
