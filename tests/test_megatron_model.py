@@ -127,6 +127,18 @@ def test_seeds_make_init_reproducible_and_the_rng_tracker_runs_on_cpu(one_rank):
     assert torch.equal(torch.get_rng_state(), outer) and not torch.equal(inside, torch.rand(4))
 
 
+def test_fp32_matmuls_take_tf32_on_cuda_only(monkeypatch):
+    """Every rank's `init_parallel` lets CUDA round fp32 matmuls to TF32; on the CPU they stay
+    exact (the same switch would let oneDNN round them too)."""
+    try:
+        for cuda, expected in ((False, "highest"), (True, "high")):
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+            runtime.fast_fp32_matmuls()
+            assert torch.get_float32_matmul_precision() == expected
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
 def test_unsupported_architecture_fails_before_building():
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
         build_gpt({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]}, parallel_cfg())
