@@ -45,11 +45,11 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
 }
 
 
-def tiny_hf_model(case: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
+def tiny_hf_model(case: str, seed: int = 0, **overrides) -> tuple[torch.nn.Module, dict]:
     """A random HF model (norms and biases random too, so their mapping matters) and its config dict."""
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**TINY, **extra}, attn_implementation="eager")).eval()
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides}, attn_implementation="eager")).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

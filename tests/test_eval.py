@@ -48,6 +48,22 @@ def test_eval_reports_each_model(outputs, tmp_path):
     assert saved["metrics"] == metrics and len(saved["samples"]["convert"]) == 2
 
 
+@pytest.mark.parametrize("precision", ["auto", "bf16"])
+def test_forward_only_models_are_built_in_their_stages_precision(outputs, precision):
+    """ref_logprobs and teacher_logprobs (`forward_only_splits`) build the frozen model in the
+    stage's `precision` (they ran fp32 whatever it said); auto is fp32 without a GPU."""
+    from alignflow.data.prepared import Prepared
+    from alignflow.train.datasets import PreferencePairs
+    from alignflow.train.engine import forward_only_splits
+
+    cfg, root = outputs
+    section = OmegaConf.merge(cfg.ref_logprobs, {"precision": precision, "parallel": eval_stage.SINGLE_RANK})
+    dtypes = forward_only_splits(cfg, section, str(root / "convert" / "c1"), PreferencePairs, Prepared(str(root / "prep" / "p1")),
+                                 lambda model, chunks, rows, split: {split: {p.dtype for c in chunks for p in c.parameters()}})
+    expected = {torch.bfloat16 if precision == "bf16" else torch.float32}
+    assert dtypes == {"train": expected, "val": expected}
+
+
 def test_megatron_greedy_equals_hf_greedy(outputs, demo_dir):
     cfg, root = outputs
     hf = AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", attn_implementation="eager").eval()

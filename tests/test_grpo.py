@@ -66,6 +66,15 @@ def test_grpo_trains_and_logs_every_metric(demo_dir, inputs, tmp_path):
     assert not torch.equal(final["output_layer.weight"], initial["output_layer.weight"])
 
 
+def test_kl_to_the_reference_is_0_at_step_1_in_bf16(demo_dir, inputs, tmp_path):
+    """The reference's log-probs (a forward-only pass in eval mode) and the policy's (the
+    training forward) come from one attention kernel: at step 1, policy = reference, the KL is
+    exactly 0 in bf16 too (3.4e-6 on main, where training took Megatron's unfused attention)."""
+    run_grpo(grpo_cfg(demo_dir, precision="bf16", trainer={"max_steps": 1}), inputs, tmp_path / "out")
+    first = metrics_lines(tmp_path / "out")[0]
+    assert first["kl"] == 0.0 and first["clip_fraction"] == 0.0
+
+
 def test_several_optimizer_steps_per_batch_are_off_policy_and_clipped(demo_dir, inputs, tmp_path):
     cfg = grpo_cfg(demo_dir, num_optimizer_steps_per_batch=2, loss={"ratio_clip_min": 0.01, "ratio_clip_max": 0.01}, trainer={"max_steps": 2})
     run_grpo(cfg, inputs, tmp_path / "out")

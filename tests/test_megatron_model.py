@@ -16,7 +16,7 @@ from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
 from alignflow.megatron import runtime
 from alignflow.megatron.decoder import LeanForward
-from alignflow.megatron.model import Documents, build_gpt, checkpoint_names, load_megatron_state, megatron_state, token_nll
+from alignflow.megatron.model import build_gpt, checkpoint_names, document_params, load_megatron_state, megatron_state, token_nll
 from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
@@ -29,57 +29,49 @@ def test_one_rank_logits_match_hf(one_rank, case, tmp_path):
 
 
 def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank, tmp_path):
-    """A packed row of three documents through Mistral with a 4-token window: each document's
-    per-token loss equals HF's on that document alone, whether the documents attend one by one
-    (`sft_forward`) or through the block-diagonal mask (Megatron's path for bf16 training and
-    dropout: the window narrows the mask). Megatron's own attention replaced the mask by the
-    window, so documents saw their neighbours."""
+    """A packed row of three documents through Mistral with a 4-token window (`sft_forward`):
+    each document's per-token loss equals HF's on that document alone. Megatron's own
+    attention replaced the documents' mask by the window, so documents saw their neighbours."""
     hf_model, config = tiny_hf_model("mistral_window")
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
     cu, ids = np.array([0, 9, 20, 27]), tokens(batch=1, seq=27)[0].numpy()  # then 5 tokens of padding
     batch = vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0))
     with torch.no_grad():
         per_token = sft_forward(model, batch)[0]
-        masked = token_nll(model, batch["tokens"], batch["position_ids"], batch["attention_mask"], batch["labels"])[0]
         for a, e in zip(cu, cu[1:]):
             logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
             padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
             expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
             torch.testing.assert_close(per_token[a : e - 1], expected, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(masked[a : e - 1], expected, atol=1e-5, rtol=1e-5)
-        causal = torch.ones(32, 32, dtype=torch.bool).triu(1)[None, None]  # the window alone, as before
-        leaked = sft_forward(model, dict(batch, attention_mask=causal, cu_seqlens=torch.tensor([0, 32])))[0]
+        leaked = sft_forward(model, dict(batch, cu_seqlens=torch.tensor([0, 32]), max_seqlen=32))[0]  # the window alone, as before
         assert not torch.allclose(leaked[cu[1] : cu[1] + 3], per_token[cu[1] : cu[1] + 3], atol=1e-3)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lean_forward_matches_hf_on_each_document_of_a_packed_row(one_rank, case, tmp_path):
     """`LeanForward`, the one-rank forward of forward-only passes and fp32 training, on a
-    packed row of three documents, attending per document and through the block-diagonal mask:
-    each document's per-token loss equals HF's on that document alone, and so do its gradients
-    (of the summed loss, per weight) Megatron's own forward's. Never used where either differs."""
+    packed row of three documents: each document's per-token loss equals HF's on that document
+    alone, and its gradients (of the summed loss, per weight) Megatron's own forward's. Never
+    used where either differs."""
     hf_model, config = tiny_hf_model(case)
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
     cu, ids = np.array([0, 9, 20, 27]), tokens(batch=1, seq=27)[0].numpy()  # then 5 tokens of padding
     batch = vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0))
-    documents = Documents(qkv_format="sbhd", cu_seqlens_q=batch["cu_seqlens"], cu_seqlens_kv=batch["cu_seqlens"],
-                          max_seqlen_q=32, max_seqlen_kv=32)
+    documents = document_params(batch)
     inputs, loss_mask = (batch["tokens"], batch["position_ids"]), batch["loss_mask"]
     lean = LeanForward.of([model], 32)
     with torch.no_grad():
         per_document = token_nll(lean, *inputs, None, batch["labels"], packed_seq_params=documents)[0]
-        masked = token_nll(lean, *inputs, batch["attention_mask"], batch["labels"])[0]
     for a, e in zip(cu, cu[1:]):
         with torch.no_grad():
             logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
         padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
         expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
         torch.testing.assert_close(per_document[a : e - 1], expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(masked[a : e - 1], expected, atol=1e-5, rtol=1e-5)
     gradients = []
     for forward in (lean, model):
         model.zero_grad()
-        (token_nll(forward, *inputs, batch["attention_mask"], batch["labels"]) * loss_mask).sum().backward()
+        (token_nll(forward, *inputs, None, batch["labels"], packed_seq_params=documents) * loss_mask).sum().backward()
         gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
     for name, grad in gradients[0].items():
         torch.testing.assert_close(grad, gradients[1][name], atol=1e-5, rtol=1e-4, msg=name)
@@ -133,6 +125,18 @@ def test_seeds_make_init_reproducible_and_the_rng_tracker_runs_on_cpu(one_rank):
     with get_cuda_rng_tracker().fork():  # the 'model-parallel-rng' state, on the CPU generator
         inside = torch.rand(4)
     assert torch.equal(torch.get_rng_state(), outer) and not torch.equal(inside, torch.rand(4))
+
+
+def test_fp32_matmuls_take_tf32_on_cuda_only(monkeypatch):
+    """Every rank's `init_parallel` lets CUDA round fp32 matmuls to TF32; on the CPU they stay
+    exact (the same switch would let oneDNN round them too)."""
+    try:
+        for cuda, expected in ((False, "highest"), (True, "high")):
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+            runtime.fast_fp32_matmuls()
+            assert torch.get_float32_matmul_precision() == expected
+    finally:
+        torch.set_float32_matmul_precision("highest")
 
 
 def test_unsupported_architecture_fails_before_building():

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from alignflow.lease import LeaseLost, watch

@@ -80,18 +80,15 @@ def test_dp_ranks_split_a_global_batch_into_micro_batches():
     assert np.array_equal(np.concatenate([np.concatenate(s) for s in shares]), indices)
 
 
-def test_packed_rows_mask_positions_and_labels():
+def test_packed_rows_documents_positions_and_labels():
     ids, mask, cu = np.array([5, 6, 7, 8, 9]), np.array([0, 1, 1, 0, 1]), np.array([0, 3, 5])
-    rows = packed_rows([(ids, mask, cu)], length=7, pad_id=0)
+    rows = packed_rows([(ids, mask, cu), (ids[:4], mask[:4], np.array([0, 4]))], length=7, pad_id=0)
     assert rows.tokens[0].tolist() == [5, 6, 7, 8, 9, 0, 0]
     assert rows.labels[0, :4].tolist() == [6, 7, 8, 9]
     assert rows.loss_mask[0].tolist() == [1, 1, 0, 1, 0, 0, 0]  # no loss across the document boundary
     assert rows.position_ids[0, :5].tolist() == [0, 1, 2, 0, 1]
-    allowed = ~rows.attention_mask[0, 0]  # True = masked
-    expected = torch.zeros(7, 7, dtype=torch.bool)
-    for a, b in ((0, 3), (3, 5), (5, 7)):
-        expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
-    assert torch.equal(allowed, expected)
+    assert rows.cu_seqlens.tolist() == [0, 3, 5, 7, 11, 14]  # the documents, then each row's padding, in the flat [2 * 7]
+    assert rows.max_seqlen == 4 and rows.cu_seqlens.dtype == torch.int32
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -184,8 +181,7 @@ def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
                     torch.testing.assert_close(per_token[b, a:e], loss_alone, atol=1e-5, rtol=1e-5)
             # and the documents matter: each row as one document, the later documents' losses change
             rows_only = torch.arange(0, packed["tokens"].numel() + 1, SEQ_LENGTH, dtype=torch.int32)
-            unmasked = dict(packed, attention_mask=torch.triu(torch.ones(SEQ_LENGTH, SEQ_LENGTH, dtype=torch.bool), 1)[None, None],
-                            cu_seqlens=rows_only)
+            unmasked = dict(packed, cu_seqlens=rows_only, max_seqlen=SEQ_LENGTH)
             assert not torch.allclose(sft_forward(model, unmasked) * packed["loss_mask"], per_token, atol=1e-3)
     finally:
         runtime.teardown()

@@ -61,7 +61,7 @@ class Schedule(StrEnum):
 
 
 class Precision(StrEnum):
-    auto = "auto"  # bf16 on GPU, fp32 on CPU (`resolved_precision`)
+    auto = "auto"  # bf16 on GPU, fp32 on CPU, training and forward-only stages alike (`resolved_precision`)
     fp32 = "fp32"
     bf16 = "bf16"  # bf16 weights and activations, fp32 main weights, grads reduced in fp32
 

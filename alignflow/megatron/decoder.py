@@ -10,8 +10,9 @@ torch ops per layer: RMSNorm, the fused qkv per query group ([q heads of the gro
 RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU.
 
 Batches: prompts are left-padded to the longest of the batch; a padded row's positions start
-at 0 at its first real token and its padding is never attended (each padding position attends
-to itself only, so nothing is NaN). Identical prompts (GRPO's group) are prefilled once and
+at 0 at its first real token and its padding is never attended (prefill runs each row's
+padding as a document of its own through `packed_attention`, the training forward's
+attention; decode steps mask it). Identical prompts (GRPO's group) are prefilled once and
 their cache copied to each of their rows. Decode steps attend to the cache in place, a slice of
 it under a sliding window (Mistral).
 
@@ -38,8 +39,9 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 from torch import Tensor
 
+from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.lora import effective_weight
-from alignflow.megatron.model import Documents, packed_thd, per_document_attention, window_narrowed
+from alignflow.megatron.model import packed_thd
 
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
@@ -114,6 +116,7 @@ class Decoder:
         self.groups, self.per_group = config.num_query_groups // self.tp, config.num_attention_heads // config.num_query_groups
         self.head_dim, self.dtype = config.kv_channels, config.params_dtype
         self.scale = config.softmax_scale or self.head_dim ** -0.5
+        self.window_size = config.window_size  # Megatron's (left, 0): keys i - j <= left
         self.window = None if config.window_size is None else config.window_size[0] + 1  # keys i - j < window
         self.layers = [layer_weights(layer) for layer in model.decoder.layers]
         self.embedding = model.embedding.word_embeddings if model.pre_process else None
@@ -136,18 +139,15 @@ class Decoder:
         row i of the batch; the logits [b, vocab] of each batch row's last prompt token."""
         u, s = prompts.shape
         cos, sin = self._rope(pad, s)
-        causal = torch.ones(s, s, dtype=torch.bool, device=prompts.device).tril()
-        if self.window is not None:
-            causal = causal & ~torch.ones_like(causal).tril(-self.window)
-        real = torch.arange(s, device=prompts.device) >= pad[:, None]  # [u, s] keys that are tokens
-        mask = (causal & real[:, None, :] | torch.eye(s, dtype=torch.bool, device=prompts.device))[:, None]
+        documents = Documents.of(_padded_rows(pad.tolist(), s, prompts.device), s, s)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             self.keys[i][:, :, :s] = k[rows].transpose(1, 2)
             self.values[i][:, :, :s] = v[rows].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.flatten(2, 3).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask, scale=self.scale, enable_gqa=True)
-            return out.transpose(1, 2).flatten(2)
+            g, d = self.groups, self.head_dim
+            out = packed_attention(q.reshape(u * s, g * self.per_group, d), k.reshape(u * s, g, d), v.reshape(u * s, g, d), documents,
+                                   self.window_size, self.scale)
+            return out.view(u, s, -1)
 
         logits = self._forward(prompts, cos, sin, attend)
         self.length = s
@@ -226,6 +226,13 @@ class Decoder:
         return partial
 
 
+def _padded_rows(pad: list[int], length: int, device: torch.device) -> Tensor:
+    """cu_seqlens of left-padded rows of `length` flattened: each row's padding (where it has
+    some) is a document of its own, then its tokens."""
+    starts = [start for i, p in enumerate(pad) for start in ((i * length, i * length + p) if p else (i * length,))]
+    return torch.tensor(starts + [len(pad) * length], dtype=torch.int32, device=device)
+
+
 def _signed_sin(angles: Tensor) -> Tensor:
     """sin with its first half negated: rotate_half(x) * sin == x.roll(d / 2) * signed sin."""
     half = angles.shape[-1] // 2
@@ -237,10 +244,10 @@ class LeanForward:
     (`token_nll`, `logits_forward`: logits [b, s, padded vocab]), with `Decoder`'s weights and
     layer math, ~20 torch ops a layer where Megatron's modules make ~80 calls and their own
     autograd functions. On the demo's 158k-parameter model that overhead was most of a
-    reference pass (2.6x faster here) and of a DPO step (1.6x). Attention as
-    `DocumentWindowAttention` computes it: per document given `Documents`, else the batch's
-    mask (True = masked) narrowed by the sliding window. RoPE at `position_ids` (restarting per
-    document): the same scores as Megatron's row positions, RoPE being relative.
+    reference pass (2.6x faster here) and of a DPO step (1.6x). Attention is
+    `DocumentWindowAttention`'s (`packed_attention`): per document given `Documents`, else
+    each row one document. RoPE at `position_ids` (restarting per document): the same scores
+    as Megatron's row positions, RoPE being relative.
 
     `LeanForward.of` builds one only where it computes what Megatron's forward would, the
     gradients included (autograd through the same parameters; Megatron's DDP takes them from
@@ -253,7 +260,6 @@ class LeanForward:
 
     def __init__(self, model, max_length: int):
         self.decoder = Decoder(model, torch.zeros(0, dtype=torch.long, device=model.embedding.word_embeddings.weight.device), max_length)
-        self.window_size = model.config.window_size
 
     @classmethod
     def of(cls, chunks: list, max_length: int) -> Optional["LeanForward"]:
@@ -273,20 +279,17 @@ class LeanForward:
 
     def __call__(self, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Optional[Tensor] = None,
                  packed_seq_params: Optional[Documents] = None) -> Tensor:
+        if attention_mask is not None:
+            raise ValueError("LeanForward takes documents (packed_seq_params), not a mask")
         d = self.decoder
         b, s = tokens.shape
-        heads = d.groups * d.per_group
-        mask = window_narrowed(attention_mask, self.window_size, s, s) if packed_seq_params is None else None
-        allowed = None if mask is None else ~mask.to(tokens.device)  # None: causal
+        documents = packed_seq_params if packed_seq_params is not None else Documents.rows(b, s, tokens.device)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [b, s, groups, per group, d], k, v [b, s, groups, d]
-            if packed_seq_params is not None:
-                k, v = (t.repeat_interleave(d.per_group, dim=2).reshape(b * s, heads, d.head_dim) for t in (k, v))
-                out = per_document_attention(q.reshape(b * s, heads, d.head_dim), k, v, packed_seq_params, self.window_size, d.scale)
-                return out.view(b, s, -1)
-            out = F.scaled_dot_product_attention(q.flatten(2, 3).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=allowed, is_causal=allowed is None, scale=d.scale, enable_gqa=True)
-            return out.transpose(1, 2).flatten(2)
+            g, dim = d.groups, d.head_dim
+            out = packed_attention(q.reshape(b * s, g * d.per_group, dim), k.reshape(b * s, g, dim), v.reshape(b * s, g, dim), documents,
+                                   d.window_size, d.scale)
+            return out.view(b, s, -1)
 
         cos, sin = d.cos_table[position_ids][:, :, None, None], d.sin_table[position_ids][:, :, None, None]
         # With gradients, a LoRA layer's merged weight is computed again for each micro batch:

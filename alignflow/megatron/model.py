@@ -8,10 +8,9 @@ modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
 
 Packed rows (several documents per row) never attend across documents (`document_params`):
 with Transformer Engine they run as THD packed sequences (cu_seqlens per document, no mask,
-RoPE restarting per document); on the local spec each document attends on its own
-(`DocumentWindowAttention`: cost sum(document^2), not rows x length^2), or, on Megatron's own
-path, through the explicit block-diagonal mask, which a sliding window (Mistral) narrows
-further instead of replacing.
+RoPE restarting per document); on the local spec each document attends on its own, narrowed
+by a sliding window (Mistral), through a fused kernel (`DocumentWindowAttention`, which is
+`alignflow.megatron.attention.packed_attention`: cost sum(document^2), no rows x s x s mask).
 
 The two specs name the norms differently in `state_dict()` (local: `input_layernorm.weight`;
 TE and every checkpoint: `self_attention.linear_qkv.layer_norm_weight`), so states enter and
@@ -19,18 +18,15 @@ leave a model under checkpoint names (`load_megatron_state`, `megatron_state`), 
 `alignflow.convert` produces.
 """
 
-from dataclasses import dataclass
-from functools import cached_property
+from contextlib import nullcontext
 from typing import Any, Mapping, Optional, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer import utils as transformer_utils
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,6 +36,7 @@ from torch import Tensor
 from alignflow.convert.llama import ModelShape, model_shape
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
 from alignflow.device import device
+from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.runtime import parallel_sizes
 
 # TransformerConfig settings where CUDA is absent.
@@ -99,130 +96,29 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
 
 
 class DocumentWindowAttention(DotProductAttention):
-    """Megatron's local attention confined to each document of a packed row, narrowed by the
-    sliding window, computed by torch's fused `scaled_dot_product_attention` (fp32, or without
-    gradients) where no dropout applies: each document on its own (`Documents`, from
-    `document_params`), so the other documents cost nothing; without document offsets, the
-    given mask (documents, causal) narrowed by the window.
+    """Megatron's local core attention as `packed_attention`: each document of a packed row
+    (`Documents`; without them each row is one document) attends causally within itself,
+    narrowed by the sliding window, in a fused kernel, with gradients and without. Attention
+    dropout is the kernel's, drawn from Megatron's model-parallel RNG state as Megatron's own
+    dropout is, so activation recompute and resumes draw the same masks.
 
-    Megatron's softmax swaps a given mask for the window mask when the model has a window, so
-    the documents of a packed row would see each other; here the window narrows the mask, and
-    without one (KV-cached decoding) the window alone applies. Megatron's own path (scores,
-    fp32 softmax, dropout under the TP RNG tracker, the mask) runs with attention dropout and
-    for bf16 training, so those stay bit-reproducible across resumes."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.window_size, self.scale_mask_softmax.window_size = self.scale_mask_softmax.window_size, None
+    Megatron's own path (scores, softmax, dropout, a mask) never runs: its softmax would swap
+    a given mask for the window mask, so the documents of a packed row saw each other, and
+    its mask costs rows x s x s."""
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], *args,
                 packed_seq_params: Optional[PackedSeqParams] = None, **kwargs):
-        dropout = self.training and self.attention_dropout.p > 0
-        bf16_backward = torch.is_grad_enabled() and query.dtype != torch.float32  # its CPU kernel is not bit-reproducible
-        if dropout or bf16_backward or self.softmax_offset is not None or (attention_mask is None and packed_seq_params is None and query.shape[0] > 1):
-            attention_mask = window_narrowed(attention_mask, self.window_size, query.shape[0], key.shape[0])  # query [sq, b, ...]
-            return super().forward(query, key, value, attention_mask, *args, **kwargs)
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1:
-            key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
-        if packed_seq_params is not None:
-            return self._per_document(query, key, value, packed_seq_params)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
-        attention_mask = window_narrowed(attention_mask, self.window_size, query.shape[0], key.shape[0])
-        allowed = None if attention_mask is None else ~attention_mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [sq, b, heads * dim]
-
-    def _per_document(self, query: Tensor, key: Tensor, value: Tensor, documents: "Documents") -> Tensor:
-        """[s, b, heads, dim] -> [s, b, heads * dim], each document attending causally within itself."""
+        """[s, b, heads (query groups for key, value), dim] -> [s, b, heads * dim]."""
+        if attention_mask is not None:
+            raise ValueError("DocumentWindowAttention takes documents (packed_seq_params), not a mask")
         s, b, heads, dim = query.shape
-        flat = [t.transpose(0, 1).reshape(b * s, heads, dim) for t in (query, key, value)]
-        out = per_document_attention(*flat, documents, self.window_size, self.softmax_scale)
-        return out.reshape(b, s, heads * dim).transpose(0, 1)
-
-
-def window_narrowed(attention_mask: Optional[Tensor], window_size: Optional[tuple], queries: int, keys: int) -> Optional[Tensor]:
-    """A mask (True = masked) narrowed by Megatron's sliding `window_size`: the window alone
-    without a mask, the mask alone without a window."""
-    if window_size is None:
-        return attention_mask
-    window = transformer_utils.get_sliding_window_causal_mask(queries, keys, window_size)
-    return window if attention_mask is None else attention_mask | window.to(attention_mask.device)
-
-
-def per_document_attention(q: Tensor, k: Tensor, v: Tensor, documents: "Documents", window_size: Optional[tuple],
-                           scale: Optional[float]) -> Tensor:
-    """Flattened rows' queries, keys and values [b * s, heads, dim] -> [b * s, heads, dim], each
-    document attending causally within itself (narrowed by Megatron's `window_size`): one fused
-    attention call per group of documents padded to one length (`Documents.groups`)."""
-    heads, dim = q.shape[1:]
-    parts = []
-    for length, where, real in documents.groups:
-        qg, kg, vg = (t[where].view(-1, length, heads, dim).transpose(1, 2) for t in (q, k, v))  # [docs, heads, length, dim]
-        window = None if window_size is None else ~transformer_utils.get_sliding_window_causal_mask(length, length, window_size)
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=window, is_causal=window is None, scale=scale).transpose(1, 2)
-        parts.append(out.reshape(length, heads, dim) if real is None else out[real])  # each document's own positions
-    return torch.cat(parts)[documents.order]  # back to the flattened rows' order
-
-
-ALONE = 128  # documents longer than this attend in a call of their own (its overhead is small beside them)
-
-
-@dataclass
-class Documents(PackedSeqParams):
-    """`PackedSeqParams` for `DocumentWindowAttention`: the documents at `cu_seqlens_q` of the
-    flattened rows, grouped once per forward (every layer reuses it) by length: documents up to
-    ALONE tokens by their length rounded up to a power of two (>= 16), gathered and padded at
-    their end (causal attention never lets a real token see its padding), so short documents
-    do not cost a call each; longer ones alone, as views. `worthwhile`: whether that beats one
-    masked call over the whole rows (it does not on rows of a few short documents)."""
-
-    rows: int = 1
-
-    @cached_property
-    def lengths(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each document's start, length and group length (numpy: a batch's few documents,
-        without torch's per-op overhead)."""
-        cu = self.cu_seqlens_q.cpu().numpy().astype(np.int64)
-        starts, lengths = cu[:-1], np.diff(cu)
-        rounded = np.maximum(16, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
-        return starts, lengths, np.where(lengths > ALONE, lengths, rounded)
-
-    @cached_property
-    def plan(self) -> list[tuple[int, np.ndarray | slice, np.ndarray | None]]:
-        """(length, gather index [documents, length] or a long document's slice, real-position
-        mask [documents, length] or None for a slice), on the host."""
-        starts, lengths, grouped = self.lengths
-        plan = [(int(n), slice(int(a), int(a + n)), None) for a, n in zip(starts, lengths) if n > ALONE]
-        short = lengths <= ALONE
-        for length in np.unique(grouped[short]).tolist():
-            picked = (grouped == length) & short
-            offsets = np.arange(length)
-            real = offsets[None] < lengths[picked, None]
-            plan.append((length, np.where(real, starts[picked, None] + offsets[None], starts[picked, None]), real))
-        return plan
-
-    @cached_property
-    def groups(self) -> list[tuple[int, Tensor | slice, Tensor | None]]:
-        """`plan` with its index and mask tensors on the documents' device, where attention gathers."""
-        on = self.cu_seqlens_q.device
-        return [(n, where if real is None else torch.from_numpy(where).to(on), None if real is None else torch.from_numpy(real).to(on))
-                for n, where, real in self.plan]
-
-    @cached_property
-    def order(self) -> Tensor:
-        """Where each flattened position lies in the groups' concatenated outputs."""
-        positions = np.concatenate([np.arange(where.start, where.stop) if real is None else where[real] for _, where, real in self.plan])
-        order = np.empty_like(positions)
-        order[positions] = np.arange(len(positions))
-        return torch.from_numpy(order).to(self.cu_seqlens_q.device)
-
-    @cached_property
-    def worthwhile(self) -> bool:
-        """Attention work (query x key pairs, a call counted as 64^2) at most half the mask's."""
-        _, lengths, grouped = self.lengths
-        calls = int((lengths > ALONE).sum()) + len(np.unique(grouped[lengths <= ALONE]))
-        return 2 * (int((grouped ** 2).sum()) + calls * 64 * 64) <= self.rows * self.max_seqlen_q ** 2
+        documents = packed_seq_params if packed_seq_params is not None else Documents.rows(b, s, query.device)
+        flat = [t.transpose(0, 1).reshape(b * s, t.shape[2], dim) for t in (query, key, value)]
+        dropout = self.attention_dropout.p if self.training else 0.0
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 and not self.config.sequence_parallel else nullcontext()
+        with rng:
+            out = packed_attention(*flat, documents, self.config.window_size, self.softmax_scale, dropout)
+        return out.view(b, s, heads * dim).transpose(0, 1)
 
 
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
@@ -244,20 +140,15 @@ def packed_thd() -> bool:
     return gpt_layer_specs.HAVE_TE
 
 
-def document_params(batch: dict) -> Optional[PackedSeqParams]:
+def document_params(batch: dict) -> PackedSeqParams:
     """Where the documents of a batch of packed rows lie (`cu_seqlens` of the flattened rows):
     THD sequences for Transformer Engine's attention (the batch runs as one row [1, b * s]),
-    else the same offsets on the [s, b] layout for `DocumentWindowAttention` (max_seqlen is
-    then the row's length, which GPTModel computes RoPE for), or None where one masked call
-    over the rows costs less (`Documents.worthwhile`): the batch's mask then applies."""
+    else the same offsets on the [s, b] layout for `packed_attention` (`Documents`)."""
     cu_seqlens = batch["cu_seqlens"].to(torch.int32)
     if packed_thd():
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
-    rows, length = batch["tokens"].shape
-    documents = Documents(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=length, max_seqlen_kv=length,
-                          rows=rows)
-    return documents if documents.worthwhile else None
+    return Documents.of(cu_seqlens, batch["max_seqlen"], batch["tokens"].shape[1])
 
 
 def layer_spec() -> ModuleSpec:

@@ -9,7 +9,7 @@ the converted base model and the SFT model), on prep's validation splits:
   first `eval.num_generation_samples` prompts, scored by exact numeric match with the answer;
   `eval.num_examples_shown` generations are kept as samples.
 Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
-`eval.json` holds them and the samples. Runs at any layout (`eval.parallel`,
+`eval.json` holds them and the samples. Runs in `eval.precision` at any layout (`eval.parallel`,
 `eval.resources`): TP and PP through Megatron's schedule and `alignflow.generation`, the
 rows, pairs and prompts shared among the DP ranks (the last micro batch may be smaller) and
 the results gathered, so every layout scores the same rows (tests/test_eval.py).
@@ -36,7 +36,7 @@ from alignflow.rewards import exact_match
 from alignflow.stages.ref_logprobs import pair_logprobs
 from alignflow.stages.sft import SFT
 from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
-from alignflow.train.engine import loss_sums
+from alignflow.train.engine import loss_sums, resolve_precision
 from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.eval")
@@ -51,7 +51,8 @@ def run(cfg, inputs: dict, out: str) -> dict:
     metrics, samples = {}, {}
     try:
         for name, uri in models.items():
-            chunks, decode = load_chunks(uri, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
+            chunks, decode = load_chunks(uri, section.parallel, cfg.model.make_vocab_size_divisible_by, resolve_precision(section.precision),
+                                         cache_dir(cfg))
             results, samples[name] = evaluate(chunks, decode, data, section)
             metrics |= {f"{name}.{k}": v for k, v in results.items()}
             if dist.get_rank() == 0:
@@ -72,18 +73,18 @@ def _stage_name(uri: str) -> str:
     return uri.rstrip("/").split("/")[-2]
 
 
-def load_chunks(uri: str, parallel, divisible_by: int, cache: Path | None = None) -> tuple[list, Callable]:
+def load_chunks(uri: str, parallel, divisible_by: int, dtype: torch.dtype, cache: Path | None = None) -> tuple[list, Callable]:
     """This rank's chunks of the model of a stage output (`alignflow.checkpoint` layout, read at
-    any layout) in eval mode, and its tokenizer's decode."""
+    any layout) in eval mode in `dtype`, and its tokenizer's decode."""
     output = local_model(uri, cache or cache_dir())
-    chunks = frozen_chunks(output, parallel, divisible_by, cache or cache_dir())
+    chunks = frozen_chunks(output, parallel, divisible_by, cache or cache_dir(), dtype)
     tokenizer = AutoTokenizer.from_pretrained(output.tokenizer, trust_remote_code=False)
     return chunks, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def load_model(uri: str, divisible_by: int, cache: Path | None = None):
-    """The model on one rank (`SINGLE_RANK`) and its tokenizer's decode."""
-    chunks, decode = load_chunks(uri, SINGLE_RANK, divisible_by, cache)
+    """The model on one rank (`SINGLE_RANK`) in fp32 and its tokenizer's decode."""
+    chunks, decode = load_chunks(uri, SINGLE_RANK, divisible_by, torch.float32, cache)
     return chunks[0], decode
 
 

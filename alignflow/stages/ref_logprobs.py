@@ -8,8 +8,8 @@ the result instead of holding a second model. Supported: any model in the
 data set's longest, and the chosen and rejected sequences of a pair share a row.
 
 Output: the format of `alignflow.data.logprobs`, one shard per DP rank, for the train and
-val splits of prep's preference data (sums over response tokens, fp32 forward, and the token
-counts, so a consumer can average).
+val splits of prep's preference data (sums over response tokens, the forward in
+`ref_logprobs.precision`, and the token counts, so a consumer can average).
 """
 
 import functools

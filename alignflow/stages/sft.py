@@ -15,10 +15,9 @@ wandb, LoRA with `finetuning_type` lora / lora_merged: `alignflow.megatron.lora`
 Each packed row is one sequence whose documents do not see each other: with
 Transformer Engine a micro batch runs as THD packed sequences (`PackedSeqParams` from the
 rows' cu_seqlens, RoPE restarting per document); on Megatron's local spec each document
-attends on its own (`DocumentWindowAttention`), or on Megatron's own attention path (bf16
-training, attention dropout) through an explicit block-diagonal causal mask (bool, True =
-masked, Megatron's convention) built from cu_seqlens; either narrowed by a sliding window
-where the model has one. Labels are the
+attends on its own through a fused kernel, with no mask (`DocumentWindowAttention`:
+`alignflow.megatron.attention`), in training and forward-only passes alike; either narrowed
+by a sliding window where the model has one. Labels are the
 next token, trained only where loss_mask marks it and within the same document; the loss is
 averaged over the loss tokens of the whole global batch.
 
@@ -28,8 +27,8 @@ Simplified:
   say. RoPE scores depend only on the distance i - j, and attention never crosses a
   document, so this equals restarted positions up to float rounding (the test checks a
   packed row against its documents run one by one to 1e-5).
-- The local spec's mask is dense ([micro, 1, s, s]): fine at CPU/test scale, quadratic in
-  memory. The THD path (Transformer Engine) is written but has not run here (no GPU).
+- The THD path (Transformer Engine) is written but has not run here (no GPU), nor has
+  `packed_attention`'s CUDA kernel (`varlen`).
 - Megatron's checkpoint I/O and the atomic checkpoint renames need a filesystem: with an
   object-store store the input model is downloaded and the job trains in a local scratch
   synced with `out` (`alignflow.train.workspace`); the data is read from any fsspec URI.
@@ -49,7 +48,7 @@ def sft_forward(model, batch: dict) -> torch.Tensor:
     attention the micro batch is one flat sequence of documents [1, b * s] (see the top)."""
     tokens, labels, documents = batch["tokens"], batch["labels"], document_params(batch)
     if not packed_thd():
-        return token_nll(model, tokens, batch["position_ids"], batch["attention_mask"], labels, packed_seq_params=documents)
+        return token_nll(model, tokens, batch["position_ids"], None, labels, packed_seq_params=documents)
     out = token_nll(model, tokens.view(1, -1), batch["position_ids"].view(1, -1), None, labels.view(1, -1), packed_seq_params=documents)
     return out.view(tokens.shape) if out.dim() == 2 else out
 

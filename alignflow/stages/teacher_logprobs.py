@@ -11,7 +11,7 @@ the last pipeline stage. Rows are prep's packed SFT rows as the training stages 
 
 Output: the format of `alignflow.data.teacher_topk`, one shard per DP rank, for the train and
 val splits of prep's SFT data: at each loss position the `topk_logits_k` most likely next
-tokens and their full-vocab log-probs (fp32 forward, whatever `precision` says).
+tokens and their full-vocab log-probs (the forward in `teacher_logprobs.precision`).
 Metrics: rows and loss positions per split, and the mean top-1 log-prob (how sure the teacher is).
 """
 
@@ -50,7 +50,7 @@ def logits_forward(model, batch: dict) -> torch.Tensor:
     attention the micro batch runs as one flat sequence of documents (as `sft_forward`)."""
     tokens, documents = batch["tokens"], document_params(batch)
     if not packed_thd():
-        return model(tokens, batch["position_ids"], batch["attention_mask"], packed_seq_params=documents)
+        return model(tokens, batch["position_ids"], None, packed_seq_params=documents)
     out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None, packed_seq_params=documents)
     return out.view(*tokens.shape, -1) if getattr(model, "module", model).post_process else out
 

@@ -5,9 +5,9 @@
   `DataPosition` (epoch, batch) says where training is, so a resumed run reads exactly the
   rows an uninterrupted one would.
 - `dp_micro_batches`: this data-parallel rank's share of a global batch, in micro batches.
-- `packed_rows`: block-diagonal causal masks (and the same documents as THD cu_seqlens),
-  per-document position ids and next-token labels for rows packing several documents
-  (cu_seqlens), padded to one length.
+- `packed_rows`: where each document starts in the flattened micro batch (cu_seqlens, the
+  attention's only view of the documents: no mask), per-document position ids and next-token
+  labels for rows packing several documents, padded to one length.
 
 A dataset the engine trains on is anything with `__len__`, `collate(indices) -> dict of
 tensors` (one micro batch) and `num_tokens(indices) -> int` (for throughput); prep's tables
@@ -73,23 +73,21 @@ class PackedRows:
     labels: torch.Tensor  # [b, s] the next token (pad where there is none)
     loss_mask: torch.Tensor  # [b, s] float: 1 where labels[t] is trained on
     position_ids: torch.Tensor  # [b, s] restart at 0 in each document
-    attention_mask: torch.Tensor  # [b, 1, s, s] bool, True = masked (Megatron's convention)
     cu_seqlens: torch.Tensor  # [documents + 1] int32: document (and padding) starts in the flat [b * s] batch
-    max_seqlen: int  # the longest document (with cu_seqlens: THD attention's arguments)
+    max_seqlen: int  # the longest document (with cu_seqlens: varlen / THD attention's arguments)
 
 
 def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], length: int, pad_id: int) -> PackedRows:
     """Rows of (input_ids, loss_mask, cu_seqlens) -> padded model inputs.
 
-    A token attends to the earlier tokens of its own document only; padding forms one more
-    document and is never trained on. Position t predicts token t + 1 when that token is in
+    A token attends to the earlier tokens of its own document only (`cu_seqlens`); padding
+    forms one more document and is never trained on. Position t predicts token t + 1 when that token is in
     the same document and its loss_mask is 1 (loss_mask marks tokens to predict)."""
     b = len(rows)
     tokens = np.full((b, length), pad_id, dtype=np.int64)
     labels = np.full((b, length), pad_id, dtype=np.int64)
     loss = np.zeros((b, length), dtype=np.float32)
     positions = np.zeros((b, length), dtype=np.int64)
-    doc = np.zeros((b, length), dtype=np.int64)
     starts = []
     for i, (ids, mask, cu) in enumerate(rows):
         n = len(ids)
@@ -99,17 +97,13 @@ def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], lengt
         tokens[i, :n] = ids
         labels[i, : n - 1] = ids[1:]
         doc_of = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
-        doc[i, :n], doc[i, n:] = doc_of, len(cu) - 1
         positions[i, :n] = np.arange(n) - cu[doc_of]
         positions[i, n:] = np.arange(length - n)
         same_doc_next = doc_of[:-1] == doc_of[1:]
         loss[i, : n - 1] = np.asarray(mask[1:], dtype=np.float32) * same_doc_next
         starts.append(i * length + (np.r_[cu[:-1], n] if n < length else cu[:-1]))
     cu_seqlens = np.r_[np.concatenate(starts), b * length]
-    doc_t = torch.from_numpy(doc)
-    causal = torch.ones(length, length, dtype=torch.bool, device="cpu").tril()
-    allowed = (doc_t[:, :, None] == doc_t[:, None, :]) & causal
     return PackedRows(
-        torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions), (~allowed)[:, None],
+        torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions),
         torch.from_numpy(cu_seqlens.astype(np.int32)), int(np.diff(cu_seqlens).max()),
     )

@@ -331,12 +331,14 @@ def _with_model(forward_step, model, data_iterator, _):
 
 def forward_only_splits(cfg, section, model_uri: str, dataset: type, data: Prepared, each: Callable) -> dict:
     """The frame of a forward-only stage (ref_logprobs, teacher_logprobs): the model at
-    `model_uri` frozen at `section.parallel`, then `each(model, chunks, rows, split)` for each
-    split of `data` that has `dataset` rows, its metrics merged; the ranks meet before teardown."""
+    `model_uri` frozen at `section.parallel` in `section.precision`, then `each(model, chunks,
+    rows, split)` for each split of `data` that has `dataset` rows, its metrics merged; the
+    ranks meet before teardown."""
     model = local_model(model_uri, cache_dir(cfg))
     runtime.init_parallel(section.parallel, seed=0)
     try:
-        chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg))
+        chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg),
+                               resolve_precision(section.precision))
         metrics = {}
         for split in ("train", "val"):
             if (rows := optional(dataset, data, split)) is not None:

@@ -85,15 +85,13 @@ def load_model_output(chunks: list, output: ModelOutput, cache: Path) -> None:
     lora.load_output(chunks, output, lambda uri: local_model(uri, cache), checkpoint.load)
 
 
-def frozen_chunks(output: ModelOutput, parallel, divisible_by: int, cache: Path, params_dtype: Any = None) -> list:
+def frozen_chunks(output: ModelOutput, parallel, divisible_by: int, cache: Path, params_dtype: Any) -> list:
     """This rank's chunks of a model stage output, built at `parallel`, loaded (any layout) and
-    in eval mode, in `params_dtype` (fp32 by default): the forward-only models (reference,
-    teacher, eval) all start this way."""
-    import torch
-
+    in eval mode, in `params_dtype` (a stage's resolved `precision`): the forward-only models
+    (reference, teacher, eval) all start this way."""
     from alignflow.megatron.model import build_gpt
 
-    built = build_gpt(output.hf_config, parallel, params_dtype=params_dtype or torch.float32, make_vocab_size_divisible_by=divisible_by)
+    built = build_gpt(output.hf_config, parallel, params_dtype=params_dtype, make_vocab_size_divisible_by=divisible_by)
     chunks = built if isinstance(built, list) else [built]
     load_model_output(chunks, output, cache)
     return [c.eval() for c in chunks]

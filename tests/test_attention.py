@@ -1,0 +1,134 @@
+"""Packed attention (`alignflow.megatron.attention`), against independent references:
+- a micro batch of packed rows gives HF's logits (eager attention) on each document alone,
+  through Megatron's forward and the lean forward, for Llama and Mistral's sliding window;
+- a forward-only pass (eval mode, no gradients: reference log-probs, GRPO's old policy)
+  gives exactly the training forward's log-probs, in fp32 and bf16: one kernel;
+- no tensor of s x s elements or more is made for a long packed row, in the forward and
+  backward of a training step and in a forward-only pass (every op's outputs watched);
+- on CUDA in bf16 the kernel is torch's `varlen_attn`, called as torch's own fake (shape)
+  implementation accepts (fake CUDA tensors: no GPU here, so shapes, not numbers).
+"""
+
+import numpy as np
+import pytest
+import torch
+from megatron_ranks import TOLERANCE, converted_chunks, saved_state, tiny_hf_model
+from reference_convert import hf_to_megatron
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from alignflow.megatron.attention import Documents, kernel, packed_attention
+from alignflow.megatron.decoder import LeanForward
+from alignflow.megatron.model import build_gpt, document_params, load_megatron_state, token_nll
+from alignflow.stages.sft import sft_forward
+from alignflow.train.data import packed_rows
+
+# Two rows of 320: a document over 128 tokens (a call of its own), short ones of mixed
+# lengths (gathered by rounded length), two equal long ones (one call), then padding.
+ROWS = [[150, 9, 20, 33, 70, 30], [140, 140, 17]]
+LENGTH = 320
+
+
+def packed_batch(rows: list[list[int]], length: int, vocab: int = 100) -> tuple[dict, list[np.ndarray]]:
+    """A collated micro batch of random documents of the given lengths, and each row's ids."""
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, vocab, sum(docs)) for docs in rows]
+    batch = vars(packed_rows([(row, np.ones(len(row)), np.cumsum([0, *docs])) for row, docs in zip(ids, rows)], length, pad_id=0))
+    return batch, ids
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral_window"])
+def test_packed_rows_give_hf_logits_of_each_document_alone(one_rank, case, tmp_path):
+    hf_model, config = tiny_hf_model(case, max_position_embeddings=512)
+    model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
+    batch, ids = packed_batch(ROWS, LENGTH)
+    documents = document_params(batch)
+    with torch.no_grad():
+        ours = {"megatron": sft_forward(model, dict(batch, labels=None)),
+                "lean": token_nll(LeanForward.of([model], LENGTH), batch["tokens"], batch["position_ids"], None, None, packed_seq_params=documents)}
+        for r, docs in enumerate(ROWS):
+            starts = np.cumsum([0, *docs])
+            for a, e in zip(starts, starts[1:]):
+                expected = hf_model(torch.as_tensor(ids[r][a:e])[None]).logits[0]
+                for name, logits in ours.items():
+                    error = (logits[r, a:e, : config["vocab_size"]] - expected).abs().max().item()
+                    assert error < TOLERANCE, f"{name}: row {r}, document {a}:{e}, max |logits - HF| {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_only_log_probs_equal_the_training_forwards(one_rank, dtype, tmp_path):
+    """GRPO's KL to the reference is 0 at step 1 only if this holds: eval mode without
+    gradients (the reference, the old policy) and train mode with them, through Megatron's
+    forward and (fp32, where the engine takes it) the lean forward."""
+    hf_model, config = tiny_hf_model("mistral_window", max_position_embeddings=512)
+    model = build_gpt(config, one_rank, params_dtype=dtype)
+    load_megatron_state(model, hf_to_megatron(saved_state(hf_model, tmp_path), config, 0, 1, 0, 1))
+    batch, _ = packed_batch(ROWS, LENGTH)
+
+    def lean() -> torch.Tensor:
+        forward = LeanForward.of([model], LENGTH)
+        assert forward is not None
+        return token_nll(forward, batch["tokens"], batch["position_ids"], None, batch["labels"], packed_seq_params=document_params(batch))
+
+    forwards = {"megatron": lambda: sft_forward(model, batch), **({"lean": lean} if dtype == torch.float32 else {})}
+    model.eval()
+    for name, forward in forwards.items():
+        with torch.no_grad():
+            forward_only = -forward().float()
+        model.train()
+        training = -forward().float()
+        (training * batch["loss_mask"]).sum().backward()  # a training step's forward, whose graph is used
+        model.eval()
+        model.zero_grad()
+        assert torch.equal(forward_only, training.detach()), f"{name}: max |difference| {(forward_only - training).abs().max():.2e}"
+
+
+class LargestOutput(TorchDispatchMode):
+    """The most elements of any tensor an op returns while active (autograd's backward ops too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.op = t.numel(), func
+        return out
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral_window"])
+def test_no_s_by_s_tensor_for_a_long_packed_row(one_rank, case):
+    """A row of 2048 tokens packing nine documents (the longest 700): the largest tensor of a
+    training step's forward and backward and of a forward-only pass, from collating the row
+    on, is below 2048^2 elements (a dense mask is 2048^2; scores per head are more)."""
+    s = 2048
+    config = tiny_hf_model(case, max_position_embeddings=s)[1]
+    model = build_gpt(config, one_rank)
+    for grad in (True, False):
+        watch = LargestOutput()
+        with watch, torch.set_grad_enabled(grad):
+            batch, _ = packed_batch([[700, 513, 300, 200, 130, 90, 60, 33, 17]], s)
+            nll = sft_forward(model, batch)
+            if grad:
+                (nll * batch["loss_mask"]).sum().backward()
+        print(f"{case}, {'training' if grad else 'forward-only'}: largest tensor {watch.largest} elements ({watch.op}), s^2 = {s * s}")
+        assert watch.largest < s * s, (watch.largest, watch.op)
+
+
+def test_on_cuda_in_bf16_the_kernel_is_torchs_varlen_attention():
+    """Fake CUDA tensors run the `varlen` call through torch's fake implementation of the flash
+    op: the arguments our call passes are the ones torch's `varlen_attn` takes, with query
+    groups and a window, and the output has the queries' shape. fp32, dropout and the CPU
+    take `sdpa`."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(24, 4, 16, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(24, 2, 16, dtype=torch.bfloat16, device="cuda")
+        documents = Documents.of(torch.tensor([0, 5, 17, 24], device="cuda"), 12, 24)
+        assert kernel(q, 0.0) == "varlen" and kernel(q, 0.1) == "sdpa" and kernel(q.float(), 0.0) == "sdpa"
+        for window in (None, (3, 0)):
+            out = packed_attention(q, kv, kv, documents, window, 0.25)
+            assert out.shape == q.shape and out.dtype == q.dtype and out.is_cuda
+    assert kernel(torch.zeros(2, 4, 16, dtype=torch.bfloat16), 0.0) == "sdpa"
