@@ -99,11 +99,12 @@ def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_
 
 def _generate_batch(model, prompts: list[Sequence[int]], sampling: Sampling, generator: torch.Generator) -> list[Completion]:
     longest, where = max(len(p) for p in prompts), device()
-    pad = torch.tensor([longest - len(p) for p in prompts], device=where)
-    rows = torch.tensor([[longest - len(p)] + [0] * (longest - len(p)) + list(p) for p in prompts], device=where)
-    unique, inverse = rows.unique(dim=0, return_inverse=True)  # (padding, padded prompt) of each distinct prompt
-    decoder = Decoder(model, pad, longest + sampling.max_new_tokens)
-    logits = decoder.prefill(unique[:, 1:], unique[:, 0], inverse)
+    distinct = list(dict.fromkeys(tuple(p) for p in prompts))  # each distinct prompt prefilled once (on the host: no device read)
+    index = {p: i for i, p in enumerate(distinct)}
+    inverse = torch.tensor([index[tuple(p)] for p in prompts], device=where)
+    decoder = Decoder(model, [longest - len(p) for p in prompts], longest + sampling.max_new_tokens)
+    pad = [longest - len(p) for p in distinct]
+    logits = decoder.prefill(torch.tensor([[0] * n + list(p) for n, p in zip(pad, distinct)], device=where), pad, inverse)
     b, every, last = len(prompts), EOS_CHECK_EVERY.get(where.type, EOS_CHECK_EVERY_DEFAULT), sampling.max_new_tokens - 1
     chosen, done, ended = [], torch.zeros(b, dtype=torch.bool, device=where), []
     for step in range(sampling.max_new_tokens):

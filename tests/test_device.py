@@ -118,7 +118,7 @@ def test_generation_reads_the_host_once_a_stretch_and_samples_what_the_cpu_sampl
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     runtime.init_parallel(eval_stage.SINGLE_RANK)
     try:
-        chunks, _ = eval_stage.load_chunks(inputs["model"], eval_stage.SINGLE_RANK, 128)
+        chunks, _ = eval_stage.load_chunks(inputs["model"], eval_stage.SINGLE_RANK, 128, torch.float32)
         sampling = Sampling(max_new_tokens=24, eos_id=-1, vocab_size=chunks[0].vocab_size, temperature=1.0)
         eos = generate(chunks, prompts, sampling, batch_size=1, seed=3)[0].tokens[5]  # a token some rows draw early
         sampling = Sampling(max_new_tokens=24, eos_id=eos, vocab_size=sampling.vocab_size, temperature=1.0)
@@ -126,7 +126,7 @@ def test_generation_reads_the_host_once_a_stretch_and_samples_what_the_cpu_sampl
         on_device = generate(chunks, prompts, sampling, batch_size=1, seed=3)
         reads = accelerator.host_reads - reads
         device.use(None)
-        chunks, _ = eval_stage.load_chunks(inputs["model"], eval_stage.SINGLE_RANK, 128)
+        chunks, _ = eval_stage.load_chunks(inputs["model"], eval_stage.SINGLE_RANK, 128, torch.float32)
         on_cpu = generate(chunks, prompts, sampling, batch_size=1, seed=3)
     finally:
         runtime.teardown()

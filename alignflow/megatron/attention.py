@@ -50,7 +50,9 @@ ALONE = 128  # `sdpa`: documents longer than this attend in calls of their own (
 class Group(NamedTuple):
     """One `sdpa` call: documents of `length` tokens (padded at their end), read from the flat
     positions `gather` ([documents, length]: an index, or a slice of whole documents) and
-    written back to `scatter` from the token positions `real` (None: all)."""
+    written back to `scatter` from the token positions `real` of the flattened [documents *
+    length] output (None: all; an index, not a boolean mask, whose shape the device would
+    have to tell the host)."""
 
     length: int
     gather: Tensor | slice
@@ -63,20 +65,23 @@ class Documents(PackedSeqParams):
     """`PackedSeqParams` of packed rows for `packed_attention`: the documents of the flattened
     [rows * length] micro batch start at `cu_seqlens_q` (int32, on the model's device; a row's
     padding is a document too); `longest` is the longest document. `max_seqlen_q` is the rows'
-    length, which GPTModel computes RoPE for (row positions: RoPE is relative)."""
+    length, which GPTModel computes RoPE for (row positions: RoPE is relative). `host`: the
+    same offsets on the host where the caller has them (no device read to plan the calls)."""
 
     longest: int = 0
+    host: Optional[list[int]] = None
 
     @classmethod
-    def of(cls, cu_seqlens: Tensor, longest: int, length: int) -> "Documents":
+    def of(cls, cu_seqlens: Tensor, longest: int, length: int, host: Optional[list[int]] = None) -> "Documents":
         cu_seqlens = cu_seqlens.to(torch.int32)
         return cls(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=length,
-                   max_seqlen_kv=length, longest=int(longest))
+                   max_seqlen_kv=length, longest=int(longest), host=host)
 
     @classmethod
     def rows(cls, rows: int, length: int, device: torch.device) -> "Documents":
         """Each row one document (unpacked sequences)."""
-        return cls.of(torch.arange(0, rows * length + 1, length, device=device), length, length)
+        host = list(range(0, rows * length + 1, length))
+        return cls.of(torch.tensor(host, dtype=torch.int32, device=device), length, length, host)
 
     @cached_property
     def groups(self) -> list[Group]:
@@ -85,7 +90,8 @@ class Documents(PackedSeqParams):
         (a view [documents, length]); shorter ones gathered by their length rounded up to a
         power of two (>= 16) and padded at their end, which causal attention never lets a
         token see, so short documents do not cost a call each."""
-        cu, device = np.asarray(self.cu_seqlens_q.tolist(), dtype=np.int64), self.cu_seqlens_q.device
+        cu = np.asarray(self.host if self.host is not None else self.cu_seqlens_q.tolist(), dtype=np.int64)
+        device = self.cu_seqlens_q.device
         starts, lengths = cu[:-1], np.diff(cu)
         groups = [Group(int(n), run, run, None) for n, run in _runs(starts, lengths)]
         rounded = np.maximum(16, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
@@ -95,7 +101,7 @@ class Documents(PackedSeqParams):
             offsets = np.arange(length)
             real = offsets[None] < lengths[picked, None]
             gather = np.where(real, starts[picked, None] + offsets[None], starts[picked, None])
-            groups.append(Group(length, *(torch.from_numpy(a).to(device) for a in (gather, gather[real], real))))
+            groups.append(Group(length, *(torch.from_numpy(a).to(device) for a in (gather, gather[real], np.flatnonzero(real)))))
         return groups
 
 
@@ -144,7 +150,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Op
         allowed = _window(length, window_size, q.device)
         part = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, is_causal=allowed is None, dropout_p=dropout,
                                               scale=scale).transpose(1, 2)
-        out[scatter] = part.reshape(-1, heads, dim) if real is None else part[real]
+        part = part.reshape(-1, heads, dim)
+        out[scatter] = part if real is None else part[real]
     return out
 
 

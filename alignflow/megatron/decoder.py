@@ -39,6 +39,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 from torch import Tensor
 
+from alignflow.device import device as rank_device
 from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.lora import effective_weight
 from alignflow.megatron.model import packed_thd
@@ -104,12 +105,13 @@ def _norm(norm, fused_linear) -> Tensor:
 class Decoder:
     """One batch's KV cache and forward on this rank's pipeline stage.
 
-    `pad[b]`: left padding of each row; `prefill` then `decode` return the last position's
-    logits [b, padded vocab] on the last pipeline stage and None on the others."""
+    `pad[b]`: left padding of each row (on the host: planning the calls reads no device
+    value); `prefill` then `decode` return the last position's logits [b, padded vocab] on the
+    last pipeline stage and None on the others."""
 
-    def __init__(self, model, pad: Tensor, max_length: int):
+    def __init__(self, model, pad: list[int], max_length: int):
         check_supported(model)
-        config, device = model.config, pad.device
+        config, device = model.config, rank_device()
         self.model, self.eps, self.hidden = model, config.layernorm_epsilon, config.hidden_size
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
@@ -128,18 +130,20 @@ class Decoder:
         self.values = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
         angles = model.rotary_pos_emb.get_emb(max_length)[:, 0, 0].to(device)  # [max_length, head_dim], fp32
         self.cos_table, self.sin_table = angles.cos().to(self.dtype), _signed_sin(angles).to(self.dtype)
-        self.cos, self.sin = self._rope(pad, max_length)  # [b, max_length, 1, 1, d] per row
-        padding = (torch.arange(max_length, device=device) < pad[:, None])[:, None, None]  # [b, 1, 1, L]
+        pads = torch.tensor(pad, dtype=torch.long, device=device)
+        self.cos, self.sin = self._rope(pads, max_length)  # [b, max_length, 1, 1, d] per row
+        padding = (torch.arange(max_length, device=device) < pads[:, None])[:, None, None]  # [b, 1, 1, L]
         self.padding_bias = (torch.zeros(padding.shape, dtype=self.dtype, device=device).masked_fill(padding, float("-inf"))
-                             if bool(pad.any()) else None)  # added to the scores of decode steps
+                             if any(pad) else None)  # added to the scores of decode steps
         self.length, self.device = 0, device
 
-    def prefill(self, prompts: Tensor, pad: Tensor, rows: Tensor) -> Optional[Tensor]:
+    def prefill(self, prompts: Tensor, pad: list[int], rows: Tensor) -> Optional[Tensor]:
         """Run the distinct prompts [u, s] (left-padded by `pad` [u]) and cache prompt rows[i] in
         row i of the batch; the logits [b, vocab] of each batch row's last prompt token."""
         u, s = prompts.shape
-        cos, sin = self._rope(pad, s)
-        documents = Documents.of(_padded_rows(pad.tolist(), s, prompts.device), s, s)
+        cos, sin = self._rope(torch.tensor(pad, dtype=torch.long, device=prompts.device), s)
+        cu_seqlens = _padded_rows(pad, s)
+        documents = Documents.of(torch.tensor(cu_seqlens, dtype=torch.int32, device=prompts.device), s, s, cu_seqlens)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             self.keys[i][:, :, :s] = k[rows].transpose(1, 2)
@@ -226,11 +230,11 @@ class Decoder:
         return partial
 
 
-def _padded_rows(pad: list[int], length: int, device: torch.device) -> Tensor:
+def _padded_rows(pad: list[int], length: int) -> list[int]:
     """cu_seqlens of left-padded rows of `length` flattened: each row's padding (where it has
     some) is a document of its own, then its tokens."""
     starts = [start for i, p in enumerate(pad) for start in ((i * length, i * length + p) if p else (i * length,))]
-    return torch.tensor(starts + [len(pad) * length], dtype=torch.int32, device=device)
+    return starts + [len(pad) * length]
 
 
 def _signed_sin(angles: Tensor) -> Tensor:
@@ -259,7 +263,7 @@ class LeanForward:
     post_process = True
 
     def __init__(self, model, max_length: int):
-        self.decoder = Decoder(model, torch.zeros(0, dtype=torch.long, device=model.embedding.word_embeddings.weight.device), max_length)
+        self.decoder = Decoder(model, [], max_length)
 
     @classmethod
     def of(cls, chunks: list, max_length: int) -> Optional["LeanForward"]:
