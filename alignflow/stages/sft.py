@@ -5,7 +5,8 @@ Inputs: `data` = a prep output (`sft/train-*.parquet`, optional `sft/val-*.parqu
 Output under `out`: `model/` (the final weights, torch_dist), `hf/` and `tokenizer/` copied
 from the input model, `metrics.jsonl`, and `checkpoints/` (see
 `alignflow.train.checkpointing`), from whose latest complete step a retried job resumes.
-Returns the final train loss, final val loss, steps, tokens and tokens/s.
+Returns the final train loss, final val loss, steps, tokens, tokens/s, TFLOP/s, MFU and
+peak memory (`alignflow.train.engine.hardware_use`).
 
 Supported: everything `alignflow.train.engine` supports (TP, PP, virtual PP, DP, the
 distributed optimizer, bf16, activation recompute, gradient accumulation, schedules, clipping,
