@@ -28,7 +28,6 @@ span; peak memory is torch's allocated CUDA memory over the span (CPU: the proce
 import argparse
 import importlib.metadata as md
 import json
-import os
 import platform
 import random
 import re
@@ -205,7 +204,7 @@ def ours(work: Path, shape: dict, precision: str) -> list[dict]:
                     tokens, flops = tokens + data.train.num_tokens(indices), flops + run.step_flops(data.train, indices)
                 run.state.position = run.batches.next(run.state.position)
             out = [result(kind, tokens, flops, seconds, f"{run.dtype} weights, fp32 main weights and grads, no recompute")]
-            return out + (then(run) if then else [])
+            return out + (attempt("generation", lambda: then(run)) if then else [])
 
     def rollouts(run) -> list[dict]:  # GRPO's generation on the policy it trains, as grpo.step calls it
         tokenizer, tokens = AutoTokenizer.from_pretrained(paths["tokenizer"]), paths["prompts"]
@@ -231,10 +230,10 @@ def ours(work: Path, shape: dict, precision: str) -> list[dict]:
             started = time.perf_counter()
             ref_logprobs.pair_logprobs(chunks, pairs, shape["pair_micro"])
             sync()
-            everything = range(len(pairs))
+            seconds, everything = time.perf_counter() - started, range(len(pairs))
             flops = model_flops(ModelShape.of(model.hf_config), pairs.document_lengths(everything), FORWARD)
             dtype = next(chunks[0].parameters()).dtype
-            measured.append(result("reference", pairs.num_tokens(everything), flops, time.perf_counter() - started, f"{dtype} weights, no grad"))
+            measured.append(result("reference", pairs.num_tokens(everything), flops, seconds, f"{dtype} weights, no grad"))
             return {}
 
         engine.forward_only_splits(cfg, cfg.ref_logprobs, inputs["model"], PreferencePairs, prepared, each)
