@@ -4,7 +4,8 @@
   run in Unicode block characters, which every markdown renderer shows, Prefect's UI included:
   no image, no script);
 - `stage_report`: a self-contained report.html for the stage's output: an inline SVG chart per
-  metric, the headline metrics and the config, no external file or script, so it opens offline;
+  metric, how well it used the hardware (tokens/s, TFLOP/s, MFU, peak memory), the headline
+  metrics and the config, no external file or script, so it opens offline;
 - `pipeline_report`: one page for a pipeline run linking every stage's report.
 
 Orchestrator side: no torch, no prefect; the records are metrics.jsonl's.
@@ -14,6 +15,8 @@ import html
 import json
 
 import fsspec
+
+from alignflow.train.utilization import HARDWARE_METRICS, PEAK_SOURCE
 
 METRICS = "metrics.jsonl"  # written by the training stages (alignflow.train.metrics)
 REPORT = "report.html"
@@ -75,12 +78,23 @@ def svg_chart(name: str, steps: list[int], values: list[float], width: int = 420
 
 def stage_report(stage: str, manifest: dict, records: list[dict]) -> str:
     charts = "".join(svg_chart(name, steps, values) for name, (steps, values) in series(records).items())
-    metrics = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in manifest.get("metrics", {}).items())
+    metrics = manifest.get("metrics", {})
     return _page(f"{stage} {manifest.get('fingerprint', '')}",
                  f"<h1>{html.escape(stage)} <small>{html.escape(manifest.get('kind', ''))} {manifest.get('fingerprint', '')}</small></h1>"
                  f"<div class='charts'>{charts or '<p>no curves: the stage logs no steps</p>'}</div>"
-                 f"<h2>metrics</h2><table>{metrics}</table>"
+                 f"{hardware_table(metrics)}<h2>metrics</h2>{_table(metrics)}"
                  f"<h2>config</h2><pre>{html.escape(json.dumps(manifest.get('config', {}), indent=2))}</pre>")
+
+
+def hardware_table(metrics: dict) -> str:
+    """How well the stage used its hardware, from the metrics that say it (training and forward stages)."""
+    shown = {k: ("n/a (no known peak: CPU or an unlisted device)" if metrics[k] is None else metrics[k])
+             for k in HARDWARE_METRICS if k in metrics}
+    return f"<h2>hardware use</h2>{_table(shown)}<p>MFU against the {PEAK_SOURCE}.</p>" if shown else ""
+
+
+def _table(metrics: dict) -> str:
+    return "<table>" + "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in metrics.items()) + "</table>"
 
 
 def pipeline_report(title: str, stages: list[dict]) -> str:

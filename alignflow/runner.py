@@ -22,6 +22,7 @@ from alignflow.launch import JobError, JobRecord, adoptable, job_record, reattac
 from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
+from alignflow.train.utilization import HARDWARE_METRICS
 from alignflow.stages import OUTPUTS, user_imports, worker_module
 from alignflow.store import TRAINING_STATE, Store, committed_checkpoint, options_for, store_of
 from alignflow.verify import IncompleteOutput
@@ -134,7 +135,8 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
         raise
     summary = {"stage": name, "kind": stage.kind, "fingerprint": fp, "metrics": headline_first(metrics, spec.headline),
                "config": masked(cfg, paths)}
-    if records := read_metrics(staging, options_for(staging, cfg)):  # a training stage: its curves beside its output
+    records = read_metrics(staging, options_for(staging, cfg))  # a training stage's curves
+    if records or any(k in metrics for k in HARDWARE_METRICS):  # training and forward stages: a report beside the output
         store.fs.pipe(f"{store.staging_path(name, fp)}/{REPORT}", stage_report(name, summary, records).encode())
     keep = keeps_optimizer(stage)
     kept, leave_out = committed_checkpoint(store.staged_files(name, fp), keep_latest=keep)

@@ -21,7 +21,12 @@ fp32 4 weight + 4 grad + 8 Adam = 16; bf16 2 weight + 4 grad (reduced in fp32:
 grad_reduce_in_fp32) + 4 fp32 main weight + 8 Adam = 18; with the distributed optimizer the
 main weights and Adam states are sharded over DP: 6 + 12 / DP (bf16 grads would give 4 + 16 / DP).
 
-Run: .venv/bin/python bench/memory.py   (about 10 GB of RAM at peak, a few minutes on 2 cores)
+Each rank takes its share of the cores: with torch's default (every core per rank) the two
+ranks' threads oversubscribe 2 cores and a forward-backward took 2-3x as long (37-50 s against
+11-19 s, measured beside other jobs); the whole bench then took 545 s, and did not finish in
+900 s on a fresh machine beside CI.
+
+Run: .venv/bin/python bench/memory.py   (about 10 GB of RAM at peak; 322 s on 2 cores shared with other jobs)
 """
 
 import ctypes
@@ -56,6 +61,7 @@ def fresh_peak() -> int:
 
 def rank_main(rank: int, setting: str, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(len(os.sched_getaffinity(0)) // DP, 1))  # torch's default, every core per rank, oversubscribes them
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from omegaconf import OmegaConf

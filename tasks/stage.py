@@ -4,7 +4,8 @@ Policy lives here: retries only for infrastructure failures (preemption, node lo
 timeouts, a killed job); a config error or an exception in the stage's code is never
 retried. The UI is best effort (`tasks.dashboard`): no API error fails or stops a stage. A cache hit ends Cached, a stage of a cancelled flow run Cancelled. Each stage
 publishes one table artifact with its output URI, its job (id, final state, stdout/stderr
-paths: also when the job failed) and headline metrics; training stages also publish their
+paths: also when the job failed), headline metrics and hardware use (tokens/s, TFLOP/s, MFU,
+peak memory, where the stage measures them); training stages also publish their
 curves (sparklines in markdown; report.html in the output has the charts) and their metrics
 per step as a table.
 """
@@ -25,6 +26,7 @@ from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, curves_markdown, read_metrics
 from alignflow.runner import StageResult, run_stage
 from alignflow.store import options_for
+from alignflow.train.utilization import HARDWARE_METRICS
 from alignflow.worker import LOG_RECORD
 from tasks import dashboard
 
@@ -147,7 +149,9 @@ def _publish(result: StageResult, kind: str) -> None:
         {"field": "state", "value": "cache hit" if result.cached else "ran"},
         *_job_rows(result.job),
     ]
-    rows += [{"field": k, "value": format_value(v)} for k, v in list(result.metrics.items())[:HEADLINE_METRICS]]  # headline first
+    shown = list(result.metrics)[:HEADLINE_METRICS]  # headline first, then how well it used the hardware
+    shown += [k for k in HARDWARE_METRICS if k in result.metrics and k not in shown]
+    rows += [{"field": k, "value": format_value(result.metrics[k])} for k in shown]
     _publish_table(result.stage, rows)
     if kind == "eval":  # every metric of every model, one row per model
         models: dict[str, dict] = {}

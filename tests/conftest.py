@@ -10,6 +10,39 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# The GPU subset (`pytest -m gpu`, which bench/gpu.py runs on a GPU machine): one-process tests
+# whose code takes the CUDA path there (bf16 by `auto`, CUDA RNG states, kernels, generation).
+# Tests of two or more ranks need a GPU per rank (NCCL), so they stay out on a one-GPU machine.
+GPU_TESTS = (
+    "tests/test_sft.py::test_sft_writes_the_model_layout_and_metrics",
+    "tests/test_sft.py::test_unsupported_settings_fail_before_training",
+    "tests/test_sft.py::test_killed_job_resumes_to_the_uninterrupted_weights",
+    "tests/test_scale.py::test_bf16_tracks_fp32_for_20_steps",
+    "tests/test_scale.py::test_activation_recompute_gives_the_same_steps",
+    "tests/test_train.py::test_packed_row_loss_equals_documents_one_by_one",
+    "tests/test_megatron_model.py::test_one_rank_logits_match_hf",
+    "tests/test_megatron_model.py::test_lean_forward_matches_hf_on_each_document_of_a_packed_row",
+    "tests/test_generation.py::test_greedy_generation_equals_hf_generate",
+    "tests/test_generation.py::test_sampling_is_reproducible_under_a_seed",
+    "tests/test_generation.py::test_logps_are_the_models_and_sampling_logps_the_tempered_ones",
+    "tests/test_eval.py::test_eval_reports_each_model",
+    "tests/test_eval.py::test_megatron_greedy_equals_hf_greedy",
+    "tests/test_eval.py::test_ref_logprobs_equal_hf_log_probs_of_each_response",
+    "tests/test_dpo.py::test_precomputed_reference_equals_an_online_reference",
+    "tests/test_dpo.py::test_dpo_fits_its_pairs",
+    "tests/test_grpo.py::test_grpo_trains_and_logs_every_metric",
+    "tests/test_grpo.py::test_several_optimizer_steps_per_batch_are_off_policy_and_clipped",
+    "tests/test_distill.py::test_teacher_topk_equal_hf_transformers_topk",
+    "tests/test_distill.py::test_the_students_heldout_kl_to_the_teacher_falls",
+    "tests/test_lora.py::test_lora_output_is_the_base_by_reference_and_the_adapter",
+)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid.split("[")[0] in GPU_TESTS:
+            item.add_marker(pytest.mark.gpu)
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):

@@ -26,7 +26,7 @@ from alignflow.train.datasets import DistillRows, PackedSFT
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402
+from train_ranks import assert_cpu_hardware_use, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402
 
 K = 8
 
@@ -153,6 +153,7 @@ def test_teacher_topk_equal_hf_transformers_topk(demo, demo_dir, tmp_path):
     rows = PackedSFT(Prepared(demo["data"]), "val")
     got = teacher_topk.read(str(tmp_path / "topk"), "val", len(rows))
     assert metrics["val.rows"] == len(rows) and metrics["val.positions"] == len(got.positions) > 0
+    assert_cpu_hardware_use(metrics, Path(demo["base"]), rows.seq_length, passes=1)
     hf = AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", dtype=torch.float32).eval()
     checked = 0
     for i in range(0, len(rows), max(len(rows) // 6, 1)):
@@ -196,6 +197,7 @@ def test_the_students_heldout_kl_to_the_teacher_falls(demo, demo_dir, tmp_path):
     val = [line["val_kl"] for line in lines if "val_kl" in line]
     print("held-out KL to the teacher every 5 steps:", [round(v, 4) for v in val], "train kl", lines[0]["kl"], "->", lines[-1]["kl"])
     assert metrics["steps"] == 30 and (tmp_path / "out" / "model" / ".metadata").exists()
+    assert_cpu_hardware_use(metrics, Path(demo["student"]), Prepared(demo["data"]).seq_length, passes=3)
     assert len(val) == 6 and val[-1] < 0.8 * val[0] and val[-1] == min(val)
     assert lines[-1]["kl"] < 0.5 * lines[0]["kl"]
     for line in lines:

@@ -1,6 +1,8 @@
 """The eval stage on the demo base model, and Megatron greedy decoding against HF's."""
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,9 @@ from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.stages import convert, eval as eval_stage, prep
 from alignflow.worker import typed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import assert_cpu_hardware_use  # noqa: E402
 
 
 def prep_cfg(demo_dir):
@@ -94,6 +99,9 @@ def test_ref_logprobs_equal_hf_log_probs_of_each_response(outputs, demo_dir, tmp
     got = pq.read_table(tmp_path / "ref" / "val-00000.parquet").to_pydict()
     assert metrics["val.pairs"] == len(got["sample_id"]) == 200
     pairs = PreferencePairs(Prepared(str(root / "prep" / "p1")), "val")
+    assert pairs.document_lengths(range(len(pairs))).sum() == pairs.num_tokens(range(len(pairs)))
+    longest_row = max(PreferencePairs(Prepared(str(root / "prep" / "p1")), split).row_length for split in ("train", "val"))
+    assert_cpu_hardware_use(metrics, root / "convert" / "c1", longest_row, passes=1)
     assert got["sample_id"] == pairs.sample_ids.tolist()
     hf = AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", dtype=torch.float32).eval()
     for i in range(0, 200, 13):

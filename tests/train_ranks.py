@@ -142,6 +142,25 @@ def metrics_lines(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_cpu_hardware_use(metrics: dict, model: Path, row_length: int, passes: int) -> None:
+    """A CPU stage's hardware figures: no MFU (no peak), its peak RSS, and model FLOPs per token
+    between `passes` x 2N (N: the weight matrices a token goes through, counted on a model that
+    HF builds from the config) and that plus PaLM's attention term over the whole score matrix
+    of a full row (an upper bound: documents are no longer than a row, and causal)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**json.loads((model / "hf" / "config.json").read_text()))
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    lookup = 0 if config.tie_word_embeddings else hf.get_input_embeddings().weight.numel()  # a lookup, no product
+    matrices = sum(p.numel() for p in hf.parameters() if p.dim() == 2) - lookup
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * row_length
+    per_token = metrics["tflops"] * 1e12 / metrics["tokens_per_s"]
+    assert 0.99 * passes * 2 * matrices <= per_token <= 1.01 * passes * (2 * matrices + attention), (per_token, matrices)
+    assert metrics["mfu"] is None and metrics["peak_memory_of"] == "peak RSS" and 0.1 < metrics["peak_memory_gib"] < 24
+
+
 def assert_same_steps(reference: Path, other: Path, tolerance: float, keys=("loss", "grad_norm", "val_loss"), steps: int = 5) -> None:
     """`other`'s metrics lines are `reference`'s, step for step, within `tolerance` on `keys`."""
     expected, got = metrics_lines(reference), metrics_lines(other)

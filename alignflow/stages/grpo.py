@@ -20,7 +20,9 @@ The learning-rate schedule, clipping, checkpoints (at step boundaries) and exact
 the engine's. Metrics per step: loss, mean reward, reward std, accuracy (exact match with the
 prompt's answer), KL to the reference, clip fraction, importance ratio, response length,
 truncation rate, generation tokens/s and end-to-end tokens/s (prompt + completion tokens of
-the rollouts per second of step time).
+the rollouts per second of step time). The stage's TFLOP/s and MFU count each step's model
+FLOPs (`alignflow.train.utilization`): generation, the reference and the old-policy passes as
+one forward each over the rollouts, the updates as training passes.
 
 As NeMo-RL: the training log-probs are taken at the generation temperature (logits / T), and
 the rollouts' generation log-probs are those of the distribution each token was drawn from
@@ -62,6 +64,7 @@ from alignflow.train import engine
 from alignflow.train.data import packed_rows
 from alignflow.train.datasets import Prompts
 from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, every, finish, training
+from alignflow.train.utilization import FORWARD, ModelShape, model_flops
 from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.grpo")
@@ -105,6 +108,9 @@ class Rollouts:
 
     def num_tokens(self, indices: Sequence[int]) -> int:
         return sum(len(self.rows[int(i)][0]) for i in indices)
+
+    def document_lengths(self, indices: Sequence[int]) -> np.ndarray:
+        return np.asarray([len(self.rows[int(i)][0]) for i in indices], dtype=np.int64)
 
     def store(self, name: str, micro: list[np.ndarray], logps: list[torch.Tensor]) -> None:
         """Per-micro-batch log-probs (last pipeline stage) as the `name` tensor of every sample."""
@@ -238,11 +244,14 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     updates = [engine.optimizer_step(run, objective, micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length)
                for k in range(cfg.num_optimizer_steps_per_batch)]
     generated = all_reduce_dp(float(stats.response_tokens.sum()))
+    forwards = 1 + (env.ref_chunks is not None) + (cfg.num_optimizer_steps_per_batch > 1)  # generation, reference, old policy
+    flops = all_reduce_dp(run.step_flops(rollouts, samples) + forwards * model_flops(ModelShape.of(run.init.hf_config),
+                                                                                     rollouts.document_lengths(samples), FORWARD))
     rollout = stats.global_metrics()
     metrics = rollout | {name: float(np.mean([u.metrics[name] for u in updates])) for name in LOSS_METRICS}
     metrics["generation_tokens_per_s"] = generated / max(all_reduce_dp(generation_s, dist.ReduceOp.MAX), 1e-9)
     return StepStats(loss=float(np.mean([u.loss for u in updates])), grad_norm=updates[-1].grad_norm, lr=updates[-1].lr,
-                     tokens=all_reduce_dp(rollouts.num_tokens(samples)), metrics=metrics), rollout
+                     tokens=all_reduce_dp(rollouts.num_tokens(samples)), metrics=metrics, flops=flops), rollout
 
 
 def score(cfg: Any, prompts: Prompts, mine: np.ndarray, tokens: list[list[int]], completions: list[Completion],

@@ -9,7 +9,9 @@ data set's longest, and the chosen and rejected sequences of a pair share a row.
 
 Output: the format of `alignflow.data.logprobs`, one shard per DP rank, for the train and
 val splits of prep's preference data (sums over response tokens, the forward in
-`ref_logprobs.precision`, and the token counts, so a consumer can average).
+`ref_logprobs.precision`, and the token counts, so a consumer can average). Metrics: pairs and
+mean chosen log-prob per split, and the passes' tokens/s, TFLOP/s, MFU and peak memory
+(`alignflow.train.engine.hardware_use`).
 """
 
 import functools

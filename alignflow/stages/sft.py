@@ -6,7 +6,8 @@ Output under `out`: `model/` (the final weights, torch_dist), `hf/` and `tokeniz
 from the input model, `metrics.jsonl`, and `checkpoints/` (see
 `alignflow.train.checkpointing`), from whose latest complete step a retried job resumes; the
 commit leaves them out, or keeps the final one with `checkpoint.keep_optimizer`.
-Returns the final train loss, final val loss, steps, tokens and tokens/s.
+Returns the final train loss, final val loss, steps, tokens, tokens/s, TFLOP/s, MFU and
+peak memory (`alignflow.train.engine.hardware_use`).
 
 Supported: everything `alignflow.train.engine` supports (TP, PP, virtual PP, DP, the
 distributed optimizer, bf16, activation recompute, gradient accumulation, schedules, clipping,

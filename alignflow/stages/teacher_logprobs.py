@@ -12,7 +12,8 @@ the last pipeline stage. Rows are prep's packed SFT rows as the training stages 
 Output: the format of `alignflow.data.teacher_topk`, one shard per DP rank, for the train and
 val splits of prep's SFT data: at each loss position the `topk_logits_k` most likely next
 tokens and their full-vocab log-probs (the forward in `teacher_logprobs.precision`).
-Metrics: rows and loss positions per split, and the mean top-1 log-prob (how sure the teacher is).
+Metrics: rows and loss positions per split, the mean top-1 log-prob (how sure the teacher is),
+and the passes' tokens/s, TFLOP/s, MFU and peak memory (`alignflow.train.engine.hardware_use`).
 """
 
 import logging

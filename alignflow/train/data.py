@@ -10,8 +10,9 @@
   labels for rows packing several documents, padded to one length.
 
 A dataset the engine trains on is anything with `__len__`, `collate(indices) -> dict of
-tensors` (one micro batch) and `num_tokens(indices) -> int` (for throughput); prep's tables
-become datasets in `alignflow.train.datasets`.
+tensors` (one micro batch), `num_tokens(indices) -> int` (for throughput) and
+`document_lengths(indices)` (the documents' lengths, for model FLOPs: attention stays inside
+each); prep's tables become datasets in `alignflow.train.datasets`.
 """
 
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ class Dataset(Protocol):
     def collate(self, indices: Sequence[int]) -> dict: ...
 
     def num_tokens(self, indices: Sequence[int]) -> int: ...
+
+    def document_lengths(self, indices: Sequence[int]) -> np.ndarray: ...
 
 
 @dataclass

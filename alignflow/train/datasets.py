@@ -2,7 +2,7 @@
 
 Each is built from a `Prepared` output (`alignflow.data.prepared`, the one reader of prep's
 format) and implements `alignflow.train.data.Dataset`: `__len__`, `collate(indices)` and
-`num_tokens(indices)`.
+`num_tokens(indices)`, `document_lengths(indices)`.
 
 - `PackedSFT`: packed SFT rows (several documents per row, attention kept inside each).
 - `PreferencePairs`: pairs packed into rows, no padding to the data set's longest sequence;
@@ -50,6 +50,9 @@ class PackedSFT:
     def num_tokens(self, indices: Sequence[int]) -> int:
         return int(sum(self.ids_off[i + 1] - self.ids_off[i] for i in indices))
 
+    def document_lengths(self, indices: Sequence[int]) -> np.ndarray:
+        return np.concatenate([np.diff(self.row(int(i))[2]) for i in indices] or [np.zeros(0, dtype=np.int64)])
+
 
 class DistillRows:
     """`PackedSFT` rows plus `teacher_ids` [b, s, k] (int64) and `teacher_logp` [b, s, k] (fp32):
@@ -69,6 +72,9 @@ class DistillRows:
 
     def num_tokens(self, indices: Sequence[int]) -> int:
         return self.rows.num_tokens(indices)
+
+    def document_lengths(self, indices: Sequence[int]) -> np.ndarray:
+        return self.rows.document_lengths(indices)
 
     def collate(self, indices: Sequence[int]) -> dict:
         batch = self.rows.collate(indices)
@@ -132,6 +138,11 @@ class PreferencePairs:
 
     def num_tokens(self, indices: Sequence[int]) -> int:
         return int(sum(self.lengths[int(i)] for i in indices))
+
+    def document_lengths(self, indices: Sequence[int]) -> np.ndarray:
+        """The chosen and the rejected sequence of each pair (each its own document)."""
+        rows = np.asarray(indices, dtype=np.int64)
+        return np.concatenate([np.diff(off)[rows] for (_, off), _ in self.columns.values()])
 
 
 def _padded(length: int) -> int:

@@ -46,7 +46,8 @@ input model, then attaches the adapters and freezes the rest, so Megatron's DDP 
 hold the adapters only; checkpoints hold the adapters and their optimizer state (the frozen
 base is reloaded from the input model on resume); `finish` publishes the adapter (lora) or the
 merged weights (lora_merged). `trainable_params` and `optimizer_state_bytes` are in every
-training stage's metrics.
+training stage's metrics, and so is its hardware use (`hardware_use`: TFLOP/s and MFU of the
+model FLOPs of `alignflow.train.utilization` over the steps' time, peak memory).
 
 Simplified / missing: no fp16 (loss scaling) and no fp8; bf16 training starts from the input
 weights rounded to bf16 (main weights are fp32 from then on; an HF model is usually bf16
@@ -57,6 +58,7 @@ anyway); no context parallelism, and sequence parallelism only with Transformer 
 import functools
 import json
 import logging
+import resource
 import shutil
 import time
 from contextlib import contextmanager
@@ -83,7 +85,7 @@ from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import lora, runtime
 from alignflow.megatron.decoder import LeanForward
 from alignflow.megatron.model import build_gpt, packed_thd
-from alignflow.train import checkpointing
+from alignflow.train import checkpointing, utilization
 from alignflow.train.checkpointing import TrainerState
 from alignflow.train.data import Dataset, GlobalBatches, dp_micro_batches
 from alignflow.train.datasets import optional
@@ -115,6 +117,7 @@ class StepStats:
     lr: float
     tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    flops: float = 0.0  # model FLOPs of the step over all ranks (`alignflow.train.utilization`)
 
 
 @dataclass
@@ -169,6 +172,7 @@ class Run:
     metrics: Optional[MetricsLog] = None
     last_val_metrics: dict = field(default_factory=dict)
     step_seconds: float = 0.0  # time in training steps (validation and checkpoints are I/O)
+    flops: float = 0.0  # model FLOPs of this job's steps
     checkpointed_at: float = field(default_factory=time.monotonic)  # when this job last saved (or started)
 
     @property
@@ -189,6 +193,11 @@ class Run:
     @property
     def checkpoints(self) -> Path:
         return self.workspace.dir / CHECKPOINTS
+
+    def step_flops(self, dataset: Dataset, indices: np.ndarray) -> float:
+        """Model FLOPs of a training step on these items of `dataset` (a global batch)."""
+        passes = utilization.LORA_TRAINING if self.lora else utilization.TRAINING
+        return utilization.model_flops(utilization.ModelShape.of(self.init.hf_config), dataset.document_lengths(indices), passes)
 
 
 @contextmanager
@@ -332,17 +341,23 @@ def _with_model(forward_step, model, data_iterator, _):
 def forward_only_splits(cfg, section, model_uri: str, dataset: type, data: Prepared, each: Callable) -> dict:
     """The frame of a forward-only stage (ref_logprobs, teacher_logprobs): the model at
     `model_uri` frozen at `section.parallel` in `section.precision`, then `each(model, chunks,
-    rows, split)` for each split of `data` that has `dataset` rows, its metrics merged; the
-    ranks meet before teardown."""
+    rows, split)` for each split of `data` that has `dataset` rows, its metrics merged, and the
+    hardware use of these passes (their writes included); the ranks meet before teardown."""
     model = local_model(model_uri, cache_dir(cfg))
     runtime.init_parallel(section.parallel, seed=0)
     try:
         chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg),
                                resolve_precision(section.precision))
-        metrics = {}
+        metrics, tokens, flops, seconds, shape = {}, 0, 0.0, 0.0, utilization.ModelShape.of(model.hf_config)
         for split in ("train", "val"):
             if (rows := optional(dataset, data, split)) is not None:
+                started = time.perf_counter()
                 metrics |= each(model, chunks, rows, split)
+                seconds += time.perf_counter() - started
+                everything = range(len(rows))
+                tokens += rows.num_tokens(everything)
+                flops += utilization.model_flops(shape, rows.document_lengths(everything), utilization.FORWARD)
+        metrics |= {"tokens_per_s": round(tokens / max(seconds, 1e-9), 1)} | hardware_use(flops, seconds)
         dist.barrier()
     finally:
         runtime.teardown()
@@ -398,6 +413,7 @@ def advance(run: Run, stats: StepStats, seconds: float) -> None:
     state.tokens += stats.tokens
     state.last_loss = stats.loss
     run.step_seconds += seconds
+    run.flops += stats.flops
 
 
 def log_step(run: Run, record: dict) -> None:
@@ -442,6 +458,7 @@ def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> Train
     state = run.state
     checkpoint = checkpointing.step_dir(run.checkpoints, state.step)
     footprint = {"trainable_params": lora.trainable_params(run.chunks), "optimizer_state_bytes": optimizer_state_bytes(run.optimizer)}
+    footprint |= hardware_use(run.flops, run.step_seconds)
     return TrainResult(
         steps=state.step, train_loss=state.last_loss, val_loss=state.last_val_loss, tokens=state.tokens,
         tokens_per_s=(state.tokens - first_tokens) / max(run.step_seconds, 1e-9), stopped_early=state.stopped_early,
@@ -603,6 +620,19 @@ def all_reduce_dp(value, op=dist.ReduceOp.SUM):
     t = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64, device=device())
     dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
     return type(value)(t.item())
+
+
+def hardware_use(flops: float, seconds: float) -> dict:
+    """TFLOP/s and MFU of `flops` model FLOPs (all ranks) in `seconds` (the slowest rank's), and
+    the peak memory of the busiest rank: torch's allocated CUDA memory on GPU (the caching
+    allocator's reserve and the CUDA context come on top), the process's peak RSS on CPU."""
+    on_gpu = device().type == "cuda"
+    peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    measured = torch.tensor([seconds, peak], dtype=torch.float64, device=device())
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    seconds, peak = measured.tolist()
+    return utilization.figures(flops, seconds, dist.get_world_size(), torch.cuda.get_device_name() if on_gpu else None) | {
+        "peak_memory_gib": round(peak / 2**30, 3), "peak_memory_of": "cuda max_memory_allocated" if on_gpu else "peak RSS"}
 
 
 def every(step: int, interval: int) -> bool:

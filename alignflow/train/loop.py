@@ -33,9 +33,11 @@ def supervised(run: Run, data: Supervised, objective: Objective) -> TrainResult:
     first_tokens, window_seconds, window_tokens = state.tokens, 0.0, 0
     while state.step < run.total_steps and not state.stopped_early:
         started = time.perf_counter()
-        micro = dp_micro_batches(run.batches.indices(state.position), cfg.micro_batch_size, run.dp_rank, run.dp_size)
+        indices = run.batches.indices(state.position)
+        micro = dp_micro_batches(indices, cfg.micro_batch_size, run.dp_rank, run.dp_size)
         stats = engine.optimizer_step(run, objective, micro, data.train, data.seq_length, data.rows_per_item)
         stats.tokens = engine.all_reduce_dp(sum(data.train.num_tokens(m) for m in micro))
+        stats.flops = run.step_flops(data.train, indices)
         seconds = time.perf_counter() - started
         engine.advance(run, stats, seconds)
         window_seconds, window_tokens = window_seconds + seconds, window_tokens + stats.tokens

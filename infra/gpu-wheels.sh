@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The wheels a GPU machine lacks to run bench/gpu.py and the GPU test subset from source: its
+# image has Python 3.12, torch 2.11, transformers, accelerate, peft, pyarrow, pandas, pytest and
+# more, but no megatron-core, omegaconf, hydra, submitit, trl or datasets, and no package index.
+# No Prefect: neither the bench nor the GPU tests import it.
+#
+#   bash infra/gpu-wheels.sh            here (with a package index): cp312 manylinux wheels into .whl/
+#                                       (gitignored), their total size; fails over 40 MiB
+#   bash infra/gpu-wheels.sh install    there, from the repository root with .whl/ carried: installs them
+#                                       into /tmp/site, seen by every python3 (the tests' subprocesses
+#                                       too), and lists what they need that the machine lacks
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+LIMIT_MIB=40
+SITE=${SITE:-/tmp/site}
+# The pins CI resolves (constraints of pyproject's dev/bench extras); the closure beyond the image:
+# hydra-core and omegaconf need antlr4-python3-runtime 4.9.* (only an sdist on PyPI: built here,
+# pure Python); datasets needs dill and multiprocess.
+PINS=(megatron-core==0.16.1 omegaconf==2.3.1 hydra-core==1.3.8 submitit==1.5.4 trl==1.16.0 datasets==5.2.0 dill==0.4.1
+      multiprocess==0.70.19)
+SDISTS=(antlr4-python3-runtime==4.9.3)
+
+fetch() {
+  rm -rf .whl && mkdir .whl
+  local platforms=()
+  for tag in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do platforms+=(--platform "${tag}_x86_64"); done
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl "${PINS[@]}"
+  "$PYTHON" -m pip wheel -q --no-deps --no-binary=:all: -w .whl "${SDISTS[@]}"
+  local bytes
+  bytes=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+  ls -1 .whl
+  echo "$(ls .whl/*.whl | wc -l) wheels, $(awk "BEGIN {printf \"%.2f\", $bytes / 1048576}") MiB (limit $LIMIT_MIB MiB)"
+  if [ "$bytes" -gt $((LIMIT_MIB * 1048576)) ]; then
+    echo "over $LIMIT_MIB MiB: the device tool carries at most 64 MiB with the working tree" >&2
+    exit 1
+  fi
+}
+
+install() {
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  # Tests that start subprocesses set PYTHONPATH to the repository alone: a .pth file in the
+  # interpreter's site-packages puts $SITE on every python3's path.
+  echo "$SITE" > "$("$PYTHON" -c 'import site; print(site.getsitepackages()[0])')/alignflow-gpu-wheels.pth"
+  SITE=$SITE "$PYTHON" - <<'PY'
+import importlib.metadata as md
+import os
+from packaging.requirements import Requirement
+
+have = {}
+for dist in md.distributions():  # path order: the first one found is the one imported
+    have.setdefault(dist.metadata["Name"].lower().replace("_", "-"), dist.version)
+problems = 0
+for dist in md.distributions(path=[os.environ["SITE"]]):
+    for text in dist.requires or []:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        found = have.get(req.name.lower().replace("_", "-"))
+        if found is None or not req.specifier.contains(found, prereleases=True):
+            problems += 1
+            print(f"{'MISSING' if found is None else 'CONFLICT'}: {dist.metadata['Name']} {dist.version} needs {text}; here: {found}")
+print(f"installed in {os.environ['SITE']}: {', '.join(sorted(d.metadata['Name'] for d in md.distributions(path=[os.environ['SITE']])))}; "
+      f"{problems} unmet requirement(s)")
+PY
+}
+
+case "${1:-fetch}" in
+  fetch) fetch ;;
+  install) install ;;
+  *) echo "usage: $0 [fetch|install]" >&2; exit 2 ;;
+esac
