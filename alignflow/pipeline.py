@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from alignflow.config.schema import Precision, resolved_precision
+from alignflow.launch import gpus_per_node
 from alignflow.stages import STAGES, StageKind, as_names
 
 RESERVED = ("kind", "inputs")
@@ -85,9 +86,9 @@ class Pipeline:
         problems = name_problems("pipeline.name", cfg.pipeline.name, "a pipeline")
         if not cfg.pipeline.stages:
             problems.append("pipeline.stages: empty pipeline")
-        stages = {}
+        stages, on_gpu = {}, gpus_per_node(cfg.launcher) > 0
         for name, entry in cfg.pipeline.stages.items():
-            stage = _instance(cfg, name, OmegaConf.to_container(entry) if entry is not None else {}, problems)
+            stage = _instance(cfg, name, OmegaConf.to_container(entry) if entry is not None else {}, on_gpu, problems)
             if stage is not None:
                 stages[name] = stage
         problems += _check_wiring(stages, list(cfg.pipeline.stages))
@@ -107,7 +108,7 @@ def name_problems(key: str, name, what: str) -> list[str]:
     return [f"{key}: {what} name must be {NAME_RULE} (it names store folders, jobs and Prefect artifact keys), got {name!r}"]
 
 
-def _instance(cfg: DictConfig, name: str, entry: dict, problems: list[str]) -> Stage | None:
+def _instance(cfg: DictConfig, name: str, entry: dict, on_gpu: bool, problems: list[str]) -> Stage | None:
     key = f"pipeline.stages.{name if str(name).isprintable() else repr(name)[1:-1]}"
     problems += name_problems(key, name, "an instance")
     kind = entry.get("kind", name)
@@ -128,7 +129,7 @@ def _instance(cfg: DictConfig, name: str, entry: dict, problems: list[str]) -> S
             problems.append(f"{key}.{setting}: not a setting of stage kind {kind} (the `{kind}` section) "
                             f"nor of what it reads ({', '.join(sorted(read_roots)) or 'nothing'})")
     section = {k: v for k, v in overrides.items() if k in section_keys}
-    merged = {kind: section | _resolved(cfg, kind, section), **{k: v for k, v in overrides.items() if k in read_roots}}
+    merged = {kind: section | _resolved(cfg, kind, section, on_gpu), **{k: v for k, v in overrides.items() if k in read_roots}}
     try:
         view = OmegaConf.merge(cfg, merged) if any(merged.values()) else cfg.copy()
         OmegaConf.to_container(view[kind], resolve=True)  # surface interpolation errors now
@@ -143,13 +144,13 @@ def _instance(cfg: DictConfig, name: str, entry: dict, problems: list[str]) -> S
     return Stage(name, kind, wiring, view)
 
 
-def _resolved(cfg: DictConfig, kind: str, section: dict) -> dict:
+def _resolved(cfg: DictConfig, kind: str, section: dict, on_gpu: bool) -> dict:
     """`precision: auto` (the root's or the instance's) as the precision the instance's ranks
     compute in (`resolved_precision`): its identity, its job and its manifest hold that."""
     precision = section.get("precision", cfg[kind].precision) if "precision" in cfg[kind] else None
     if precision != Precision.auto:
         return {}
-    return {"precision": resolved_precision(precision, on_gpu=cfg.launcher.gpus_per_node > 0)}
+    return {"precision": resolved_precision(precision, on_gpu=on_gpu)}
 
 
 def _check_roles(key: str, kind: str, wiring: dict) -> list[str]:

@@ -46,7 +46,7 @@ CONFIGS = {
 }
 MODULES = {"sft": sft, "dpo": dpo, "dpo_bf16": dpo, "distillation": distillation, "grpo": grpo, "sft_lora": sft, "ref_logprobs": ref_logprobs,
            "teacher_logprobs": teacher_logprobs, "eval": eval_stage}
-TIMINGS = ("tokens_per_s",)
+TIMINGS = ("tokens_per_s", "tflops", "mfu", "peak_memory_gib", "peak_memory_of")  # how fast and how big, not what
 # bf16 validation attends through torch's kernels: math on accel, flash on the CPU, rounding apart in bf16
 TOLERANCE = {"dpo_bf16": 1e-3}
 
