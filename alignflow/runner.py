@@ -24,8 +24,7 @@ from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
 from alignflow.train.utilization import HARDWARE_METRICS
 from alignflow.stages import OUTPUTS, user_imports, worker_module
-from alignflow.store import TRAINING_STATE, Store, committed_checkpoint, options_for, store_of
-from alignflow.verify import IncompleteOutput
+from alignflow.store import TRAINING_STATE, Store, options_for, store_of
 from alignflow.worker import run_stage_job
 
 _RECORDED_PACKAGES = ("torch", "megatron-core", "transformers", "tokenizers", "pyarrow", "submitit")
@@ -138,11 +137,7 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
     records = read_metrics(staging, options_for(staging, cfg))  # a training stage's curves
     if records or any(k in metrics for k in HARDWARE_METRICS):  # training and forward stages: a report beside the output
         store.fs.pipe(f"{store.staging_path(name, fp)}/{REPORT}", stage_report(name, summary, records).encode())
-    keep = keeps_optimizer(stage)
-    kept, leave_out = committed_checkpoint(store.staged_files(name, fp), keep_latest=keep)
-    if keep and kept is None:
-        raise IncompleteOutput(f"{name} {fp}: not committed: {stage.kind}.checkpoint.keep_optimizer is true, but no complete "
-                               f"training checkpoint is staged at {staging}")
+    kept, leave_out = store.committed_checkpoint(name, fp, keep_latest=keeps_optimizer(stage))  # IncompleteOutput: not retried
     manifest = {
         **summary,
         "identity": ident,

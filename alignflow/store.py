@@ -6,7 +6,7 @@ Layout per stage output:
 - `{root}/{stage}/_leases/{fp}.json` who is producing `fp` now, with a heartbeat.
 - `{root}/{stage}/_staging/{fp}/checkpoints/` a training stage's checkpoints
   (`alignflow.train.checkpointing`): a retry resumes from them, so the commit leaves them out
-  (`committed_checkpoint`), all of them, or all but the final one when its config asks to keep
+  (`Store.committed_checkpoint`), all of them, or all but the final one when its config asks to keep
   the optimizer (`checkpoint.keep_optimizer`: the manifest names it under `training_state`).
 
 An output without a manifest does not exist, and a manifest is written only once the staged
@@ -54,20 +54,6 @@ def staging_owner(uri: str) -> tuple[str | None, str | None]:
     return (parts[-3], parts[-1]) if len(parts) >= 3 and parts[-2] == "_staging" else (None, None)
 
 
-def committed_checkpoint(files: list[dict], keep_latest: bool) -> tuple[str | None, tuple[str, ...]]:
-    """What the commit of a staged output (`files` as `Store.staged_files` lists them) does with
-    its training checkpoints: the latest complete one it keeps with `keep_latest` (else None),
-    and the paths it leaves out: `checkpoints/` whole, or everything in it but the kept one."""
-    paths = {f["path"] for f in files}
-    entries = sorted({p.split("/")[1] for p in paths if p.startswith(f"{CHECKPOINTS}/")})
-    complete = [e for e in entries if f"{CHECKPOINTS}/{e}/{COMPLETE}" in paths]  # step-%08d: in step order
-    if not entries:
-        return None, ()
-    if not (keep_latest and complete):
-        return None, (CHECKPOINTS,)
-    return f"{CHECKPOINTS}/{complete[-1]}", tuple(f"{CHECKPOINTS}/{e}" for e in entries if e != complete[-1])
-
-
 @dataclass(frozen=True)
 class Store:
     root: str
@@ -113,6 +99,22 @@ class Store:
         found = self.fs.find(root, detail=True) if self.fs.exists(root) else {}
         listed = [{"path": p[len(root) + 1 :], "size": info["size"]} for p, info in sorted(found.items())]
         return [f for f in listed if not under(f["path"], leave_out)]
+
+    def committed_checkpoint(self, stage: str, fp: str, keep_latest: bool) -> tuple[str | None, tuple[str, ...]]:
+        """What the commit of `fp`'s staged output does with its training checkpoints: the latest
+        complete one it keeps with `keep_latest` (else None; IncompleteOutput if there is none),
+        and the paths it leaves out: `checkpoints/` whole, or everything in it but the kept one."""
+        paths = {f["path"] for f in self.staged_files(stage, fp)}
+        entries = sorted({p.split("/")[1] for p in paths if p.startswith(f"{CHECKPOINTS}/")})
+        complete = [e for e in entries if f"{CHECKPOINTS}/{e}/{COMPLETE}" in paths]  # step-%08d: in step order
+        if keep_latest and not complete:
+            raise IncompleteOutput(f"{stage} {fp}: not committed: its checkpoint.keep_optimizer asks to keep its final training "
+                                   f"checkpoint, but none is complete at {self.uri(self.staging_path(stage, fp))}/{CHECKPOINTS}")
+        if not entries:
+            return None, ()
+        if not keep_latest:
+            return None, (CHECKPOINTS,)
+        return f"{CHECKPOINTS}/{complete[-1]}", tuple(f"{CHECKPOINTS}/{e}" for e in entries if e != complete[-1])
 
     def commit(self, stage: str, fp: str, manifest: dict, holds: OutputFormat, leave_out: tuple[str, ...] = ()) -> str:
         """Publish the staging directory, but the paths `leave_out` (relative to it), as the output

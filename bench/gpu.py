@@ -10,11 +10,14 @@ Shape: a random Llama (hidden 2048, 16 layers, 32 heads / 8 KV heads, FFN 8192, 
 tied embeddings: 1.24 B parameters) from a LlamaConfig, saved once and read by both sides; the
 demo tokenizer on generated chats, preference pairs and the demo's prompts; SFT rows packed to
 4096 tokens; bf16 with fp32 master weights on both sides; no recompute on either side.
-Each side runs in a fresh process; each measurement runs WARMUP steps (or one pass), then
-times STEPS steps (one pass) with the device synchronised at both ends; model build and data
-load are outside the span on both sides. Tokens are real tokens (no padding); TFLOP/s and MFU
-are model FLOPs (`alignflow.train.utilization`: Megatron-LM's formula, per document) over that
-span; peak memory is torch's allocated CUDA memory over the span (CPU: the process's peak RSS).
+Each side runs in a fresh process; each measurement runs the shape's `warmup` steps (2; the
+reference pass and generation: one pass, one batch), then times `steps` steps (5; one pass, all
+batches) with the device synchronised at both ends; model build and data load are outside the
+span on both sides. Tokens are real tokens (no padding); TFLOP/s and MFU are model FLOPs
+(`alignflow.train.utilization`: Megatron-LM's formula, per document) over that span; peak
+memory is torch's allocated CUDA memory over the span (CPU: the process's peak RSS, VmHWM).
+The tests and the measurements each fit one 10-minute command: run them apart
+(`--skip-bench`, then `--skip-tests`).
 - ours: `alignflow.train.engine.optimizer_step` with the SFT and DPO objectives (what the sft and
   dpo stages' loop calls each step), `alignflow.stages.ref_logprobs.pair_logprobs` in the
   stage's own frame (`forward_only_splits`: its precision), and `alignflow.generation.generate`

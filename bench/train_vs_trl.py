@@ -28,7 +28,7 @@ Last line: `ratio: sft <a> dpo <b> ref <c>`, each the minimum over the shapes of
 On a machine whose cores are busy, torch's threads stall at every op on both sides; pass
 --threads 1 there, and read the load averages printed first and last.
 
-Run: .venv/bin/python bench/train_vs_trl.py [--threads N]   (needs the bench extra: trl, datasets)
+Run: .venv/bin/python bench/train_vs_trl.py [--threads N] [--shapes demo longtail mid]   (needs the bench extra: trl, datasets)
 """
 
 import argparse
@@ -227,11 +227,13 @@ if __name__ == "__main__" and len(sys.argv) == 6:  # a measurement in its own pr
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", default="default", help="torch threads of both sides (default: torch's default)")
-    threads = parser.parse_args().threads
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    args = parser.parse_args()
+    threads, shapes = args.threads, {name: SHAPES[name] for name in args.shapes}
     root, ratios = Path(tempfile.mkdtemp(prefix="alignflow-bench-train-")), {"sft": [], "dpo": [], "ref": []}
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; torch threads {threads}")
     print(f"TRL settings: {TRL_SETTINGS}; ours: fp32, no recompute; both timed over the steps after {WARMUP} warm-up steps")
-    for shape, (micro, rows, length, steps, _, _) in SHAPES.items():
+    for shape, (micro, rows, length, steps, _, _) in shapes.items():
         work = root / shape
         prepare(shape, work)
         params = json.loads((work / "model" / "hf" / "config.json").read_text())
@@ -247,8 +249,8 @@ elif __name__ == "__main__":
             ratios[kind].append(a["tokens_per_s"] / b["tokens_per_s"])
             print(f"{label:<26}{a['tokens_per_s']:>12.0f}{b['tokens_per_s']:>12.0f}{ratios[kind][-1]:>10.2f}"
                   f"{a['peak_rss_mb']:>10.0f}{b['peak_rss_mb']:>10.0f}")
-    worst = {kind: min(zip(values, SHAPES)) for kind, values in ratios.items()}
+    worst = {kind: min(zip(values, shapes)) for kind, values in ratios.items()}
     print("\nworst ours/TRL: " + ", ".join(f"{kind} {ratio:.2f} ({shape})" for kind, (ratio, shape) in worst.items())
-          + "; mid: " + ", ".join(f"{kind} {values[list(SHAPES).index('mid')]:.2f}" for kind, values in ratios.items()))
+          + ("; mid: " + ", ".join(f"{kind} {values[list(shapes).index('mid')]:.2f}" for kind, values in ratios.items()) if "mid" in shapes else ""))
     print(f"load average {os.getloadavg()[0]:.2f}")
     print(f"ratio: sft {min(ratios['sft']):.2f} dpo {min(ratios['dpo']):.2f} ref {min(ratios['ref']):.2f}")

@@ -43,7 +43,7 @@ def test_training_outputs_commit_weights_and_only_the_optimizer_state_asked_for(
     cfg = compose("sft_dpo", overrides)
     results = {}
     for stage in Pipeline.build(cfg):
-        results[stage.name] = run_stage(stage, {name: results[name] for name in stage.upstream()}, log=print)
+        results[stage.name] = run_stage(stage, {name: results[name] for name in stage.upstream()}, log=lambda line: None)
     store = store_of(cfg)
 
     outputs = {name: Path(store.output_path(name, results[name].fingerprint)) for name in ("sft", "dpo", "lora")}
@@ -51,7 +51,6 @@ def test_training_outputs_commit_weights_and_only_the_optimizer_state_asked_for(
         manifest = json.loads((out / MANIFEST).read_text())
         assert {f["path"]: f["size"] for f in manifest["files"]} == {p: s for p, s in files(out).items() if p != MANIFEST}
         assert not Path(store.staging_path(name, results[name].fingerprint)).exists()
-        print(f"{name}: {sum(files(out).values()) / 1e6:.1f} MB committed")
     sft, dpo, lora = (json.loads((out / MANIFEST).read_text()) for out in outputs.values())
     assert not (outputs["sft"] / "checkpoints").exists() and TRAINING_STATE not in sft
     assert {"model", "hf", "tokenizer", "metrics.jsonl"} <= {p.name for p in outputs["sft"].iterdir()}

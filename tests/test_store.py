@@ -2,6 +2,7 @@
 a commit first checks that the output holds what its format declares."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from alignflow.lease import LeaseLost, watch
 from alignflow.stages import OUTPUTS
-from alignflow.store import MANIFEST, Store, committed_checkpoint
+from alignflow.store import MANIFEST, Store
 from alignflow.verify import IncompleteOutput, OutputFormat
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -326,7 +327,7 @@ def test_a_training_commit_leaves_its_checkpoints_out_or_keeps_only_the_final_on
     store.fs.put(f"{local}/", f"{store.staging_path('sft', 'f1')}/", recursive=True)
     staged = store.staged_files("sft", "f1")
 
-    kept, leave_out = committed_checkpoint(staged, keep_latest=keep)
+    kept, leave_out = store.committed_checkpoint("sft", "f1", keep_latest=keep)
     assert kept == ("checkpoints/step-00000002" if keep else None)
     assert leave_out == (("checkpoints/.tmp-step-00000004", "checkpoints/step-00000001", "checkpoints/step-00000003",
                           "checkpoints/wandb-run-id") if keep else ("checkpoints",))
@@ -348,15 +349,23 @@ def test_a_kept_training_checkpoint_is_verified_and_a_left_out_one_is_not(real_o
     staging = Path(store.staging_path("sft", "f1"))
     staged_training_output(real_outputs["model"], staging)
     (staging / "checkpoints" / "step-00000002" / "optimizer" / ".metadata").unlink()  # cut short
-    kept, leave_out = committed_checkpoint(store.staged_files("sft", "f1"), keep_latest=True)
+    kept, leave_out = store.committed_checkpoint("sft", "f1", keep_latest=True)
     with pytest.raises(IncompleteOutput, match=r"checkpoints/step-00000002/optimizer: no \.metadata"):
         store.commit("sft", "f1", {}, OUTPUTS["model"], leave_out)
     assert store.read_manifest("sft", "f1") is None and (staging / "checkpoints" / "step-00000002").is_dir()
 
-    _, leave_out = committed_checkpoint(store.staged_files("sft", "f1"), keep_latest=False)
+    _, leave_out = store.committed_checkpoint("sft", "f1", keep_latest=False)
     store.commit("sft", "f1", {}, OUTPUTS["model"], leave_out)  # not committed, so not checked
     assert store.read_manifest("sft", "f1") == {} and not (Path(store.output_path("sft", "f1")) / "checkpoints").exists()
 
 
-def test_an_output_without_checkpoints_commits_as_it_is():
-    assert committed_checkpoint([{"path": "model/.metadata", "size": 1}], keep_latest=True) == (None, ())
+def test_keeping_the_final_checkpoint_of_an_output_without_one_is_refused(real_outputs, tmp_path):
+    store = Store(str(tmp_path / "store"), {})
+    staging = Path(store.staging_path("sft", "f1"))
+    shutil.copytree(real_outputs["model"], staging)
+    assert store.committed_checkpoint("sft", "f1", keep_latest=False) == (None, ())  # nothing to leave out
+    (staging / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (staging / "checkpoints" / "step-00000002" / "trainer.json").write_text("{}")  # renamed, never marked complete
+    with pytest.raises(IncompleteOutput, match=re.escape(f"sft f1: not committed: its checkpoint.keep_optimizer asks to keep its final "
+                                                         f"training checkpoint, but none is complete at {staging}/checkpoints")):
+        store.committed_checkpoint("sft", "f1", keep_latest=True)

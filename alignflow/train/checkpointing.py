@@ -19,7 +19,7 @@ Layout under `{out}/checkpoints/`:
     wandb-run-id             the wandb run a retry continues
 
 They live in the staging area: the commit leaves them out, or keeps the final one with
-`checkpoint.keep_optimizer` (`alignflow.store.committed_checkpoint`).
+`checkpoint.keep_optimizer` (`alignflow.store.Store.committed_checkpoint`).
 
 Every rank writes into the temp folder; after a barrier rank 0 writes trainer.json,
 renames the folder to `step-N` and writes `complete`. Weights and optimizer state reshard on
