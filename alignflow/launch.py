@@ -250,7 +250,7 @@ def cancel_jobs_on_interrupt() -> Iterator[None]:
     except Exception:
         raise
     except BaseException as stop:  # KeyboardInterrupt, Prefect's TerminationSignal, SystemExit
-        signum = getattr(stop, "signal", signal.SIGINT if isinstance(stop, KeyboardInterrupt) else None)
+        signum = getattr(stop, "signal", None)  # Prefect's SIGTERM; the handlers below began the others' stop
         if signum is not None and not scope.cancelled.is_set():
             _begin_stop(scope, signum)
         scope.cancel()
