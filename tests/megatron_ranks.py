@@ -17,7 +17,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+)
 
 from reference_convert import hf_to_megatron
 from alignflow.generation import Sampling, generate
@@ -42,6 +44,15 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     }),
+    "llama3_rope_other": (LlamaConfig, LlamaForCausalLM, {  # constants Megatron-Core's rope_scaling cannot take
+        "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 2.0,
+                            "high_freq_factor": 8.0, "original_max_position_embeddings": 32},
+    }),
+    "llama_biases": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True, "mlp_bias": True}),
+    "llama_attention_bias": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head_dim != hidden / heads, as Qwen3's real sizes
+    "qwen3_tied_bias": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
 }
 
 

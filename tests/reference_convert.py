@@ -6,9 +6,9 @@ conversions (`hf_to_megatron`, `megatron_to_hf`). The stages convert by streamin
 Tensor parallel (`TP_SPLIT`, by parameter name within a layer):
 - column (dim 0): qkv weight and bias (whole query groups, see `alignflow.convert.layout`), and
   the vocab-parallel embedding and output layer (rows of the padded vocab);
-- row (dim 1): attention output projection, fc2;
-- gated (dim 0 of gate and of up separately): fc1, so each rank computes silu(gate_r) * up_r;
-- anything else (the norms) is replicated.
+- row (dim 1): attention output projection, fc2 (their biases are added after the reduction: replicated);
+- gated (dim 0 of gate and of up separately): fc1 and its bias, so each rank computes silu(gate_r) * up_r;
+- anything else (the norms, q/k norms) is replicated.
 """
 
 import re
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from alignflow.convert.layout import fuse
-from alignflow.convert.llama import TIED_OUTPUT_COPY, ModelShape, Param, model_shape, params_for
+from alignflow.convert.families import TIED_OUTPUT_COPY, ModelShape, Param, model_shape, params_for
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, VOCAB_PARAMS, padded_vocab_size, param_to_hf, stage_ends
 
 COLUMN, ROW, GATED = "column", "row", "gated"
@@ -30,6 +30,7 @@ TP_SPLIT: dict[str, str] = {
     "self_attention.linear_qkv.bias": COLUMN,
     "self_attention.linear_proj.weight": ROW,
     "mlp.linear_fc1.weight": GATED,
+    "mlp.linear_fc1.bias": GATED,
     "mlp.linear_fc2.weight": ROW,
 }
 

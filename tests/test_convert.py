@@ -27,13 +27,14 @@ from megatron_ranks import tiny_hf_model  # noqa: E402
 
 RANKS = Path(__file__).with_name("checkpoint_ranks.py")
 TOLERANCE = 1e-5
+STREAMED = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases"]  # q/k norms, attention output and MLP biases
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """Tiny random Llama (GQA, untied, random norms; saved in shards) and Qwen2 (qkv bias, tied)."""
     dirs = {}
-    for case in ("llama", "qwen2"):
+    for case in STREAMED:
         model, _ = tiny_hf_model(case)
         dirs[case] = tmp_path_factory.mktemp(case)
         model.save_pretrained(dirs[case], max_shard_size="40KB")
@@ -89,7 +90,7 @@ def chunking(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", STREAMED)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_round_trip_is_bit_identical(hf_dirs, demo_dir, tmp_path, case, tp, chunking):
     ckpt = convert_to(tmp_path, hf_dirs[case], demo_dir, tp=tp)

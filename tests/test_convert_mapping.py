@@ -9,12 +9,12 @@ import torch
 from megatron_ranks import saved_state, tiny_hf_model
 
 from alignflow.convert.layout import merge_fc1, merge_qkv, split_fc1, split_qkv
-from alignflow.convert.llama import model_shape
+from alignflow.convert.families import model_shape
 from reference_convert import (
     hf_to_megatron, megatron_to_hf, padded_vocab_size, shard, stage_layers, stage_params, unshard,
 )
 
-CASES = ["llama", "llama_tied", "qwen2"]  # GQA untied, tied, tied with qkv bias
+CASES = ["llama", "llama_tied", "qwen2", "qwen3_tied_bias", "llama_biases"]  # GQA untied, tied, qkv bias, q/k norms, every bias
 LAYER_NAMES = [
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.weight",
@@ -158,17 +158,17 @@ def test_vocab_is_padded_to_a_multiple_of_128_times_tp():
 
 
 def test_unsupported_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         model_shape({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]})
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"attention_bias": True}, "attention_bias=True"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 2.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "low_freq_factor"),
+@pytest.mark.parametrize("case,change,message", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3 rope scaling without low_freq_factor"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
+    ("qwen3", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
 ])
-def test_unsupported_config_fails_clearly(change, message):
+def test_unsupported_config_fails_clearly(case, change, message):
     with pytest.raises(ValueError, match=message):
-        model_shape({**tiny_hf_model("llama")[1], **change})
+        model_shape({**tiny_hf_model(case)[1], **change})

@@ -21,6 +21,7 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
+TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases"]  # q/k norms and biases split over TP
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -91,8 +92,9 @@ def test_local_spec_norms_load_under_checkpoint_names(one_rank, tmp_path):
     assert model.embedding.word_embeddings.weight.shape == (128, 64)  # vocab 100 padded to 128
 
 
-def test_hf_through_a_megatron_model_and_back_is_exact(one_rank, tmp_path):
-    hf_model, config = tiny_hf_model("llama")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_through_a_megatron_model_and_back_is_exact(one_rank, case, tmp_path):
+    hf_model, config = tiny_hf_model(case)
     hf_state = saved_state(hf_model, tmp_path)
     model = build_gpt(config, one_rank)
     load_megatron_state(model, hf_to_megatron(hf_state, config, 0, 1, 0, 1))
@@ -140,7 +142,7 @@ def test_fp32_matmuls_take_tf32_on_cuda_only(monkeypatch):
 
 
 def test_unsupported_architecture_fails_before_building():
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         build_gpt({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]}, parallel_cfg())
 
 
@@ -154,9 +156,10 @@ def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # torchrun sets them per rank
     run = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, *generate, "llama", "qwen2"],
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, *generate, *TWO_RANK_CASES],
         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.stdout.count("max |logits - HF|") == (4 if "--tp" in layout else 2)  # each last-stage rank, both models
-    assert run.stdout.count("0 greedy completions differ") == (4 if generate else 0)  # every rank, both models
+    cases = len(TWO_RANK_CASES)
+    assert run.stdout.count("max |logits - HF|") == cases * (2 if "--tp" in layout else 1)  # each last-stage rank, every model
+    assert run.stdout.count("0 greedy completions differ") == (2 * cases if generate else 0)  # every rank, every model

@@ -21,7 +21,7 @@ from alignflow.config.destinations import destination_problems
 from alignflow.config.schema import FinetuningType, LauncherName, RecomputeGranularity, RecomputeMethod
 from alignflow.config.slices import secret_problems
 from alignflow.convert import lora as lora_targets
-from alignflow.convert.llama import ModelShape, model_shape
+from alignflow.convert.families import ModelShape, model_shape
 from alignflow.data.formats import FORMATS
 from alignflow.launch import gpus_per_node, local_gpus, time_limit
 from alignflow.lease import conditional_writes_problem

@@ -22,7 +22,7 @@ from alignflow.checkpoint import ModelOutput
 from alignflow.checkpoint.dist_io import DistCheckpointReader
 from alignflow.convert import lora as targets
 from alignflow.convert.layout import fuse
-from alignflow.convert.llama import ModelShape
+from alignflow.convert.families import ModelShape
 
 ADAPTER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.adapter\.(lora_[AB])\.(\w+)")
 STACKED = re.compile(r"decoder\.layers\.(.+)\.weight")

@@ -13,7 +13,7 @@ from typing import Optional
 from torch import Tensor
 
 from alignflow.convert.layout import unfuse
-from alignflow.convert.llama import ModelShape, Param
+from alignflow.convert.families import ModelShape, Param
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
 VOCAB_PARAMS = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})

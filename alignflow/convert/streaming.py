@@ -21,7 +21,7 @@ import torch
 from alignflow.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry
 from alignflow.checkpoint.safetensors_io import SafetensorsReader, TensorSpec
 from alignflow.convert.layout import fuse, merge_qkv, unfuse
-from alignflow.convert.llama import ModelShape, Param, params_for
+from alignflow.convert.families import ModelShape, Param, params_for
 from alignflow.convert.sharding import VOCAB_PARAMS, param_to_hf
 
 LAYER_PLACEHOLDER = "decoder.layers.{layer}."

@@ -7,7 +7,7 @@ autograd functions and inference-context bookkeeping per token; at 8 rows and a 
 model that overhead was most of a step (see `alignflow.generation`). `Decoder` reads each
 layer's weights once per batch (no copy) and runs the same math as Megatron's layers in ~20
 torch ops per layer: RMSNorm, the fused qkv per query group ([q heads of the group; k; v]),
-RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU.
+per-head q/k RMSNorm (Qwen3), RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU.
 
 Batches: prompts are left-padded to the longest of the batch; a padded row's positions start
 at 0 at its first real token and its padding is never attended (prefill runs each row's
@@ -22,8 +22,8 @@ outputs (2 per layer) and the embedding, and all-gathers the logits; under PP hi
 [b, s, h] go stage to stage point to point. Sequence and context parallelism do not apply:
 every rank of those groups computes the whole (short) sequence with the same weights.
 
-Supported: what `alignflow.megatron.model.build_gpt` builds (Llama, Mistral's window, Qwen2's
-qkv bias, tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
+Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
+window, Qwen2's qkv bias, Qwen3's q/k norms, tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
 weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
 run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
@@ -46,7 +46,7 @@ from alignflow.megatron.model import packed_thd
 
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
-    "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False, "qk_layernorm": False,
+    "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
     "num_moe_experts": None, "multi_latent_attention": False, "rotary_interleaved": False, "fp32_residual_connection": False,
     "apply_residual_connection_post_layernorm": False, "layernorm_zero_centered_gamma": False, "softmax_type": "vanilla",
     "attention_output_gate": False, "no_rope_freq": None, "experimental_attention_variant": None,
@@ -76,10 +76,15 @@ class LayerWeights:
     norm1: Tensor
     qkv: Tensor
     qkv_bias: Optional[Tensor]
+    q_norm: Optional[Tensor]  # per head, before RoPE
+    k_norm: Optional[Tensor]
     proj: Tensor
+    proj_bias: Optional[Tensor]  # added once, after the TP reduction (Megatron's row-parallel bias)
     norm2: Tensor
     fc1: Tensor  # [gate; up] of this TP rank
+    fc1_bias: Optional[Tensor]
     fc2: Tensor
+    fc2_bias: Optional[Tensor]
 
 
 def layer_weights(layer) -> LayerWeights:
@@ -88,8 +93,14 @@ def layer_weights(layer) -> LayerWeights:
     attention, mlp = layer.self_attention, layer.mlp
     return LayerWeights(
         norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=effective_weight(attention.linear_qkv),
-        qkv_bias=_bias(attention.linear_qkv), proj=effective_weight(attention.linear_proj),
-        norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc2=effective_weight(mlp.linear_fc2))
+        qkv_bias=_bias(attention.linear_qkv), q_norm=_qk_norm(attention.q_layernorm), k_norm=_qk_norm(attention.k_layernorm),
+        proj=effective_weight(attention.linear_proj), proj_bias=_bias(attention.linear_proj),
+        norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
+        fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2))
+
+
+def _qk_norm(norm) -> Optional[Tensor]:
+    return getattr(norm, "weight", None)  # None or Megatron's IdentityOp without q/k norms
 
 
 def _bias(linear) -> Optional[Tensor]:
@@ -197,11 +208,13 @@ class Decoder:
         g, per, d = self.groups, self.per_group, self.head_dim
         qkv = F.linear(F.rms_norm(x, (self.hidden,), w.norm1, self.eps), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
         qk = qkv[..., : per + 1, :]  # each group's queries and key, rotated together
+        if w.q_norm is not None:
+            qk = torch.cat([F.rms_norm(qk[..., :per, :], (d,), w.q_norm, self.eps), F.rms_norm(qk[..., per:, :], (d,), w.k_norm, self.eps)], -2)
         qk = qk * cos + qk.roll(d // 2, -1) * sin  # x cos + rotate_half(x) sin
         out = attend(i, qk[..., :per, :], qk[..., per, :], qkv[..., per + 1, :])  # [b, s, heads * d]
-        x = x + self._reduce(F.linear(out, w.proj))
-        gate, up = F.linear(F.rms_norm(x, (self.hidden,), w.norm2, self.eps), w.fc1).chunk(2, -1)
-        return x + self._reduce(F.linear(F.silu(gate) * up, w.fc2))
+        x = x + _biased(self._reduce(F.linear(out, w.proj)), w.proj_bias)
+        gate, up = F.linear(F.rms_norm(x, (self.hidden,), w.norm2, self.eps), w.fc1, w.fc1_bias).chunk(2, -1)
+        return x + _biased(self._reduce(F.linear(F.silu(gate) * up, w.fc2)), w.fc2_bias)
 
     def _embed(self, tokens: Tensor) -> Tensor:
         embedding = self.embedding  # vocab-parallel: this rank's rows of the padded vocab
@@ -228,6 +241,10 @@ class Decoder:
         if self.tp > 1:
             dist.all_reduce(partial, group=self.tp_group)
         return partial
+
+
+def _biased(reduced: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return reduced if bias is None else reduced + bias
 
 
 def _padded_rows(pad: list[int], length: int) -> list[int]:

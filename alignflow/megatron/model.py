@@ -1,8 +1,9 @@
 """Build a Megatron-Core GPTModel from an HF Llama-family config; move states in and out of it.
 
-Supported: what `alignflow.convert.llama` supports (Llama, Mistral, Qwen2: GQA, tied or
-untied embeddings, qkv bias, RMSNorm, SwiGLU, RoPE with linear or llama3 scaling, Mistral's
-sliding window), under TP, PP (with virtual chunks) and, with Transformer Engine, CP.
+Supported: what `alignflow.convert.families` supports (Llama, Mistral, Qwen2, Qwen3: GQA,
+tied or untied embeddings, qkv / attention output / MLP biases, per-head q/k RMSNorm, SwiGLU,
+RoPE with linear or llama3 scaling, Mistral's sliding window), under TP, PP (with virtual
+chunks) and, with Transformer Engine, CP.
 Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local
 modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
 
@@ -33,7 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
-from alignflow.convert.llama import ModelShape, model_shape
+from alignflow.convert.families import ModelShape, model_shape
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
 from alignflow.device import device
 from alignflow.megatron.attention import Documents, packed_attention
@@ -48,11 +49,11 @@ CPU_SETTINGS = {
     "batch_p2p_comm": False,
 }
 
-# HF rope type -> GPTModel arguments, given the HF scaling factor.
+# HF rope type -> GPTModel arguments, given the HF scaling factor (llama3: see `_llama3_rope`).
 ROPE_ARGS = {
     "default": lambda factor: {},
     "linear": lambda factor: {"seq_len_interpolation_factor": factor},
-    "llama3": lambda factor: {"rope_scaling": True, "rope_scaling_factor": factor},
+    "llama3": lambda factor: {},
 }
 
 
@@ -70,8 +71,9 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
         layernorm_epsilon=shape.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=False,  # the attention output's and the MLP's biases: `layer_spec`
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         window_size=None if shape.sliding_window is None else (shape.sliding_window - 1, 0),  # HF: i - j < window
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -151,13 +153,39 @@ def document_params(batch: dict) -> PackedSeqParams:
     return Documents.of(cu_seqlens, batch["max_seqlen"], batch["tokens"].shape[1])
 
 
-def layer_spec() -> ModuleSpec:
-    """Transformer Engine's fused layers where importable (GPU clusters), else Megatron's own."""
+def layer_spec(shape: ModelShape) -> ModuleSpec:
+    """Transformer Engine's fused layers where importable (GPU clusters), else Megatron's own;
+    the attention output and the MLP biased as the HF model is (Megatron's `add_bias_linear`
+    sets both together, HF's attention_bias and mlp_bias apart)."""
     if packed_thd():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = DocumentWindowAttention
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = DocumentWindowAttention
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attention.linear_proj = _biased(attention.linear_proj, shape.proj_bias)
+    mlp.linear_fc1, mlp.linear_fc2 = _biased(mlp.linear_fc1, shape.mlp_bias), _biased(mlp.linear_fc2, shape.mlp_bias)
     return spec
+
+
+def _biased(linear: type, bias: bool) -> type:
+    """`linear` (a Megatron or TE parallel linear) built with a bias or without, whatever its caller asks."""
+    if not bias:
+        return linear
+
+    def __init__(self, *args, **kwargs):
+        linear.__init__(self, *args, **{**kwargs, "bias": True})
+
+    return type(f"Biased{linear.__name__}", (linear,), {"__init__": __init__})
+
+
+def _llama3_rope(model: GPTModel, shape: ModelShape) -> None:
+    """Llama-3 scaling of the rotary frequencies with the HF config's constants (GPTModel's
+    `rope_scaling` fixes low/high frequency factors 1/4 and 8192 original positions)."""
+    rotary = model.rotary_pos_emb
+    low, high, original = shape.rope_llama3
+    rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, factor=shape.rope_factor, low_freq_factor=low,
+                                            high_freq_factor=high, original_max_position_embeddings=original)
 
 
 def build_gpt(
@@ -179,7 +207,7 @@ def build_gpt(
     vp_size = config.virtual_pipeline_model_parallel_size
     common = dict(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(shape),
         vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=shape.max_position_embeddings,
         parallel_output=parallel_output,
@@ -189,6 +217,8 @@ def build_gpt(
         **ROPE_ARGS[shape.rope_type](shape.rope_factor),
     )
     chunks = [_build_chunk(common, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
+    for chunk in chunks if shape.rope_type == "llama3" else []:
+        _llama3_rope(chunk, shape)
     return chunks if vp_size else chunks[0]
 
 

@@ -1,6 +1,6 @@
 """The convert stage: an HF checkpoint (or a Megatron / NeMo 2 torch_dist one) -> Megatron torch_dist.
 
-Supported: the Llama family of `alignflow.convert.llama` (Llama 2/3, Mistral, Qwen2; GQA,
+Supported: the Llama family of `alignflow.convert.families` (Llama 2/3, Mistral, Qwen2; GQA,
 tied or untied embeddings, qkv bias), from `model.safetensors` or shards + index.json on any
 fsspec URI; or a torch_dist checkpoint whose keys may carry NeMo 2's `module.` prefix, with
 its HF config.json in `model.hf_config`. Tensors stream one fused parameter at a time, so
@@ -27,7 +27,7 @@ import fsspec
 from alignflow.checkpoint import HF_CONFIG_FILES, HF_DIR, MODEL_DIR, TOKENIZER_DIR
 from alignflow.checkpoint.dist_io import DistCheckpointReader, save_lazy
 from alignflow.checkpoint.safetensors_io import SafetensorsReader
-from alignflow.convert.llama import model_shape
+from alignflow.convert.families import model_shape
 from alignflow.convert.sharding import padded_vocab_size
 from alignflow.convert.streaming import dist_to_dist_entries, hf_to_dist_entries
 

@@ -1,7 +1,7 @@
 """The export stage: a model stage's torch_dist checkpoint -> an HF safetensors directory.
 
 Supported: any checkpoint in the `alignflow.checkpoint` layout (convert, and the training
-stages), whatever TP/PP wrote it, for the Llama family of `alignflow.convert.llama`. Tensors
+stages), whatever TP/PP wrote it, for the Llama family of `alignflow.convert.families`. Tensors
 stream one layer at a time into safetensors shards (+ index.json past `max_shard_size`);
 `config.json` (dtype set to `export.dtype`), `generation_config.json` and the tokenizer
 files go beside them, so `AutoModelForCausalLM.from_pretrained(out)` loads it with no missing
@@ -32,7 +32,7 @@ from fsspec.implementations.local import LocalFileSystem
 from alignflow.checkpoint import ADAPTER_DIR, ModelOutput
 from alignflow.checkpoint.safetensors_io import write_sharded
 from alignflow.config.destinations import MARKER, destination_key, open_destination, previous_export
-from alignflow.convert.llama import model_shape
+from alignflow.convert.families import model_shape
 from alignflow.convert.peft import model_reader, write_adapter
 from alignflow.convert.streaming import dist_to_hf
 from alignflow.stages.convert import TOKENIZER_FILES, copy_files

@@ -1,11 +1,12 @@
-"""The Llama family between HF and Megatron-Core, as data.
+"""The HF architectures alignflow converts and trains, as data: how each reads its config
+(`ARCHITECTURES`), and one name table (`TABLE`) whose entries exist under shape flags.
 
-Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM with GQA, tied or untied
-embeddings, Qwen2's qkv bias, RMSNorm, SwiGLU, RoPE (default, linear, and llama3 scaling
-within Megatron-Core's fixed llama3 constants) and Mistral's sliding window (all layers).
-Refused with a ValueError that says why: any other architecture, biases outside qkv (Llama's
-`attention_bias` / `mlp_bias`), activations other than SiLU, other rope types, Qwen2's
-per-layer sliding windows. Each of these would otherwise convert into a different model.
+Supported: LlamaForCausalLM (with attention / MLP biases, RoPE default, linear, or llama3
+scaling with any constants), MistralForCausalLM (sliding window on all layers),
+Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm); GQA, tied or untied
+embeddings, RMSNorm, SwiGLU. Refused with a ValueError that says why: any other architecture
+or activation, other rope types, Qwen2/Qwen3 per-layer sliding windows. Each would otherwise
+convert into a different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;
@@ -16,14 +17,7 @@ Imports no torch, so config validation can call `model_shape`.
 """
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
-
-# Architecture -> what distinguishes it within the family.
-ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "sliding_window": False},
-    "MistralForCausalLM": {"qkv_bias": False, "sliding_window": True},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "sliding_window": False},
-}
+from typing import Any, Callable, Mapping, Optional
 
 # HF's defaults for keys an older or hand-written config.json may omit.
 HF_DEFAULTS: dict[str, Any] = {
@@ -42,17 +36,32 @@ HF_DEFAULTS: dict[str, Any] = {
     "rope_scaling": None,
 }
 
-# (config key, refused value, why): each would silently convert into a different model.
-REFUSED: tuple[tuple[str, Any, str], ...] = (
-    ("attention_bias", True, "biases on the attention projections are not mapped"),
-    ("mlp_bias", True, "biases on the MLP projections are not mapped"),
-    ("use_sliding_window", True, "Qwen2's per-layer sliding windows are not mapped"),
-)
+NO_LAYER_WINDOWS = ("use_sliding_window", True, "per-layer sliding windows (use_sliding_window) are not mapped")
 
-ACTIVATION = "silu"  # SwiGLU: Megatron's gated_linear_unit with F.silu
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture: the ModelShape flags its config sets (`flags`, from the config with
+    HF_DEFAULTS filled in) and the config values it refuses, each with why."""
+
+    flags: Callable[[Mapping[str, Any]], dict[str, Any]]
+    refused: tuple[tuple[str, Any, str], ...] = ()
+    activation: str = "silu"  # SwiGLU: Megatron's gated_linear_unit with F.silu
+
+
+def _llama(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "mlp_bias": cfg["mlp_bias"]}
+
+
+ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(_llama),
+    "MistralForCausalLM": Family(lambda cfg: {"sliding_window": cfg["sliding_window"]}),
+    "Qwen2ForCausalLM": Family(lambda cfg: {"qkv_bias": True}, refused=(NO_LAYER_WINDOWS,)),
+    "Qwen3ForCausalLM": Family(lambda cfg: {**_llama(cfg), "qk_norm": True}, refused=(NO_LAYER_WINDOWS,)),
+}
+
 ROPE_TYPES = ("default", "linear", "llama3")
-# Megatron-Core 0.16.1's RotaryEmbedding._apply_scaling takes only `factor`; these are fixed.
-MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,12 @@ class ModelShape:
     rope_type: str  # one of ROPE_TYPES
     rope_factor: float  # 1.0 unless scaled
     tied_embeddings: bool
-    qkv_bias: bool
-    sliding_window: Optional[int]
+    rope_llama3: tuple[float, ...] = ()  # LLAMA3_ROPE_KEYS' values with llama3 scaling
+    qkv_bias: bool = False
+    proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE
+    sliding_window: Optional[int] = None
 
     @property
     def untied_embeddings(self) -> bool:
@@ -122,10 +135,15 @@ TABLE: tuple[Param, ...] = (
         fuse="qkv",
         when="qkv_bias",
     ),
+    Param(_MEG + "self_attention.q_layernorm.weight", (_HF + "self_attn.q_norm.weight",), when="qk_norm"),
+    Param(_MEG + "self_attention.k_layernorm.weight", (_HF + "self_attn.k_norm.weight",), when="qk_norm"),
     Param(_MEG + "self_attention.linear_proj.weight", (_HF + "self_attn.o_proj.weight",)),
+    Param(_MEG + "self_attention.linear_proj.bias", (_HF + "self_attn.o_proj.bias",), when="proj_bias"),
     Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",)),
     Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1"),
+    Param(_MEG + "mlp.linear_fc1.bias", (_HF + "mlp.gate_proj.bias", _HF + "mlp.up_proj.bias"), fuse="fc1", when="mlp_bias"),
     Param(_MEG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",)),
+    Param(_MEG + "mlp.linear_fc2.bias", (_HF + "mlp.down_proj.bias",), when="mlp_bias"),
     Param("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Param("output_layer.weight", ("lm_head.weight",), when="untied_embeddings"),
 )
@@ -144,8 +162,8 @@ def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
     """Read an HF config dict (config.json); raise ValueError for anything not supported."""
     cfg = {**HF_DEFAULTS, **hf_config}
     architecture = _architecture(cfg)
-    _refuse_unsupported(cfg)
-    rope_theta, rope_type, rope_factor = _rope(cfg)
+    family = ARCHITECTURES[architecture]
+    _refuse_unsupported(cfg, family)
     heads = cfg["num_attention_heads"]
     return ModelShape(
         architecture=architecture,
@@ -158,12 +176,9 @@ def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
         vocab_size=cfg["vocab_size"],
         max_position_embeddings=cfg["max_position_embeddings"],
         norm_eps=cfg["rms_norm_eps"],
-        rope_theta=rope_theta,
-        rope_type=rope_type,
-        rope_factor=rope_factor,
         tied_embeddings=bool(cfg["tie_word_embeddings"]),
-        qkv_bias=ARCHITECTURES[architecture]["qkv_bias"],
-        sliding_window=cfg["sliding_window"] if ARCHITECTURES[architecture]["sliding_window"] else None,
+        **_rope(cfg),
+        **family.flags(cfg),
     )
 
 
@@ -174,24 +189,26 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
     return architecture
 
 
-def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:
-    for key, refused, why in REFUSED:
-        if cfg[key] == refused:
+def _refuse_unsupported(cfg: Mapping[str, Any], family: Family) -> None:
+    for key, refused, why in family.refused:
+        if cfg.get(key) == refused:
             raise ValueError(f"unsupported HF config {key}={refused!r}: {why}")
-    if cfg["hidden_act"] != ACTIVATION:
-        raise ValueError(f"unsupported HF config hidden_act={cfg['hidden_act']!r}: only {ACTIVATION!r} (SwiGLU) is mapped")
+    if cfg["hidden_act"] != family.activation:
+        raise ValueError(f"unsupported HF config hidden_act={cfg['hidden_act']!r}: {cfg['architectures'][0]} maps only {family.activation!r}")
 
 
-def _rope(cfg: Mapping[str, Any]) -> tuple[float, str, float]:
-    """(theta, type, factor) from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
+def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
     params = cfg["rope_parameters"] or {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    if rope_type == "llama3":
-        differing = {k: params.get(k) for k, v in MEGATRON_LLAMA3_ROPE.items() if params.get(k) != v}
-        if differing:
-            raise ValueError(
-                f"llama3 rope scaling with {differing} is not supported: Megatron-Core fixes {MEGATRON_LLAMA3_ROPE}"
-            )
-    return float(params.get("rope_theta", cfg["rope_theta"])), rope_type, float(params.get("factor", 1.0))
+    missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
+    if missing:
+        raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
+    return {
+        "rope_theta": float(params.get("rope_theta", cfg["rope_theta"])),
+        "rope_type": rope_type,
+        "rope_factor": float(params.get("factor", 1.0)),
+        "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
+    }
