@@ -1,5 +1,5 @@
 """Deterministic offline demo assets: a byte-level BPE tokenizer, a tiny random Llama (and a
-smaller one sharing its tokenizer: the distill pipeline's student) and an arithmetic task
+smaller one sharing its tokenizer: the distill pipeline's student; a tiny Qwen3 too) and an arithmetic task
 ("What is 17 + 25?" -> "42") whose answers a reward function can check.
 
 There is no model hub here, so the demo and the tests build everything they need from seeds.
@@ -70,19 +70,27 @@ MODEL_CONFIG = {
 # The distill pipeline's student: the demo Llama narrowed (hidden 48, heads of 12), about half
 # its non-embedding parameters; same tokenizer, so it can learn from the teacher's top-k.
 STUDENT_CONFIG = {**MODEL_CONFIG, "hidden_size": 48, "intermediate_size": 128}
-MODELS = {"tiny-llama": MODEL_CONFIG, "tiny-llama-student": STUDENT_CONFIG}
+# Qwen3's traits: per-head q/k norms, a head_dim wider than hidden / heads, tied embeddings.
+QWEN3_CONFIG = {**MODEL_CONFIG, "head_dim": 32, "tie_word_embeddings": True}
+
+# Folder -> (architecture, HF model_type, shape): the demo's models, all on the one tokenizer.
+MODELS = {
+    "tiny-llama": ("LlamaForCausalLM", "llama", MODEL_CONFIG),
+    "tiny-llama-student": ("LlamaForCausalLM", "llama", STUDENT_CONFIG),
+    "tiny-qwen3": ("Qwen3ForCausalLM", "qwen3", QWEN3_CONFIG),
+}
 
 
 def build(dest: str | Path) -> Path:
-    """Write tokenizer/, tiny-llama/, tiny-llama-student/ and data/ under dest (idempotent)
+    """Write tokenizer/, one folder per model of MODELS and data/ under dest (idempotent)
     and return dest."""
     dest = Path(dest)
     tokenizer = train_tokenizer()
     tok_files = tokenizer_files(tokenizer)
     for name, data in tok_files.items():
         write_if_changed(dest / "tokenizer" / name, data)
-    for folder, shape in MODELS.items():
-        for name, data in {**model_files(tokenizer, shape), **tok_files}.items():
+    for folder, model in MODELS.items():
+        for name, data in {**model_files(tokenizer, *model), **tok_files}.items():
             write_if_changed(dest / folder / name, data)
     for name, data in data_files().items():
         write_if_changed(dest / "data" / name, data)
@@ -215,55 +223,58 @@ def tokenizer_files(tok: Tokenizer) -> dict[str, bytes]:
     }
 
 
-# ---------------------------------------------------------------- tiny Llama
+# ---------------------------------------------------------------- tiny models
 
 
-def llama_config(vocab_size: int, ids: dict[str, int], c: dict = MODEL_CONFIG) -> dict:
+def model_config(vocab_size: int, ids: dict[str, int], architecture: str, model_type: str, c: dict) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": vocab_size,
         **c,
-        "head_dim": c["hidden_size"] // c["num_attention_heads"],
+        "head_dim": c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
         "rope_parameters": {"rope_type": "default", "rope_theta": c["rope_theta"]},
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "initializer_range": 0.02,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": c.get("tie_word_embeddings", False),
         "torch_dtype": "float32",
         "use_cache": True,
         **ids,
     }
 
 
-def llama_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes exactly as HF's LlamaForCausalLM state dict has them."""
-    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+def model_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes exactly as HF's LlamaForCausalLM (Qwen3ForCausalLM: with q/k
+    norms) state dict has them; tied embeddings are saved once."""
+    h, f, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     shapes = {"model.embed_tokens.weight": (v, h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if cfg["model_type"] == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         shapes |= {
-            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h),
+            p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (f, h),
             p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
-    return shapes | {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    return shapes | {"model.norm.weight": (h,)} | ({} if cfg["tie_word_embeddings"] else {"lm_head.weight": (v, h)})
 
 
 def init_weights(cfg: dict) -> dict[str, np.ndarray]:
     """Seeded N(0, 0.02) matrices and unit norms, generated in a fixed key order."""
     rng = np.random.default_rng(SEED)
     weights = {}
-    for name, shape in llama_shapes(cfg).items():
+    for name, shape in model_shapes(cfg).items():
         if name.endswith("norm.weight"):
             weights[name] = np.ones(shape, dtype=np.float32)
         else:
@@ -271,9 +282,9 @@ def init_weights(cfg: dict) -> dict[str, np.ndarray]:
     return weights
 
 
-def model_files(tok: Tokenizer, shape: dict = MODEL_CONFIG) -> dict[str, bytes]:
+def model_files(tok: Tokenizer, architecture: str, model_type: str, shape: dict) -> dict[str, bytes]:
     ids = token_ids(tok)
-    cfg = llama_config(tok.get_vocab_size(with_added_tokens=True), ids, shape)
+    cfg = model_config(tok.get_vocab_size(with_added_tokens=True), ids, architecture, model_type, shape)
     generation = {**ids, "do_sample": False, "max_new_tokens": 8}
     return {
         "config.json": dump_json(cfg),

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from alignflow import demo
 
@@ -81,6 +81,12 @@ def solve(question):
 
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("folder", sorted(demo.MODELS))
+def test_every_demo_model_loads_in_transformers_as_its_architecture(assets, folder):
+    model, info = AutoModelForCausalLM.from_pretrained(assets / folder, output_loading_info=True)
+    assert type(model).__name__ == demo.MODELS[folder][0] and not any(info.values()), info
 
 
 def test_task_data(assets):

@@ -48,22 +48,26 @@ def prep_demo(demo_dir: Path, out: Path, prompts: bool = False) -> Path:
     return out
 
 
-def convert_demo(demo_dir: Path, out: Path, **hf_overrides) -> Path:
-    """The demo's tiny random Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) as a model stage
-    output; with `hf_overrides` (num_hidden_layers, tie_word_embeddings), a random HF Llama of
-    the demo's shape with those changes."""
+def convert_demo(demo_dir: Path, out: Path, folder: str = "tiny-llama", **hf_overrides) -> Path:
+    """A demo model (`folder`: tiny-llama, hidden 64, 2 layers, 4 heads, 2 kv heads, or another
+    of `alignflow.demo.MODELS`) as a model stage output; with `hf_overrides` (num_hidden_layers,
+    tie_word_embeddings, attention_bias...), a random HF model of its shape with those changes
+    (biases random too, so their mapping matters)."""
     from alignflow.stages import convert
 
-    source = demo_dir / "tiny-llama"
+    source = demo_dir / folder
     if hf_overrides:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = json.loads((source / "config.json").read_text())
-        config = {k: v for k, v in config.items() if k != "architectures"} | hf_overrides
         torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, **hf_overrides))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.1)
         source = out.with_name(out.name + "-hf")
-        LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(source)
+        model.save_pretrained(source)
     convert.run(typed({
         "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
                   "make_vocab_size_divisible_by": 128},

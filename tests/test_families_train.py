@@ -1,0 +1,62 @@
+"""SFT and DPO on the families beyond Llama: a few steps at TP2 give TP1's losses within 1e-5
+(fp32), where the q/k norms are replicated and the biases split (fc1's) or added after the
+reduction (the attention output's, fc2's)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from alignflow.stages import dpo, prep, ref_logprobs, sft
+from alignflow.stages import eval as eval_stage
+from alignflow.worker import typed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import assert_same_steps, convert_demo, stage_cfg, torchrun  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-5
+# case -> (demo folder, HF config changes): each family's own tensors, split over TP
+CASES = {
+    "qwen3-biased": ("tiny-qwen3", {"attention_bias": True}),  # q/k norms, qkv and attention output biases, tied
+    "llama-biased": ("tiny-llama", {"attention_bias": True, "mlp_bias": True}),  # every bias, fc1's gated
+}
+
+
+@pytest.fixture(scope="module")
+def data(demo_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("families") / "prep"
+    files = demo_dir / "data"
+    spec = {kind: {"train": str(files / f"{kind}_train.jsonl"), "val": str(files / f"{kind}_val.jsonl"), "val_fraction": 0.0,
+                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "preference")}
+    prep.run(typed({
+        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+        "data": {**spec, "prompts": None, "seq_length": 64, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
+        "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
+    }), {}, str(out))
+    return str(out)
+
+
+def inputs_of(case: str, stage: str, demo_dir: Path, data: str, root: Path) -> dict:
+    """The case's model converted (and, for DPO, its reference log-probs on the data)."""
+    folder, changes = CASES[case]
+    model = convert_demo(demo_dir, root / "model", folder, **changes)
+    inputs = {"data": data, "model": str(model)}
+    if stage == "dpo":
+        ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
+                                "model": {"make_vocab_size_divisible_by": 128}}), inputs, str(root / "ref"))
+        inputs["ref_logprobs"] = str(root / "ref")
+    return inputs
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_tensor_parallel_ranks_give_one_ranks_losses(demo_dir, data, tmp_path, case, stage):
+    inputs = inputs_of(case, stage, demo_dir, data, tmp_path)
+    section = {"trainer": {"val_check_interval": 5}, **({"loss": {"beta": 0.1}} if stage == "dpo" else {})}
+    run = {"sft": sft.run, "dpo": dpo.run}[stage]
+    run(typed(stage_cfg(stage, demo_dir, **section)), inputs, str(tmp_path / "tp1"))
+    extra = ["--stage", "dpo", "--ref-logprobs", inputs["ref_logprobs"]] if stage == "dpo" else []
+    torchrun(2, stage_cfg(stage, demo_dir, tp=2, **section), inputs, tmp_path / "tp2", *extra)
+    keys = ("loss", "reward_margin", "chosen_reward", "val_loss") if stage == "dpo" else ("loss", "grad_norm", "val_loss")
+    assert_same_steps(tmp_path / "tp1", tmp_path / "tp2", TOLERANCE, keys=keys)
