@@ -31,3 +31,14 @@ def test_sft_dpo_runs_end_to_end_and_exports_what_hf_loads(preset, base_override
     assert type(model).__name__ == architecture and not any(info.values()), info
     source = AutoModelForCausalLM.from_pretrained(demo_dir / folder)
     assert not torch.equal(model.state_dict()[family_weight], source.state_dict()[family_weight])  # trained, and exported back
+
+
+def test_a_qwen3_teacher_distills_into_a_llama_student_on_the_same_tokenizer(base_overrides):
+    student = "pipeline.stages.sft_student"
+    fast = [*(o for o in FAST if not o.startswith(("dpo.", "data.preference."))), "teacher_logprobs.topk_logits_k=8",
+            *(f"{stage}.{key}" for stage in (student, "distillation")
+              for key in ("trainer.max_steps=2", "optim.warmup_steps=1", "trainer.val_check_interval=1", "trainer.limit_val_batches=1"))]
+    results = align(pipeline="distill", overrides=[*base_overrides, "model=tiny_qwen3", *fast])
+    assert results["convert"].metrics["architecture"] == "Qwen3ForCausalLM"
+    assert results["convert_student"].metrics["architecture"] == "LlamaForCausalLM"
+    assert results["distillation"].metrics["steps"] == 2 and "distillation.val_loss" in results["eval"].metrics
