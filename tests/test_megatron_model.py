@@ -21,7 +21,7 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
-TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other"]  # every family trait over TP and PP
+TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "gemma2", "gemma3"]  # every family trait over TP and PP
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
