@@ -62,7 +62,7 @@ ACTIVATIONS = (F.silu, gelu_tanh)  # SwiGLU, GeGLU
 def check_supported(model) -> None:
     """Refuse a model whose forward the decoder would not reproduce."""
     if (wrong := unsupported(model)):
-        raise NotImplementedError(f"generation supports the Llama family only; this model has {wrong}")
+        raise NotImplementedError(f"generation supports the families of alignflow.convert.families only; this model has {wrong}")
 
 
 def unsupported(model) -> dict:
