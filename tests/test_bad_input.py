@@ -207,6 +207,10 @@ CASES = {
                                      ("model.source: {W}/model/config.json: unsupported architecture 'Gemma3ForConditionalGeneration': "
                                       "the multimodal Gemma 3 checkpoint",),
                                      model_copy(config_changed(architectures=["Gemma3ForConditionalGeneration"]))),
+    "lora-on-gemma-post-normed": Case(("pipeline=sft_lora_dpo", "model.source={W}/model"),
+                                      ("sft.lora.target_modules: LoRA on mlp.linear_fc2, self_attention.linear_proj is not supported for "
+                                       "Gemma2ForCausalLM",),
+                                      model_copy(config_changed(architectures=["Gemma2ForCausalLM"]))),
     "source-bidirectional-gemma": Case((*CONVERT, "model.source={W}/model"),
                                        ("model.source: {W}/model/config.json: unsupported HF config use_bidirectional_attention=True",),
                                        model_copy(config_changed(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True))),
