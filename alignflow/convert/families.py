@@ -145,7 +145,6 @@ REFUSED_ARCHITECTURES = {
 }
 
 
-
 @dataclass(frozen=True)
 class ModelShape:
     """What the model builder and the converter need to know of an HF config."""
