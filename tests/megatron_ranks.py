@@ -18,7 +18,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
 from reference_convert import hf_to_megatron
@@ -53,6 +54,18 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "llama_attention_bias": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head_dim != hidden / heads, as Qwen3's real sizes
     "qwen3_tied_bias": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
+    # Sliding (4 tokens) and full layers alternating, head_dim != hidden / heads != query_pre_attn_scalar,
+    # soft-caps small enough to bend the scores and logits.
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0,
+    }),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {  # its own RoPE base on sliding layers, linear scaling on full ones
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    }),
 }
 
 
@@ -61,10 +74,11 @@ def tiny_hf_model(case: str, seed: int = 0, **overrides) -> tuple[torch.nn.Modul
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **extra, **overrides}, attn_implementation="eager")).eval()
+    centered = model_cls.__name__.startswith("Gemma")  # its norms scale by 1 + w
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5)
+                param.uniform_(-0.5, 0.5) if centered else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
     return model, {**model.config.to_dict(), "architectures": [model_cls.__name__]}

@@ -128,6 +128,14 @@ def pickled_only(model: Path) -> None:
     (model / "model.safetensors").rename(model / "pytorch_model.bin")
 
 
+def config_changed(**changes) -> Callable[[Path], None]:
+    """A change of the model's config.json."""
+    def change(model: Path) -> None:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, **changes}))
+    return change
+
+
 def an_export_marker(files_listed: list[str]) -> Callable[[Path, Path], None]:
     return files(("prev/alignflow-export.json", json.dumps({"files": files_listed})), ("prev/config.json", "{}"))
 
@@ -195,6 +203,17 @@ CASES = {
                                         model_copy(pickled_only)),
     "source-truncated": Case((*CONVERT, "model.source={W}/model"), ("model.source: {W}/model/model.safetensors is truncated",), model_copy(truncated)),
     "source-missing": Case((*CONVERT, "model.source={W}/nothing"), ("model.source: {W}/nothing/config.json does not exist",)),
+    "source-multimodal-gemma3": Case((*CONVERT, "model.source={W}/model"),
+                                     ("model.source: {W}/model/config.json: unsupported architecture 'Gemma3ForConditionalGeneration': "
+                                      "the multimodal Gemma 3 checkpoint",),
+                                     model_copy(config_changed(architectures=["Gemma3ForConditionalGeneration"]))),
+    "lora-on-gemma-post-normed": Case(("pipeline=sft_lora_dpo", "model.source={W}/model"),
+                                      ("sft.lora.target_modules: LoRA on mlp.linear_fc2, self_attention.linear_proj is not supported for "
+                                       "Gemma2ForCausalLM",),
+                                      model_copy(config_changed(architectures=["Gemma2ForCausalLM"]))),
+    "source-bidirectional-gemma": Case((*CONVERT, "model.source={W}/model"),
+                                       ("model.source: {W}/model/config.json: unsupported HF config use_bidirectional_attention=True",),
+                                       model_copy(config_changed(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True))),
     "tokenizer-missing": Case(("model.tokenizer={W}/nothing",), ("model.tokenizer: {W}/nothing does not exist",)),
     "data-empty-file": Case(("data.sft.train={W}/empty.jsonl",), ("data.sft.train: {W}/empty.jsonl is an empty file",), files(("empty.jsonl", ""))),
     "data-empty-folder": Case(("data.sft.val={W}/folder",), ("data.sft.val: {W}/folder is a folder with no data file in it",),

@@ -27,7 +27,7 @@ from megatron_ranks import tiny_hf_model  # noqa: E402
 
 RANKS = Path(__file__).with_name("checkpoint_ranks.py")
 TOLERANCE = 1e-5
-STREAMED = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases"]  # q/k norms, attention output and MLP biases
+STREAMED = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3"]  # q/k norms, biases, sandwich norms
 
 
 @pytest.fixture(scope="module")

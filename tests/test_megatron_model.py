@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
-TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other"]  # every family trait over TP and PP
+TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "gemma2", "gemma3"]  # every family trait over TP and PP
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -163,3 +164,26 @@ def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
     cases = len(TWO_RANK_CASES)
     assert run.stdout.count("max |logits - HF|") == cases * (2 if "--tp" in layout else 1)  # each last-stage rank, every model
     assert run.stdout.count("0 greedy completions differ") == (2 * cases if generate else 0)  # every rank, every model
+
+
+def test_gemma_norm_and_embedding_scale_round_as_hfs_in_bf16():
+    """Gemma's (1 + w) norm in fp32 cast back, and sqrt(hidden) cast to bf16 before it scales
+    the embeddings (sqrt(3072) = 55.43 becomes 55.5), bit for bit as HF's modules."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2TextScaledWordEmbedding
+
+    from alignflow.megatron.gemma import GemmaRMSNorm, embedding_scale
+
+    hidden, generator = 3072, torch.Generator().manual_seed(0)
+    hf_norm = Gemma2RMSNorm(hidden, eps=1e-6)
+    hf_embedding = Gemma2TextScaledWordEmbedding(10, hidden, 0, embed_scale=hidden ** 0.5)
+    ours = GemmaRMSNorm(SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False), hidden, eps=1e-6)
+    with torch.no_grad():
+        for weight in (hf_norm.weight, hf_embedding.weight):
+            weight.normal_(0.0, 0.5, generator=generator)
+        ours.weight.copy_(hf_norm.weight)
+    hf_norm, hf_embedding, ours = hf_norm.to(torch.bfloat16), hf_embedding.to(torch.bfloat16), ours.to(torch.bfloat16)
+    x = torch.randn(5, hidden, generator=generator).to(torch.bfloat16)
+    assert torch.equal(ours(x), hf_norm(x))
+    ids = torch.tensor([1, 7, 3])
+    embedded = F.embedding(ids, hf_embedding.weight)
+    assert embedding_scale(hidden, embedded).item() == 55.5 and torch.equal(embedded * embedding_scale(hidden, embedded), hf_embedding(ids))

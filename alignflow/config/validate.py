@@ -271,11 +271,20 @@ def _check_lora(stage: str, section: DictConfig, shape: ModelShape | None) -> li
                         "output would not carry its adapters' gradients); use selective or none")
     patterns = list(lora.target_modules)
     problems += lora_targets.target_problems(f"{key}.target_modules", patterns, shape.num_layers if shape else None)
+    if shape is not None and shape.gemma_norms and not problems:
+        problems += _post_normed_targets(f"{key}.target_modules", patterns, shape)
     par = section.parallel
     if shape is not None and not problems and shape.num_layers % (par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)) == 0:
         problems += lora_targets.stage_problems(f"{key}.target_modules", patterns, shape.num_layers, par.pipeline_model_parallel_size,
                                                 par.virtual_pipeline_model_parallel_size)
     return problems
+
+
+def _post_normed_targets(key: str, patterns: list[str], shape: ModelShape) -> list[str]:
+    """Gemma's attention output and fc2 are followed by their post-norm inside the module, which LoRA's layers do not apply."""
+    chosen = sorted({path for _, path in lora_targets.select(patterns, shape.num_layers)} & {"self_attention.linear_proj", "mlp.linear_fc2"})
+    return [f"{key}: LoRA on {', '.join(chosen)} is not supported for {shape.architecture} (its post-attention / post-MLP "
+            "norm sits in that module); target linear_qkv and linear_fc1 (q_proj, k_proj, v_proj, gate_proj, up_proj)"] if chosen else []
 
 
 def _check_grpo(key: str, section: DictConfig) -> list[str]:

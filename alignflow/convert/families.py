@@ -4,9 +4,13 @@
 Supported: LlamaForCausalLM (with attention / MLP biases, RoPE default, linear, or llama3
 scaling with any constants), MistralForCausalLM (sliding window on all layers),
 Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm); GQA, tied or untied
-embeddings, RMSNorm, SwiGLU. Refused with a ValueError that says why: any other architecture
-or activation, other rope types, Qwen2/Qwen3 per-layer sliding windows. Each would otherwise
-convert into a different model.
+embeddings, RMSNorm, SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x * (1 + w)
+(weights stored as HF holds them), sandwich norms, GeGLU (tanh), embeddings scaled by
+sqrt(hidden), query_pre_attn_scalar, attention and final logit soft-capping, sliding-window
+layers by `layer_types`, Gemma 3's per-head q/k norms and its own RoPE base on sliding layers.
+Refused with a ValueError that says why: any other architecture (Gemma3ForConditionalGeneration
+by name) or activation, other rope types, Qwen2/Qwen3 per-layer sliding windows, Gemma's
+attention biases and bidirectional attention. Each would otherwise convert into a different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;
@@ -16,7 +20,7 @@ global on the HF side, local to a pipeline stage on the Megatron side.
 Imports no torch, so config validation can call `model_shape`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 # HF's defaults for keys an older or hand-written config.json may omit.
@@ -37,6 +41,47 @@ HF_DEFAULTS: dict[str, Any] = {
 }
 
 NO_LAYER_WINDOWS = ("use_sliding_window", True, "per-layer sliding windows (use_sliding_window) are not mapped")
+GEMMA_REFUSED = (
+    ("attention_bias", True, "Gemma's attention biases are not mapped (no released Gemma has them)"),
+    ("use_bidirectional_attention", True, "bidirectional attention (an encoder's) is not mapped: alignflow trains causal models"),
+)
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
+GELU_TANH = "gelu_pytorch_tanh"  # GeGLU with torch's tanh approximation of GELU
+
+ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
+    params = cfg["rope_parameters"] or {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
+    if missing:
+        raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
+    return {
+        "rope_theta": float(params.get("rope_theta", cfg["rope_theta"])),
+        "rope_type": rope_type,
+        "rope_factor": float(params.get("factor", 1.0)),
+        "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
+    }
+
+
+def _layer_type_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's two RoPEs: `rope_parameters` per layer type (transformers >= 5), or the global
+    `rope_theta` + `rope_scaling` and the sliding layers' `rope_local_base_freq`. The sliding
+    layers' must be unscaled."""
+    params = cfg["rope_parameters"] or {}
+    if FULL not in params:  # an older config.json, read as Gemma3TextConfig.convert_rope_params_to_dict does
+        params = {FULL: {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})},
+                  SLIDING: {"rope_theta": cfg["rope_local_base_freq"], "rope_type": "default"}}
+    local = params[SLIDING]
+    local_type = local.get("rope_type", local.get("type", "default"))
+    if local_type != "default":
+        raise ValueError(f"unsupported rope_type {local_type!r} on sliding_attention layers; only 'default' is mapped there")
+    return {**_rope({**cfg, "rope_parameters": params[FULL]}), "local_rope_theta": float(local["rope_theta"])}
 
 
 @dataclass(frozen=True)
@@ -47,21 +92,57 @@ class Family:
     flags: Callable[[Mapping[str, Any]], dict[str, Any]]
     refused: tuple[tuple[str, Any, str], ...] = ()
     activation: str = "silu"  # SwiGLU: Megatron's gated_linear_unit with F.silu
+    activation_key: str = "hidden_act"  # the config key HF's modeling code reads it from
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # the family's HF defaults beyond HF_DEFAULTS
+    rope: Callable[[Mapping[str, Any]], dict[str, Any]] = _rope  # ModelShape's rope fields
 
 
 def _llama(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "mlp_bias": cfg["mlp_bias"]}
 
 
+def _gemma(cfg: Mapping[str, Any], every: int) -> dict[str, Any]:
+    """Gemma 2 and 3 (HF's Gemma2/Gemma3TextConfig): a sliding window on the layers `layer_types`
+    names (else, as HF derives it, every layer but each `every`-th)."""
+    layer_types = cfg["layer_types"] or [FULL if (i + 1) % every == 0 else SLIDING for i in range(cfg["num_hidden_layers"])]
+    unknown = sorted(set(layer_types) - {SLIDING, FULL})
+    if unknown or len(layer_types) != cfg["num_hidden_layers"]:
+        raise ValueError(f"unsupported HF config layer_types={layer_types!r}: one of {SLIDING!r}, {FULL!r} per layer is mapped")
+    return {
+        "gemma_norms": True,
+        "embedding_scale": True,
+        "softmax_scale": cfg["query_pre_attn_scalar"] ** -0.5,
+        "attn_softcap": cfg["attn_logit_softcapping"],
+        "logit_softcap": cfg["final_logit_softcapping"],
+        "sliding_window": cfg["sliding_window"],
+        "window_layers": tuple(t == SLIDING for t in layer_types),
+    }
+
+
+GEMMA2_DEFAULTS = {  # Gemma2Config's
+    "head_dim": 256, "hidden_activation": GELU_TANH, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "layer_types": None, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+}
+GEMMA3_DEFAULTS = {  # Gemma3TextConfig's
+    **GEMMA2_DEFAULTS, "final_logit_softcapping": None, "attn_logit_softcapping": None, "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+}
+
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": Family(_llama),
     "MistralForCausalLM": Family(lambda cfg: {"sliding_window": cfg["sliding_window"]}),
     "Qwen2ForCausalLM": Family(lambda cfg: {"qkv_bias": True}, refused=(NO_LAYER_WINDOWS,)),
     "Qwen3ForCausalLM": Family(lambda cfg: {**_llama(cfg), "qk_norm": True}, refused=(NO_LAYER_WINDOWS,)),
+    "Gemma2ForCausalLM": Family(lambda cfg: _gemma(cfg, every=2), GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA2_DEFAULTS),
+    "Gemma3ForCausalLM": Family(lambda cfg: {**_gemma(cfg, every=cfg["sliding_window_pattern"]), "qk_norm": True},
+                                GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA3_DEFAULTS, _layer_type_rope),
 }
 
-ROPE_TYPES = ("default", "linear", "llama3")
-LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Architectures refused by name, with why (the generic refusal lists the supported ones).
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (a SigLIP vision tower beside the text model, "
+    "its config under text_config) is not mapped; convert a Gemma3ForCausalLM text checkpoint",
+}
 
 
 @dataclass(frozen=True)
@@ -88,10 +169,21 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE
     sliding_window: Optional[int] = None
+    window_layers: tuple[bool, ...] = ()  # which layers have the window (empty: all, where there is one)
+    local_rope_theta: Optional[float] = None  # RoPE base of the window layers where it differs (Gemma 3)
+    gemma_norms: bool = False  # RMSNorm x * (1 + w) in fp32, and post-attention / post-MLP norms (sandwich)
+    embedding_scale: bool = False  # embeddings times sqrt(hidden_size) in the weights' dtype
+    softmax_scale: Optional[float] = None  # of the attention scores; None: head_dim ** -0.5
+    attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the softmax
+    logit_softcap: Optional[float] = None  # the same on the output logits
 
     @property
     def untied_embeddings(self) -> bool:
         return not self.tied_embeddings
+
+    @property
+    def pre_norms_only(self) -> bool:
+        return not self.gemma_norms
 
 
 @dataclass(frozen=True)
@@ -139,11 +231,14 @@ TABLE: tuple[Param, ...] = (
     Param(_MEG + "self_attention.k_layernorm.weight", (_HF + "self_attn.k_norm.weight",), when="qk_norm"),
     Param(_MEG + "self_attention.linear_proj.weight", (_HF + "self_attn.o_proj.weight",)),
     Param(_MEG + "self_attention.linear_proj.bias", (_HF + "self_attn.o_proj.bias",), when="proj_bias"),
-    Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",)),
+    Param(_MEG + "self_attention.linear_proj.post_layernorm.weight", (_HF + "post_attention_layernorm.weight",), when="gemma_norms"),
+    Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), when="pre_norms_only"),
+    Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "pre_feedforward_layernorm.weight",), when="gemma_norms"),
     Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1"),
     Param(_MEG + "mlp.linear_fc1.bias", (_HF + "mlp.gate_proj.bias", _HF + "mlp.up_proj.bias"), fuse="fc1", when="mlp_bias"),
     Param(_MEG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",)),
     Param(_MEG + "mlp.linear_fc2.bias", (_HF + "mlp.down_proj.bias",), when="mlp_bias"),
+    Param(_MEG + "mlp.linear_fc2.post_layernorm.weight", (_HF + "post_feedforward_layernorm.weight",), when="gemma_norms"),
     Param("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Param("output_layer.weight", ("lm_head.weight",), when="untied_embeddings"),
 )
@@ -160,9 +255,9 @@ def params_for(shape: ModelShape) -> tuple[Param, ...]:
 
 def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
     """Read an HF config dict (config.json); raise ValueError for anything not supported."""
-    cfg = {**HF_DEFAULTS, **hf_config}
-    architecture = _architecture(cfg)
+    architecture = _architecture(hf_config)
     family = ARCHITECTURES[architecture]
+    cfg = {**HF_DEFAULTS, **family.defaults, **hf_config}
     _refuse_unsupported(cfg, family)
     heads = cfg["num_attention_heads"]
     return ModelShape(
@@ -177,13 +272,15 @@ def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
         max_position_embeddings=cfg["max_position_embeddings"],
         norm_eps=cfg["rms_norm_eps"],
         tied_embeddings=bool(cfg["tie_word_embeddings"]),
-        **_rope(cfg),
+        **family.rope(cfg),
         **family.flags(cfg),
     )
 
 
 def _architecture(cfg: Mapping[str, Any]) -> str:
-    architecture = (cfg["architectures"] or [None])[0]
+    architecture = (cfg.get("architectures") or [None])[0]
+    if architecture in REFUSED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}: {REFUSED_ARCHITECTURES[architecture]}")
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
     return architecture
@@ -193,22 +290,7 @@ def _refuse_unsupported(cfg: Mapping[str, Any], family: Family) -> None:
     for key, refused, why in family.refused:
         if cfg.get(key) == refused:
             raise ValueError(f"unsupported HF config {key}={refused!r}: {why}")
-    if cfg["hidden_act"] != family.activation:
-        raise ValueError(f"unsupported HF config hidden_act={cfg['hidden_act']!r}: {cfg['architectures'][0]} maps only {family.activation!r}")
+    activation = cfg[family.activation_key]
+    if activation != family.activation:
+        raise ValueError(f"unsupported HF config {family.activation_key}={activation!r}: {cfg['architectures'][0]} maps only {family.activation!r}")
 
-
-def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
-    params = cfg["rope_parameters"] or {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
-    if missing:
-        raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
-    return {
-        "rope_theta": float(params.get("rope_theta", cfg["rope_theta"])),
-        "rope_type": rope_type,
-        "rope_factor": float(params.get("factor", 1.0)),
-        "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
-    }
