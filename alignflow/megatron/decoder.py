@@ -43,6 +43,7 @@ from alignflow.device import device as rank_device
 from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.lora import effective_weight
 from alignflow.megatron.model import packed_thd
+from alignflow.megatron.vocab_parallel import mask_padded
 
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
@@ -319,4 +320,4 @@ class LeanForward:
         x = d._embed(tokens)
         for i, weights in enumerate(layers):
             x = d._layer(x, i, weights, cos, sin, attend)
-        return F.linear(F.rms_norm(x, (d.hidden,), d.final_norm, d.eps), d.output)
+        return mask_padded(F.linear(F.rms_norm(x, (d.hidden,), d.final_norm, d.eps), d.output), d.model.real_vocab_size)

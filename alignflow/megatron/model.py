@@ -36,6 +36,7 @@ from torch import Tensor
 
 from alignflow.convert.families import ModelShape, model_shape
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
+from alignflow.megatron.vocab_parallel import masking_hook
 from alignflow.device import device
 from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.runtime import parallel_sizes
@@ -125,7 +126,8 @@ class DocumentWindowAttention(DotProductAttention):
 
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
     """Per-token cross entropy [b, s] from a GPTModel chunk on the last pipeline stage (its
-    hidden states elsewhere; the logits when `labels` is None). At TP=1 torch's fused cross_entropy on the logits: Megatron's
+    hidden states elsewhere; the logits when `labels` is None), over the real vocab (the output
+    layer masks the padded rows). At TP=1 torch's fused cross_entropy on the logits: Megatron's
     vocab-parallel cross entropy gives the same numbers through a custom autograd function of
     a dozen small ops, which on small models costs as much as the layers (a quarter of a
     reference pass). Under TP the vocabulary is split over ranks: Megatron's."""
@@ -216,17 +218,22 @@ def build_gpt(
         rotary_base=shape.rope_theta,
         **ROPE_ARGS[shape.rope_type](shape.rope_factor),
     )
-    chunks = [_build_chunk(common, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
+    chunks = [_build_chunk(common, vp_stage, vp_size, shape.vocab_size) for vp_stage in (range(vp_size) if vp_size else [None])]
     for chunk in chunks if shape.rope_type == "llama3" else []:
         _llama3_rope(chunk, shape)
     return chunks if vp_size else chunks[0]
 
 
-def _build_chunk(common: dict, vp_stage: Optional[int], vp_size: Optional[int]) -> GPTModel:
+def _build_chunk(common: dict, vp_stage: Optional[int], vp_size: Optional[int], vocab_size: int) -> GPTModel:
+    """A pipeline chunk; on the last stage its logits of the padded vocab rows are masked
+    (-inf), so every log-prob and loss is over the real `vocab_size`, as HF's and generation's."""
     pre, post = stage_ends(
         parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(), vp_stage, vp_size
     )
     model = GPTModel(pre_process=pre, post_process=post, vp_stage=vp_stage, **common)
+    model.real_vocab_size = vocab_size
+    if post:
+        model.output_layer.register_forward_hook(masking_hook(vocab_size))
     # Every weight in params_dtype: the local spec builds its norms in fp32 whatever it says
     # (Megatron-LM's Float16Module casts them too; its optimizers expect one dtype).
     return model.to(device=device(), dtype=common["config"].params_dtype)
