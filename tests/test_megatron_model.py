@@ -36,6 +36,33 @@ def test_one_rank_token_logprobs_are_hfs_over_the_real_vocab(one_rank, case, tmp
     assert max_logprob_error(case, one_rank, saved_state(tiny_hf_model(case)[0], tmp_path)) < TOLERANCE
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grpo_importance_weight_is_1_before_any_update_on_a_padded_vocab(one_rank, temperature, tmp_path):
+    """GRPO's importance weight exp(training logp - generation logp) is 1 when the policy has not
+    moved: generation samples over the real 100 tokens, and GRPO's training forward (Megatron's
+    vocab-parallel cross entropy at the generation temperature) now normalises over them too,
+    not over the 128 padded rows (weights below 1 before)."""
+    from alignflow.generation import Sampling, generate
+    from alignflow.stages.grpo import tempered_forward
+
+    hf_model, config = tiny_hf_model("llama")
+    model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
+    prompts = tokens(batch=4, seq=6).tolist()
+    torch.manual_seed(0)
+    sampling = Sampling(max_new_tokens=8, eos_id=config["vocab_size"], vocab_size=config["vocab_size"], temperature=temperature)
+    rows = []
+    for prompt, completion in zip(prompts, generate([model], prompts, sampling, batch_size=4, seed=3)):
+        ids = np.array(prompt + completion.tokens)
+        mask = np.r_[np.zeros(len(prompt)), np.ones(len(completion.tokens))]
+        rows.append(((ids, mask, np.array([0, len(ids)])), completion.sampling_logps))
+    batch = vars(packed_rows([row for row, _ in rows], length=14, pad_id=0))
+    with torch.no_grad():
+        training = -tempered_forward(temperature)(model, batch)
+    for i, (_, generation_logps) in enumerate(rows):
+        picked = training[i, 5 : 5 + len(generation_logps)]
+        torch.testing.assert_close(picked.exp() / torch.tensor(generation_logps).exp(), torch.ones(len(generation_logps)), atol=1e-5, rtol=1e-5)
+
+
 def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank, tmp_path):
     """A packed row of three documents through Mistral with a 4-token window (`sft_forward`):
     each document's per-token loss equals HF's on that document alone. Megatron's own
