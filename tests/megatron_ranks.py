@@ -25,7 +25,7 @@ from transformers import (
 from reference_convert import hf_to_megatron
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
-from alignflow.megatron.model import build_gpt, load_megatron_state
+from alignflow.megatron.model import build_gpt, load_megatron_state, token_nll
 
 TOLERANCE = 1e-5  # fp32, max abs over all logits
 TINY = dict(
@@ -120,6 +120,20 @@ def max_logit_error(case: str, parallel: dict, hf_state: dict) -> Optional[float
         return (logits[..., : hf_config["vocab_size"]] - hf_model(ids).logits).abs().max().item()
 
 
+def max_logprob_error(case: str, parallel: dict, hf_state: dict) -> Optional[float]:
+    """max |our per-token log-prob - HF's log_softmax over its real vocab| through `token_nll`
+    (torch's cross entropy at TP1, Megatron's vocab-parallel one under TP) on a model whose vocab
+    Megatron pads (100 -> 128, or 256 at TP2: the second rank's whole slice is padding)."""
+    hf_model, hf_config = tiny_hf_model(case)
+    chunk = converted_chunks(hf_config, parallel, hf_state)[0]
+    ids = tokens()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        nll = token_nll(chunk, ids[:, :-1], positions[:, :-1], None, ids[:, 1:])
+        expected = hf_model(ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return (-nll - expected).abs().max().item()
+
+
 def greedy_mismatches(case: str, parallel: dict, hf_state: dict) -> int:
     """Prompts whose KV-cached greedy completion, in left-padded batches of mixed lengths, differs
     from HF's `generate` on that prompt alone (every rank checks)."""
@@ -175,6 +189,10 @@ def main() -> int:
         error = max_logit_error(case, parallel, hf_state)
         if error is not None:
             print(f"{case} tp={args.tp} pp={args.pp} vp={args.vp}: max |logits - HF| = {error:.2e}", flush=True)
+            failed |= not error < TOLERANCE
+        if args.pp == 1:
+            error = max_logprob_error(case, parallel, hf_state)
+            print(f"{case} tp={args.tp}: max |logp - HF log_softmax over the real vocab| = {error:.2e}", flush=True)
             failed |= not error < TOLERANCE
         if args.generate:
             mismatches = greedy_mismatches(case, parallel, hf_state)

@@ -193,6 +193,16 @@ CASES = {
                                                ("pipeline.stages.sft.checkpoint.keep_optimizer: Value 'sometimes' is not a valid bool",)),
     "instance-precision-unknown": Case(("pipeline.stages.sft.precision=fp16",),
                                        ("pipeline.stages.sft.precision: Invalid value 'fp16', expected one of [auto, fp32, bf16]",)),
+    # the DPO family: no knob silently ignored
+    "dpo-label-smoothing-with-sigmoid": Case(("dpo.loss.label_smoothing=0.1",),
+                                             ("dpo.loss.label_smoothing: none of ['sigmoid'] uses it (TRL 1.16 ignores it there); conservative DPO is loss_type [cdpo]",)),
+    "dpo-label-smoothing-with-ipo": Case(("dpo.loss.loss_type=[ipo]", "dpo.loss.label_smoothing=0.1"), ("dpo.loss.label_smoothing: none of ['ipo'] uses it",)),
+    "dpo-label-smoothing-half": Case(("dpo.loss.loss_type=[robust]", "dpo.loss.label_smoothing=0.5"), ("dpo.loss.label_smoothing: must be in [0, 0.5), got 0.5",)),
+    "dpo-exo-without-smoothing": Case(("dpo.loss.loss_type=[exo_pair]",), ("dpo.loss.label_smoothing: exo_pair needs it > 0",)),
+    "dpo-weights-count": Case(("dpo.loss.loss_type=[sigmoid,sft]", "dpo.loss.loss_weights=[1.0]"), ("dpo.loss.loss_weights: 1 weights for 2 loss types",)),
+    "dpo-reference-free-mixed": Case(("dpo.loss.loss_type=[simpo,sigmoid]",), ("dpo.loss.loss_type: ['simpo', 'sigmoid'] mixes reference-free losses",)),
+    "dpo-unknown-loss-type": Case(("dpo.loss.loss_type=[dpo]",), ("Invalid value 'dpo', expected one of [sigmoid, sigmoid_norm, hinge",)),
+    "dpo-discopop-tau": Case(("dpo.loss.loss_type=[discopop]", "dpo.loss.discopop_tau=0"), ("dpo.loss.discopop_tau: must be > 0, got 0",)),
     # lease and poll settings, retention
     "lease-ttl-too-short": Case(("store.lease_ttl_s=1",), ("store.lease_ttl_s: must be >= 2 s",)),
     "poll-zero": Case(("store.poll_interval_s=0",), ("store.poll_interval_s: must be > 0",)),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, parallel_cfg, saved_state, tiny_hf_model, tokens
+from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, max_logprob_error, parallel_cfg, saved_state, tiny_hf_model, tokens
 
 from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
@@ -30,6 +30,40 @@ def test_one_rank_logits_match_hf(one_rank, case, tmp_path):
     assert max_logit_error(case, one_rank, saved_state(tiny_hf_model(case)[0], tmp_path)) < TOLERANCE
 
 
+@pytest.mark.parametrize("case", ["llama", "qwen3_tied_bias"])
+def test_one_rank_token_logprobs_are_hfs_over_the_real_vocab(one_rank, case, tmp_path):
+    """Per-token log-probs (`token_nll`) equal HF's log_softmax over its 100 tokens, not over
+    Megatron's 128 padded rows (which generation never samples)."""
+    assert max_logprob_error(case, one_rank, saved_state(tiny_hf_model(case)[0], tmp_path)) < TOLERANCE
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grpo_importance_weight_is_1_before_any_update_on_a_padded_vocab(one_rank, temperature, tmp_path):
+    """GRPO's importance weight exp(training logp - generation logp) is 1 when the policy has not
+    moved: generation samples over the real 100 tokens, and GRPO's training forward (Megatron's
+    vocab-parallel cross entropy at the generation temperature) now normalises over them too,
+    not over the 128 padded rows (weights below 1 before)."""
+    from alignflow.generation import Sampling, generate
+    from alignflow.stages.grpo import tempered_forward
+
+    hf_model, config = tiny_hf_model("llama")
+    model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
+    prompts = tokens(batch=4, seq=6).tolist()
+    torch.manual_seed(0)
+    sampling = Sampling(max_new_tokens=8, eos_id=config["vocab_size"], vocab_size=config["vocab_size"], temperature=temperature)
+    rows = []
+    for prompt, completion in zip(prompts, generate([model], prompts, sampling, batch_size=4, seed=3)):
+        ids = np.array(prompt + completion.tokens)
+        mask = np.r_[np.zeros(len(prompt)), np.ones(len(completion.tokens))]
+        rows.append(((ids, mask, np.array([0, len(ids)])), completion.sampling_logps))
+    batch = vars(packed_rows([row for row, _ in rows], length=14, pad_id=0))
+    with torch.no_grad():
+        training = -tempered_forward(temperature)(model, batch)
+    for i, (_, generation_logps) in enumerate(rows):
+        picked = training[i, 5 : 5 + len(generation_logps)]
+        torch.testing.assert_close(picked.exp() / torch.tensor(generation_logps).exp(), torch.ones(len(generation_logps)), atol=1e-5, rtol=1e-5)
+
+
 def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank, tmp_path):
     """A packed row of three documents through Mistral with a 4-token window (`sft_forward`):
     each document's per-token loss equals HF's on that document alone. Megatron's own
@@ -41,9 +75,8 @@ def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank
     with torch.no_grad():
         per_token = sft_forward(model, batch)[0]
         for a, e in zip(cu, cu[1:]):
-            logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
-            padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
-            expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
+            logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]  # the real vocab (100; Megatron's is padded to 128)
+            expected = F.cross_entropy(logits, torch.as_tensor(ids[a + 1 : e]), reduction="none")
             torch.testing.assert_close(per_token[a : e - 1], expected, atol=1e-5, rtol=1e-5)
         leaked = sft_forward(model, dict(batch, cu_seqlens=torch.tensor([0, 32]), max_seqlen=32))[0]  # the window alone, as before
         assert not torch.allclose(leaked[cu[1] : cu[1] + 3], per_token[cu[1] : cu[1] + 3], atol=1e-3)
@@ -67,8 +100,7 @@ def test_lean_forward_matches_hf_on_each_document_of_a_packed_row(one_rank, case
     for a, e in zip(cu, cu[1:]):
         with torch.no_grad():
             logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
-        padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
-        expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
+        expected = F.cross_entropy(logits, torch.as_tensor(ids[a + 1 : e]), reduction="none")  # over the real vocab
         torch.testing.assert_close(per_document[a : e - 1], expected, atol=1e-5, rtol=1e-5)
     gradients = []
     for forward in (lean, model):
@@ -163,6 +195,7 @@ def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     cases = len(TWO_RANK_CASES)
     assert run.stdout.count("max |logits - HF|") == cases * (2 if "--tp" in layout else 1)  # each last-stage rank, every model
+    assert run.stdout.count("max |logp - HF log_softmax over the real vocab|") == (2 * cases if "--tp" in layout else 0)
     assert run.stdout.count("0 greedy completions differ") == (2 * cases if generate else 0)  # every rank, every model
 
 

@@ -47,6 +47,7 @@ from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.gemma import LayerRopeSelfAttention, LayerTypeRotaryEmbedding, embedding_scale, gelu_tanh, is_window_layer, offset_rms_norm, softcap
 from alignflow.megatron.lora import effective_weight
 from alignflow.megatron.model import packed_thd
+from alignflow.megatron.vocab_parallel import mask_padded
 
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
@@ -360,4 +361,4 @@ class LeanForward:
         x = d._embed(tokens)
         for i, weights in enumerate(layers):
             x = d._layer(x, i, weights, ropes, attend)
-        return d.head(x)
+        return mask_padded(d.head(x), d.model.real_vocab_size)

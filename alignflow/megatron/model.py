@@ -42,6 +42,7 @@ from alignflow.device import device
 from alignflow.megatron import gemma
 from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.runtime import parallel_sizes
+from alignflow.megatron.vocab_parallel import masking_hook
 
 # TransformerConfig settings where CUDA is absent.
 CPU_SETTINGS = {
@@ -146,7 +147,8 @@ class DocumentWindowAttention(DotProductAttention):
 
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
     """Per-token cross entropy [b, s] from a GPTModel chunk on the last pipeline stage (its
-    hidden states elsewhere; the logits when `labels` is None). At TP=1 torch's fused cross_entropy on the logits: Megatron's
+    hidden states elsewhere; the logits when `labels` is None), over the real vocab (the output
+    layer masks the padded rows). At TP=1 torch's fused cross_entropy on the logits: Megatron's
     vocab-parallel cross entropy gives the same numbers through a custom autograd function of
     a dozen small ops, which on small models costs as much as the layers (a quarter of a
     reference pass). Under TP the vocabulary is split over ranks: Megatron's."""
@@ -274,7 +276,9 @@ def build_gpt(
 
 def _build_chunk(common: dict, shape: ModelShape, vp_stage: Optional[int], vp_size: Optional[int]) -> GPTModel:
     """One chunk; it keeps the HF shape it was built from (`hf_shape`: the lean forward reads
-    what Megatron's modules do not say, Gemma's embedding scale and soft-caps)."""
+    what Megatron's modules do not say, Gemma's embedding scale and soft-caps). On the last
+    stage its logits of the padded vocab rows are masked (-inf, after any soft-cap), so every
+    log-prob and loss is over the real vocabulary, as HF's and generation's."""
     pre, post = stage_ends(
         parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(), vp_stage, vp_size
     )
@@ -284,6 +288,9 @@ def _build_chunk(common: dict, shape: ModelShape, vp_stage: Optional[int], vp_si
     gemma.install(model, shape)
     if shape.rope_type == "llama3":
         _llama3_rope(model, shape)
+    model.real_vocab_size = shape.vocab_size
+    if post:
+        model.output_layer.register_forward_hook(masking_hook(shape.vocab_size))
     # Every weight in params_dtype: the local spec builds its norms in fp32 whatever it says
     # (Megatron-LM's Float16Module casts them too; its optimizers expect one dtype).
     return model.to(device=device(), dtype=common["config"].params_dtype)
