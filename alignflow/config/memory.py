@@ -171,8 +171,8 @@ class Footprint:
 
     def describe(self) -> str:
         g = self.gib()
-        return (f"{g['total']:.1f} GiB per rank = weights {g['weights']:.1f} + gradients {g['gradients']:.1f} + optimizer "
-                f"{g['optimizer']:.1f} + activations {g['activations']:.1f}")
+        return (f"{g['total']:.3g} GiB per rank = weights {g['weights']:.3g} + gradients {g['gradients']:.3g} + optimizer "
+                f"{g['optimizer']:.3g} + activations {g['activations']:.3g}")
 
 
 def estimate(dims: Dimensions, layout: Layout) -> Footprint:

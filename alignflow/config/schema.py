@@ -161,7 +161,8 @@ class ModelConfig:
     # The checkpoint's config.json values that size it (a preset's, `conf/model/`), so `align plan`
     # estimates memory before the checkpoint is downloaded; config.json wins once it is there
     # (and must agree). Not identity: the checkpoint's own config.json is what a stage reads.
-    architecture: Optional[Dict[str, Any]] = not_identity(None)
+    # A mapping, typed Any: OmegaConf cannot merge an override's mapping into a null Dict node.
+    architecture: Optional[Any] = not_identity(None)
 
 
 @dataclass

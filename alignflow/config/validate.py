@@ -153,7 +153,11 @@ def memory_estimates(pipeline: Pipeline, check_paths: bool = True, problems: lis
 
 def _dimensions(cfg: DictConfig, config: dict | None, problems: list[str]) -> tuple[Dimensions | None, str]:
     """The model's Dimensions from its config.json, else from the preset's `model.architecture`."""
-    preset = OmegaConf.to_container(cfg.model.architecture) if cfg.model.architecture is not None else None
+    preset = cfg.model.architecture
+    if preset is not None and not isinstance(preset, DictConfig):
+        problems.append(f"model.architecture: a mapping of the checkpoint's config.json keys (hidden_size: 4096, ...) or null, got {preset!r}")
+        return None, ""
+    preset = OmegaConf.to_container(preset) if preset is not None else None
     if config is not None:
         problems += _disagreements(preset or {}, config, f"{cfg.model.source.rstrip('/')}/config.json")
     try:
