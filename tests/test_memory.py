@@ -150,10 +150,10 @@ def test_the_estimate_shrinks_as_the_layout_says(base_overrides):
 
 SEQ = 512
 # name -> (HF overrides of the demo's tiny Llama, micro batch): one mostly weights and optimizer
-# state (58M parameters), one mostly activations (6M parameters, 8 x 512 tokens).
+# state (22M parameters, 2 x 512 tokens), one mostly activations (6M parameters, 8 x 512 tokens).
 SHAPES = {
-    "weights": (dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                     head_dim=64, vocab_size=32000), 2),
+    "weights": (dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                     head_dim=64, vocab_size=16000), 2),
     "activations": (dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=64, vocab_size=4096), 8),
 }

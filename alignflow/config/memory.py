@@ -248,6 +248,10 @@ def layout_of(kind: str, cfg: Any, inputs: Mapping[str, Any], dims: Dimensions) 
         return None
     par, data = section.parallel, cfg.data
     world = section.resources.nodes * section.resources.tasks_per_node
+    sizes = (world, par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1,
+             par.expert_model_parallel_size, section.micro_batch_size, section.recompute_num_layers)
+    if min(sizes) < 1:  # refused by the layout checks
+        return None
     dp = max(world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size), 1)
     if kind == "grpo":  # a row is a prompt and its completion; a step's samples cut into optimizer steps
         seq_length = min(data.seq_length, data.max_prompt_length + section.max_new_tokens)

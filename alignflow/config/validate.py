@@ -220,7 +220,7 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     par, problems = section.parallel, []
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     key = f"{stage_key}.parallel"
-    if min(tp, pp, cp) < 1:
+    if min(tp, pp, cp, par.expert_model_parallel_size) < 1:
         return [f"{key}: parallel sizes must be >= 1"]
     if world % (tp * pp * cp):
         problems.append(
