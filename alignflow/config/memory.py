@@ -185,7 +185,8 @@ def _stage_footprint(dims: Dimensions, layout: Layout, stage: str) -> Footprint:
     t, layers = layout.tp, dims.layers / layout.pp
     vocab = math.ceil(dims.vocab / (layout.vocab_divisible_by * t)) * layout.vocab_divisible_by * t
     first, last = stage in ("first", "only"), stage in ("last", "only")
-    embeddings = (first + (last and (not dims.tied or stage == "last"))) * vocab * dims.hidden / t
+    # the input embedding on the first stage, the output layer on the last (a tied model's last stage holds a copy)
+    embeddings = {"only": 1 if dims.tied else 2, "first": 1, "last": 1}[stage] * vocab * dims.hidden / t
     dense = layers * ((dims.attention_params() + dims.dense_mlp_params()) / t + 2 * dims.hidden) + embeddings
     experts = layers * dims.expert_params() / (layout.ep * t)
     weight_bytes = 2 if layout.bf16 else 4

@@ -144,14 +144,14 @@ def memory_estimates(pipeline: Pipeline, check_paths: bool = True, problems: lis
     for stage in pipeline:
         if "optim" not in stage.section:
             continue
-        _, config, _ = _read_model(stage.cfg, problems, seen) if check_paths else (None, None, None)
-        dims, shape_from = _dimensions(stage.cfg, config, problems)
+        uri, config, _ = _read_model(stage.cfg, problems, seen) if check_paths else (None, None, None)
+        dims, shape_from = _dimensions(stage.cfg, uri, config, problems)
         if dims is not None and (layout := layout_of(stage.kind, stage.cfg, stage.inputs, dims)) is not None:
             estimates[stage.name] = StageMemory(estimate(dims, layout), layout, shape_from)
     return estimates
 
 
-def _dimensions(cfg: DictConfig, config: dict | None, problems: list[str]) -> tuple[Dimensions | None, str]:
+def _dimensions(cfg: DictConfig, uri: str | None, config: dict | None, problems: list[str]) -> tuple[Dimensions | None, str]:
     """The model's Dimensions from its config.json, else from the preset's `model.architecture`."""
     preset = cfg.model.architecture
     if preset is not None and not isinstance(preset, DictConfig):
@@ -159,13 +159,14 @@ def _dimensions(cfg: DictConfig, config: dict | None, problems: list[str]) -> tu
         return None, ""
     preset = OmegaConf.to_container(preset) if preset is not None else None
     if config is not None:
-        problems += _disagreements(preset or {}, config, f"{cfg.model.source.rstrip('/')}/config.json")
+        problems += _disagreements(preset or {}, config, uri)
+    source, shape_from, where = (config, "config.json", f"model.source: {uri}") if config is not None else (preset, "model.architecture", "model.architecture:")
+    if source is None:
+        return None, ""
     try:
-        if config is not None:
-            return Dimensions.of(config), "config.json"
-        return (Dimensions.of(preset), "model.architecture") if preset is not None else (None, "")
+        return Dimensions.of(source), shape_from
     except (KeyError, TypeError) as err:
-        problems.append(f"model.architecture: lacks {err} (the config.json keys that size the model: num_hidden_layers, hidden_size, "
+        problems.append(f"{where} lacks {err} (the config.json keys that size a model: num_hidden_layers, hidden_size, "
                         "intermediate_size, num_attention_heads, vocab_size; num_key_value_heads, head_dim, MoE keys where they apply)")
         return None, ""
 
