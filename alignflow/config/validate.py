@@ -160,7 +160,10 @@ def _dimensions(cfg: DictConfig, uri: str | None, config: dict | None, problems:
     preset = OmegaConf.to_container(preset) if preset is not None else None
     if config is not None:
         problems += _disagreements(preset or {}, config, uri)
-    source, shape_from, where = (config, "config.json", f"model.source: {uri}") if config is not None else (preset, "model.architecture", "model.architecture:")
+    if config is not None:
+        source, shape_from, where = config, "config.json", f"model.source: {uri}"
+    else:
+        source, shape_from, where = preset, "model.architecture", "model.architecture:"
     if source is None:
         return None, ""
     try:
