@@ -15,7 +15,6 @@
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -80,11 +79,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
     try:
         cfg = compose(pipeline, overrides)
-    except ConfigError:
-        if not args.json:  # what the model's shape alone says (a preset's, before its checkpoint is downloaded)
-            with contextlib.suppress(ConfigError):
-                light = compose(pipeline, overrides, check_paths=False)
-                _print_memory(memory_estimates(Pipeline.build(light), check_paths=False), light.launcher.gpu_memory_gib)
+    except ConfigError as err:
+        if args.json:
+            raise
+        try:  # what the model's shape alone says (a preset's, before its checkpoint is downloaded)
+            light = compose(pipeline, overrides, check_paths=False)
+        except ConfigError as found:  # a layout that cannot fit is said beside a checkpoint that is not there
+            raise (err if str(found) == str(err) else ConfigError(_together(err, found))) from None
+        _print_memory(memory_estimates(Pipeline.build(light), check_paths=False), light.launcher.gpu_memory_gib)
         raise
     memory = memory_estimates(Pipeline.build(cfg))
     planned = plan(Pipeline.build(cfg))
@@ -104,6 +106,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     Console(width=max(console.width, 160)).print(table)
     console.print(store.line(), markup=False, highlight=False)
     return 0
+
+
+def _together(*errors: ConfigError) -> str:
+    """The problems of several refusals of one config, each once."""
+    head = "invalid config:"
+    lines = [line for err in errors for line in (str(err).splitlines()[1:] if str(err).startswith(head) else [f"  - {err}"])]
+    return "\n".join([head, *dict.fromkeys(lines)])
 
 
 def _print_memory(memory: dict, limit_gib: float | None) -> None:

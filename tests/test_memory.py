@@ -122,7 +122,11 @@ def test_presets_cover_the_families_of_the_issue():
                                      "mistralai/Mixtral-8x7B-v0.1"}
 
 
-def test_a_layout_that_cannot_fit_is_refused_with_its_numbers(base_overrides):
+def test_a_layout_that_cannot_fit_is_refused_with_its_numbers(base_overrides, capsys):
+    assert main(["plan", *base_overrides, "model=llama3_1_8b", "sft.parallel.tensor_model_parallel_size=1"]) == 2
+    said = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "model.source: meta-llama/Llama-3.1-8B is not in the local Hugging Face cache" in said  # said beside the layout's problem
+    assert "sft: needs an estimated" in said and "more than launcher.gpu_memory_gib = 79 GiB" in said
     with pytest.raises(ConfigError) as err:
         compose("sft_dpo", [*base_overrides, "model=llama3_1_8b", "sft.parallel.tensor_model_parallel_size=1"], check_paths=False)
     message = str(err.value)
