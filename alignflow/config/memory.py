@@ -30,7 +30,8 @@ micro batches in flight, the last the output layer and the logits):
 
 Not counted: the CUDA context and the caching allocator's slack (a few GiB on a GPU: leave
 headroom), communication buffers, GRPO's generation KV cache (it does not coexist with the
-training activations), the fp32 casts of a micro batch's norms.
+training activations), family extras of a layer (q/k norms, Gemma's sandwich norms: a few h per
+token). Forward-only stages (reference log-probs, eval) are not estimated.
 """
 
 import math
