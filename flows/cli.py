@@ -1,7 +1,8 @@
 """The `align` command. Everything after the verb is a Hydra override.
 
   align demo                          build the offline demo assets (tokenizer, tiny model, data)
-  align plan   [--json] [overrides...] the DAG: fingerprints, output URIs, what would run and why
+  align plan   [--json] [overrides...] the DAG: fingerprints, output URIs, what would run and why;
+                                      each training stage's estimated memory per rank
   align config [overrides...]         the resolved config and each stage instance's, secrets masked
   align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL)
   align compare [--json] RUN_A RUN_B [overrides...]
@@ -38,6 +39,7 @@ from rich.table import Table  # noqa: E402
 from alignflow import __version__  # noqa: E402
 from alignflow.config.compose import ConfigError, compose  # noqa: E402
 from alignflow.config.slices import masked  # noqa: E402
+from alignflow.config.validate import memory_estimates  # noqa: E402
 from alignflow.gc import CATEGORIES, reclaim, survey  # noqa: E402
 from alignflow.pipeline import Pipeline  # noqa: E402
 from alignflow.runner import plan  # noqa: E402
@@ -75,12 +77,26 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
-    cfg = compose(pipeline, overrides)
+    try:
+        cfg = compose(pipeline, overrides)
+    except ConfigError as err:
+        if args.json:
+            raise
+        try:  # what the model's shape alone says (a preset's, before its checkpoint is downloaded)
+            light = compose(pipeline, overrides, check_paths=False)
+        except ConfigError as found:  # a layout that cannot fit is said beside a checkpoint that is not there
+            raise (err if str(found) == str(err) else ConfigError(_together(err, found))) from None
+        _print_memory(memory_estimates(Pipeline.build(light), check_paths=False), light.launcher.gpu_memory_gib)
+        raise
+    memory = memory_estimates(Pipeline.build(cfg))
     planned = plan(Pipeline.build(cfg))
     store = survey(store_of(cfg), cfg)
     if args.json:
-        print(json.dumps({"stages": [asdict(row) for row in planned], "store": store.as_dict(items=False)}, indent=2))
+        print(json.dumps({"stages": [asdict(row) for row in planned], "store": store.as_dict(items=False),
+                          "memory": {name: {**m.footprint.gib(), "stage": m.footprint.stage, "layout": asdict(m.layout), "shape_from": m.shape_from}
+                                     for name, m in memory.items()}}, indent=2))
         return 0
+    _print_memory(memory, cfg.launcher.gpu_memory_gib)
     table = Table(title=f"align plan: {cfg.pipeline.name}  (store {cfg.store.root})")
     for column in ("stage", "kind", "status", "fingerprint", "output", "why"):
         table.add_column(column, overflow="fold")
@@ -90,6 +106,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     Console(width=max(console.width, 160)).print(table)
     console.print(store.line(), markup=False, highlight=False)
     return 0
+
+
+def _together(*errors: ConfigError) -> str:
+    """The problems of several refusals of one config, each once."""
+    head = "invalid config:"
+    lines = [line for err in errors for line in (str(err).splitlines()[1:] if str(err).startswith(head) else [f"  - {err}"])]
+    return "\n".join([head, *dict.fromkeys(lines)])
+
+
+def _print_memory(memory: dict, limit_gib: float | None) -> None:
+    """Each training stage's estimated per-rank memory (`alignflow.config.memory`) in GiB."""
+    if not memory:
+        return
+    table = Table(title=f"estimated memory per rank in GiB (alignflow/config/memory.py), launcher.gpu_memory_gib: {limit_gib}",
+                  title_justify="left")
+    for column in ("stage", "layout", "weights", "gradients", "optimizer", "activations", "total", "shape from"):
+        table.add_column(column, overflow="fold", justify="left" if column in ("stage", "layout", "shape from") else "right")
+    for name, m in memory.items():
+        lay, g = m.layout, m.footprint.gib()
+        layout = (f"TP{lay.tp} PP{lay.pp}{f' VP{lay.vpp}' if lay.vpp else ''}{f' EP{lay.ep}' if lay.ep > 1 else ''} DP{lay.dp}, "
+                  f"micro {lay.micro_batch} x {lay.seq_length}, {'bf16' if lay.bf16 else 'fp32'}, recompute {lay.recompute}"
+                  f"{', dist. optimizer' if lay.distributed_optimizer else ''}{', LoRA' if lay.lora_params is not None else ''}")
+        over = limit_gib and g["total"] > limit_gib
+        table.add_row(name, layout, *(f"{g[k]:.3g}" for k in ("weights", "gradients", "optimizer", "activations")),
+                      f"[red]{g['total']:.3g}[/]" if over else f"{g['total']:.3g}", m.shape_from)
+    Console(width=max(console.width, 160)).print(table)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -250,6 +250,16 @@ CASES = {
                                          env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
     "slurm-ranks-more-than-gpus": Case(("launcher=slurm", "launcher.partition=debug", "launcher.gpus_per_node=1", "dpo.resources.tasks_per_node=2"),
                                        ("dpo.resources.tasks_per_node: 2 ranks per node but launcher.gpus_per_node is 1 (one GPU per rank)",)),
+    # model sources from the Hugging Face cache, and what a model needs of the GPUs
+    "hub-id-not-in-the-cache": Case(("model.source=nobody/no-such-model", "model.tokenizer={D}/tokenizer"),
+                                    ("model.source: nobody/no-such-model is not in the local Hugging Face cache", "hf download nobody/no-such-model")),
+    "layout-does-not-fit-the-gpu": Case(("launcher.gpu_memory_gib=0.001",),
+                                        ("sft: needs an estimated", "more than launcher.gpu_memory_gib = 0.001 GiB; layout: tensor 1 x pipeline 1",
+                                         "dpo: needs an estimated")),
+    "gpu-memory-not-positive": Case(("launcher.gpu_memory_gib=0",), ("launcher.gpu_memory_gib: must be > 0 GiB, or null",)),
+    "preset-numbers-disagree-with-the-checkpoint": Case(("model.architecture={hidden_size: 128}",),
+                                                        ("model.architecture.hidden_size: 128, but {D}/tiny-llama/config.json says 64",)),
+    "preset-numbers-not-a-mapping": Case(("model.architecture=4096",), ("model.architecture: a mapping of the checkpoint's config.json keys",)),
     "tensor-parallel-does-not-divide-heads": Case(("sft.parallel.tensor_model_parallel_size=3", "sft.resources.tasks_per_node=3"),
                                                   ("sft.parallel.tensor_model_parallel_size: 3 does not divide the model's 4 attention heads",)),
 }

@@ -3,7 +3,8 @@
 `compose(pipeline, overrides)` is the one entry point: Hydra's compose API over `conf/`
 with `AlignConfig` (`alignflow.stages`) as the typed schema, then the pipeline is built and
 every cross-field rule checked (`alignflow.config.validate`). The returned config is
-read-only: nothing mutates it after validation. Overrides of a pipeline's stages
+read-only: nothing mutates it after validation. Hugging Face Hub ids under `model` are replaced
+by their folders in the local HF cache first (`alignflow.config.hub`). Overrides of a pipeline's stages
 (`pipeline.stages.<name>.<key>=...`) add or replace, whether or not the pipeline file sets
 that key (Hydra's `++`); a misspelled key is refused by the pipeline's own checks.
 """
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from alignflow import PROJECT_ROOT
+from alignflow.config.hub import resolve_hub_ids
 from alignflow.config.validate import ConfigError, validate
 from alignflow.pipeline import name_problems
 from alignflow.stages import AlignConfig
@@ -50,6 +52,9 @@ def compose(pipeline: str | None = None, overrides: list[str] | None = None, che
         raise ConfigError(_explain(err)) from None
     except AssertionError:  # Hydra asserts when an override sets a key under a null section
         raise ConfigError(_under_null_section(overrides)) from None
+    hub_problems = resolve_hub_ids(cfg)
+    if hub_problems and check_paths:  # everything else reads the model: its source comes first
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in hub_problems))
     validate(cfg, check_paths=check_paths)
     OmegaConf.set_readonly(cfg, True)
     return cfg

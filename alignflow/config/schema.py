@@ -183,6 +183,11 @@ class ModelConfig:
     tokenizer: str = "${.source}"
     chat_template: Optional[str] = None
     make_vocab_size_divisible_by: int = 128
+    # The checkpoint's config.json values that size it (a preset's, `conf/model/`), so `align plan`
+    # estimates memory before the checkpoint is downloaded; config.json wins once it is there
+    # (and must agree). Not identity: the checkpoint's own config.json is what a stage reads.
+    # A mapping, typed Any: OmegaConf cannot merge an override's mapping into a null Dict node.
+    architecture: Optional[Any] = not_identity(None)
 
 
 @dataclass
@@ -224,6 +229,9 @@ class LauncherConfig:
     # as it has ranks per node, at most this many. 0: the ranks run on the CPU. null: local: the
     # GPUs of this machine (CUDA_VISIBLE_DEVICES, else nvidia-smi); slurm: 0.
     gpus_per_node: Optional[int] = None
+    # Memory of one GPU in GiB: compose refuses a training stage whose estimated per-rank memory
+    # (`alignflow.config.memory`, printed by `align plan`) exceeds it. null: unknown, not checked.
+    gpu_memory_gib: Optional[float] = None
     cpus_per_task: int = 1
     mem_gb: Optional[int] = None
     container_image: Optional[str] = None
@@ -271,6 +279,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = not_identity(1)
     virtual_pipeline_model_parallel_size: Optional[int] = not_identity(None)
     context_parallel_size: int = not_identity(1)
+    expert_model_parallel_size: int = not_identity(1)  # MoE models: experts split over this many ranks
     sequence_parallel: bool = not_identity(False)
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state and fp32 main weights sharded over DP
     # Overlap the gradient reduce-scatter / all-reduce with the backward pass, and (with the

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from alignflow.config.destinations import destination_problems
+from alignflow.config.memory import GIB, Dimensions, Footprint, Layout, estimate, layout_of
 from alignflow.config.schema import DPO_REFERENCE_FREE, DPO_SMOOTHED, DPOLoss, FinetuningType, LauncherName, RecomputeGranularity, RecomputeMethod
 from alignflow.config.slices import secret_problems
 from alignflow.convert import lora as lora_targets
@@ -43,19 +45,23 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
     except PipelineError as err:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in dict.fromkeys(text + err.problems))) from None
     problems: list[str] = text + secret_problems(cfg) + destination_problems(pipeline, cfg, read=check_paths)
-    shapes: dict[str, ModelShape | None] = {}
+    shapes: dict[str, tuple] = {}
     gpus = gpus_per_node(cfg.launcher)
+    memory = memory_estimates(pipeline, check_paths, problems, shapes)
     for stage in pipeline:
         key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"
         shape = _model_shape(stage.cfg, problems, shapes) if check_paths and "parallel" in stage.section else None
         problems += _check_stage(stage, key, shape) + _check_time_limit(stage, key) + _check_ranks_on_gpus(stage.section, key, gpus)
         problems += KIND_CHECKS.get(stage.kind, lambda key, section: [])(key, stage.section)
+        problems += _check_memory(key, memory.get(stage.name), cfg.launcher.gpu_memory_gib)
         problems += _check_lineage(pipeline, stage, cfg if check_paths else None)
         if stage.kind == "prep":
             problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
         if stage.kind == "convert" and check_paths:
             problems += _check_safetensors(stage.cfg) + _check_not_pickled(stage.cfg)
     problems += _check_retention(cfg.store.retention) + _check_lease(cfg.store) + _check_gpus(cfg.launcher)
+    if cfg.launcher.gpu_memory_gib is not None and not cfg.launcher.gpu_memory_gib > 0:
+        problems.append(f"launcher.gpu_memory_gib: must be > 0 GiB, or null (unknown: not checked), got {cfg.launcher.gpu_memory_gib}")
     if check_paths:
         problems += _check_store(cfg) + _check_launcher(cfg)
     if problems:
@@ -100,20 +106,94 @@ def _printable(name) -> str:
 
 def _model_shape(cfg: DictConfig, problems: list[str], seen: dict) -> ModelShape | None:
     """The model's shape from the HF config.json of `model.source` (or `model.hf_config`)."""
+    return _read_model(cfg, problems, seen)[2]
+
+
+def _read_model(cfg: DictConfig, problems: list[str], seen: dict) -> tuple[str, dict | None, ModelShape | None]:
+    """The URI of the model's HF config.json, its content and the shape it gives (None where it fails)."""
     key = "model.hf_config" if cfg.model.hf_config else "model.source"
     uri = f"{OmegaConf.select(cfg, key).rstrip('/')}/config.json"
     if uri in seen:
         return seen[uri]
-    seen[uri] = None
+    seen[uri] = (uri, None, None)
     try:
         with fsspec.open(uri, "r", **options_for(uri, cfg)) as f:
-            seen[uri] = model_shape(json.load(f))
+            seen[uri] = (uri, config := json.load(f), None)
+        seen[uri] = (uri, config, model_shape(config))
     except FileNotFoundError:
         hint = "; a Megatron/NeMo source needs model.hf_config" if key == "model.source" else ""
         problems.append(f"{key}: {uri} does not exist (for the demo model run `align demo` first{hint})")
     except (OSError, ValueError) as err:
         problems.append(f"{key}: {uri}: {err}")
     return seen[uri]
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    footprint: Footprint
+    layout: Layout
+    shape_from: str  # the config.json it was read from, or model.architecture
+
+
+def memory_estimates(pipeline: Pipeline, check_paths: bool = True, problems: list[str] | None = None,
+                     seen: dict | None = None) -> dict[str, StageMemory]:
+    """Each training stage's estimated per-rank memory (`alignflow.config.memory`), by instance
+    name, where the model's shape is known: from its config.json (read only with `check_paths`),
+    else from `model.architecture`. Problems of reading it go to `problems`."""
+    problems, seen, estimates = [] if problems is None else problems, {} if seen is None else seen, {}
+    for stage in pipeline:
+        if "optim" not in stage.section:
+            continue
+        uri, config, _ = _read_model(stage.cfg, problems, seen) if check_paths else (None, None, None)
+        dims, shape_from = _dimensions(stage.cfg, uri, config, problems)
+        if dims is not None and (layout := layout_of(stage.kind, stage.cfg, stage.inputs, dims)) is not None:
+            estimates[stage.name] = StageMemory(estimate(dims, layout), layout, shape_from)
+    return estimates
+
+
+def _dimensions(cfg: DictConfig, uri: str | None, config: dict | None, problems: list[str]) -> tuple[Dimensions | None, str]:
+    """The model's Dimensions from its config.json, else from the preset's `model.architecture`."""
+    preset = cfg.model.architecture
+    if preset is not None and not isinstance(preset, DictConfig):
+        problems.append(f"model.architecture: a mapping of the checkpoint's config.json keys (hidden_size: 4096, ...) or null, got {preset!r}")
+        return None, ""
+    preset = OmegaConf.to_container(preset) if preset is not None else None
+    if config is not None:
+        problems += _disagreements(preset or {}, config, uri)
+    if config is not None:
+        source, shape_from, where = config, "config.json", f"model.source: {uri}"
+    else:
+        source, shape_from, where = preset, "model.architecture", "model.architecture:"
+    if source is None:
+        return None, ""
+    try:
+        return Dimensions.of(source), shape_from
+    except (KeyError, TypeError) as err:
+        problems.append(f"{where} lacks {err} (the config.json keys that size a model: num_hidden_layers, hidden_size, "
+                        "intermediate_size, num_attention_heads, vocab_size; num_key_value_heads, head_dim, MoE keys where they apply)")
+        return None, ""
+
+
+def _disagreements(preset: dict, config: dict, uri: str) -> list[str]:
+    """A preset's numbers that the checkpoint's config.json contradicts (a stale or wrong preset)."""
+    flat = lambda d: {k: v for k, v in {**d, **d.get("text_config", {})}.items() if k != "text_config"}  # noqa: E731
+    mine, theirs = flat(preset), flat(config)
+    return [f"model.architecture.{k}: {v!r}, but {uri} says {theirs[k]!r}: the preset does not describe this checkpoint "
+            "(set model.architecture=null to size it from its config.json alone)" for k, v in mine.items() if k in theirs and theirs[k] != v]
+
+
+def _check_memory(key: str, memory: StageMemory | None, limit_gib: float | None) -> list[str]:
+    """A training stage whose estimated per-rank memory exceeds the launcher's GPU memory."""
+    if memory is None or limit_gib is None or limit_gib <= 0 or memory.footprint.total <= limit_gib * GIB:
+        return []
+    layout, where = memory.layout, {"first": " (first pipeline stage)", "last": " (last pipeline stage)"}.get(memory.footprint.stage, "")
+    recompute = layout.recompute + (f" ({layout.recompute_method}, {layout.recompute_layers} layers)" if layout.recompute == "full" else "")
+    return [f"{key}: needs an estimated {memory.footprint.describe()}{where}, more than launcher.gpu_memory_gib = {limit_gib:g} GiB; "
+            f"layout: tensor {layout.tp} x pipeline {layout.pp} x expert {layout.ep} x data {layout.dp}, micro_batch_size "
+            f"{layout.micro_batch} x {layout.seq_length} tokens, {'bf16' if layout.bf16 else 'fp32'}, recompute {recompute}, "
+            f"distributed optimizer {'on' if layout.distributed_optimizer else 'off'}. Raise tensor or pipeline parallelism, set "
+            f"{key}.parallel.use_distributed_optimizer=true, {key}.recompute_granularity=full or lower {key}.micro_batch_size "
+            "(`align plan` prints the estimate)"]
 
 
 def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
@@ -164,7 +244,7 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     par, problems = section.parallel, []
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     key = f"{stage_key}.parallel"
-    if min(tp, pp, cp) < 1:
+    if min(tp, pp, cp, par.expert_model_parallel_size) < 1:
         return [f"{key}: parallel sizes must be >= 1"]
     if world % (tp * pp * cp):
         problems.append(
