@@ -23,7 +23,7 @@ from flows.cli import main
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import RANKS, convert_demo, job_env, sft_cfg  # noqa: E402
 
-PRESETS = sorted(p.stem for p in (PROJECT_ROOT / "conf" / "model").glob("*.yaml") if p.stem != "tiny_llama")
+PRESETS = sorted(p.stem for p in (PROJECT_ROOT / "conf" / "model").glob("*.yaml") if not p.stem.startswith("tiny_"))  # real sizes
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=64)
 MOE = {
