@@ -161,6 +161,7 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     vpp = par.virtual_pipeline_model_parallel_size
     if vpp is not None and (vpp < 1 or pp == 1):
         problems.append(f"{key}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1 and a value >= 1")
+    problems += _check_experts(key, par.expert_model_parallel_size, dp, shape)
     if shape is not None:
         if shape.num_attention_heads % tp:
             problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_attention_heads} attention heads (model.source)")
@@ -177,6 +178,23 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
             f"{stage_key}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
             f"x data-parallel size ({dp})"
         )
+    return problems
+
+
+def _check_experts(key: str, ep: int, dp: int, shape: ModelShape | None) -> list[str]:
+    """Expert parallelism splits each MoE layer's experts over EP of the data-parallel ranks."""
+    if ep < 1:
+        return [f"{key}.expert_model_parallel_size: must be >= 1, got {ep}"]
+    if ep == 1:
+        return []
+    if shape is not None and not shape.moe:
+        return [f"{key}.expert_model_parallel_size: {ep}, but the model ({shape.architecture}, model.source) has no experts"]
+    problems = []
+    if dp % ep:
+        problems.append(f"{key}.expert_model_parallel_size: {ep} does not divide the data-parallel size {dp} (world size / "
+                        "(tensor x pipeline x context)); expert-parallel ranks are data-parallel ranks")
+    if shape is not None and shape.num_experts % ep:
+        problems.append(f"{key}.expert_model_parallel_size: {ep} does not divide the model's {shape.num_experts} experts (model.source)")
     return problems
 
 
