@@ -7,7 +7,9 @@ autograd functions and inference-context bookkeeping per token; at 8 rows and a 
 model that overhead was most of a step (see `alignflow.generation`). `Decoder` reads each
 layer's weights once per batch (no copy) and runs the same math as Megatron's layers in ~20
 torch ops per layer: RMSNorm, the fused qkv per query group ([q heads of the group; k; v]),
-per-head q/k RMSNorm (Qwen3), RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU.
+per-head q/k RMSNorm (Qwen3), RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU,
+or a MoE layer's softmax top-k router and SwiGLU experts (Mixtral, Qwen3-MoE: each expert runs
+on the tokens routed to it, scaled by their router probabilities).
 
 Batches: prompts are left-padded to the longest of the batch; a padded row's positions start
 at 0 at its first real token and its padding is never attended (prefill runs each row's
@@ -18,12 +20,15 @@ it under a sliding window (Mistral).
 
 Parallelism, as Megatron holds the weights: under TP each rank keeps its shards (qkv and fc1
 columns, proj and fc2 rows, its rows of the padded vocab) and all-reduces the row-parallel
-outputs (2 per layer) and the embedding, and all-gathers the logits; under PP hidden states
+outputs (2 per layer; a MoE layer's experts split as the dense MLP, their outputs summed
+before the one reduction) and the embedding, and all-gathers the logits; under PP hidden states
 [b, s, h] go stage to stage point to point. Sequence and context parallelism do not apply:
-every rank of those groups computes the whole (short) sequence with the same weights.
+every rank of those groups computes the whole (short) sequence with the same weights. Expert
+parallelism is not (each rank would hold only some experts): refused.
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
-window, Qwen2's qkv bias, Qwen3's q/k norms, tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
+window, Qwen2's qkv bias, Qwen3's q/k norms, tied embeddings, linear / llama3 RoPE scaling, Mixtral's and
+Qwen3-MoE's experts at EP1), on the local spec (SequentialMLP experts) and, by the same
 weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
 run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
@@ -47,17 +52,22 @@ from alignflow.megatron.model import packed_thd
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
     "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
-    "num_moe_experts": None, "multi_latent_attention": False, "rotary_interleaved": False, "fp32_residual_connection": False,
+    "multi_latent_attention": False, "rotary_interleaved": False, "fp32_residual_connection": False,
     "apply_residual_connection_post_layernorm": False, "layernorm_zero_centered_gamma": False, "softmax_type": "vanilla",
     "attention_output_gate": False, "no_rope_freq": None, "experimental_attention_variant": None,
     "activation_func_clamp_value": None, "window_attn_skip_freq": None, "heterogeneous_block_specs": False,
+    # MoE: every layer sparse, a plain softmax top-k router, every token kept, all experts on this rank
+    "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None, "moe_expert_capacity_factor": None,
+    "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_group_topk": None,
+    "moe_router_enable_expert_bias": False, "moe_input_jitter_eps": None, "moe_z_loss_coeff": None, "moe_apply_probs_on_input": False,
+    "expert_model_parallel_size": 1,
 }
 
 
 def check_supported(model) -> None:
     """Refuse a model whose forward the decoder would not reproduce."""
     if (wrong := unsupported(model)):
-        raise NotImplementedError(f"generation supports the Llama family only; this model has {wrong}")
+        raise NotImplementedError(f"generation supports the Llama family and MoE at EP1 only; this model has {wrong}")
 
 
 def unsupported(model) -> dict:
@@ -81,22 +91,35 @@ class LayerWeights:
     proj: Tensor
     proj_bias: Optional[Tensor]  # added once, after the TP reduction (Megatron's row-parallel bias)
     norm2: Tensor
-    fc1: Tensor  # [gate; up] of this TP rank
+    fc1: Optional[Tensor]  # [gate; up] of this TP rank (None in a MoE layer)
     fc1_bias: Optional[Tensor]
-    fc2: Tensor
+    fc2: Optional[Tensor]
     fc2_bias: Optional[Tensor]
+    router: Optional[Tensor] = None  # a MoE layer's [experts, hidden]
+    experts: tuple[tuple[Tensor, Tensor], ...] = ()  # each expert's (fc1, fc2), sharded as the dense MLP's
 
 
 def layer_weights(layer) -> LayerWeights:
     """A TransformerLayer's parameters (local spec: separate norms; TE: norms fused into the
     linears); a LoRA-adapted linear's weight merged with its adapter, as its forward applies it."""
     attention, mlp = layer.self_attention, layer.mlp
-    return LayerWeights(
+    common = dict(
         norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=effective_weight(attention.linear_qkv),
         qkv_bias=_bias(attention.linear_qkv), q_norm=_qk_norm(attention.q_layernorm), k_norm=_qk_norm(attention.k_layernorm),
-        proj=effective_weight(attention.linear_proj), proj_bias=_bias(attention.linear_proj),
-        norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
+        proj=effective_weight(attention.linear_proj), proj_bias=_bias(attention.linear_proj))
+    if hasattr(mlp, "router"):  # MoELayer: its norm stands apart (both specs)
+        return LayerWeights(**common, norm2=layer.pre_mlp_layernorm.weight, fc1=None, fc1_bias=None, fc2=None, fc2_bias=None,
+                            router=mlp.router.weight, experts=_experts(mlp.experts))
+    return LayerWeights(
+        **common, norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
         fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2))
+
+
+def _experts(experts) -> tuple[tuple[Tensor, Tensor], ...]:
+    """Each local expert's (fc1, fc2): SequentialMLP's MLPs, or TEGroupedMLP's `weight{i}` (not run on CPU)."""
+    if hasattr(experts, "local_experts"):
+        return tuple((effective_weight(e.linear_fc1), effective_weight(e.linear_fc2)) for e in experts.local_experts)
+    return tuple((getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")) for i in range(experts.num_local_experts))
 
 
 def _qk_norm(norm) -> Optional[Tensor]:
@@ -131,6 +154,7 @@ class Decoder:
         self.scale = config.softmax_scale or self.head_dim ** -0.5
         self.window_size = config.window_size  # Megatron's (left, 0): keys i - j <= left
         self.window = None if config.window_size is None else config.window_size[0] + 1  # keys i - j < window
+        self.top_k, self.pre_softmax = config.moe_router_topk, config.moe_router_pre_softmax
         self.layers = [layer_weights(layer) for layer in model.decoder.layers]
         self.embedding = model.embedding.word_embeddings if model.pre_process else None
         if model.post_process:
@@ -213,8 +237,30 @@ class Decoder:
         qk = qk * cos + qk.roll(d // 2, -1) * sin  # x cos + rotate_half(x) sin
         out = attend(i, qk[..., :per, :], qk[..., per, :], qkv[..., per + 1, :])  # [b, s, heads * d]
         x = x + _biased(self._reduce(F.linear(out, w.proj)), w.proj_bias)
-        gate, up = F.linear(F.rms_norm(x, (self.hidden,), w.norm2, self.eps), w.fc1, w.fc1_bias).chunk(2, -1)
+        h = F.rms_norm(x, (self.hidden,), w.norm2, self.eps)
+        if w.router is not None:
+            return x + self._reduce(self._experts(h, w))
+        gate, up = F.linear(h, w.fc1, w.fc1_bias).chunk(2, -1)
         return x + _biased(self._reduce(F.linear(F.silu(gate) * up, w.fc2)), w.fc2_bias)
+
+    def _experts(self, h: Tensor, w: LayerWeights) -> Tensor:
+        """A MoE layer before the TP reduction: Megatron's router (top-k of the softmax; with
+        pre-softmax off, the softmax over the top-k logits, i.e. renormalized), then each expert
+        on its tokens, its output scaled by their probabilities and summed per token."""
+        flat = h.reshape(-1, h.shape[-1])
+        logits = F.linear(flat, w.router)
+        if self.pre_softmax:
+            probs, chosen = torch.softmax(logits, -1, dtype=torch.float32).type_as(logits).topk(self.top_k, -1)
+        else:
+            top, chosen = logits.topk(self.top_k, -1)
+            probs = torch.softmax(top, -1, dtype=torch.float32).type_as(logits)
+        out = torch.zeros_like(flat)
+        for expert, (fc1, fc2) in enumerate(w.experts):
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            if rows.numel():
+                gate, up = F.linear(flat[rows], fc1).chunk(2, -1)
+                out = out.index_add(0, rows, F.linear(F.silu(gate) * up * probs[rows, slot, None], fc2))
+        return out.view(h.shape)
 
     def _embed(self, tokens: Tensor) -> Tensor:
         embedding = self.embedding  # vocab-parallel: this rank's rows of the padded vocab
