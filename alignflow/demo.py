@@ -1,5 +1,6 @@
 """Deterministic offline demo assets: a byte-level BPE tokenizer, a tiny random Llama (and a
-smaller one sharing its tokenizer: the distill pipeline's student) and an arithmetic task
+smaller one sharing its tokenizer: the distill pipeline's student; and a tiny Qwen3-MoE, the
+mixture-of-experts demo model: conf/model/tiny_qwen3_moe.yaml) and an arithmetic task
 ("What is 17 + 25?" -> "42") whose answers a reward function can check.
 
 There is no model hub here, so the demo and the tests build everything they need from seeds.
@@ -70,11 +71,16 @@ MODEL_CONFIG = {
 # The distill pipeline's student: the demo Llama narrowed (hidden 48, heads of 12), about half
 # its non-embedding parameters; same tokenizer, so it can learn from the teacher's top-k.
 STUDENT_CONFIG = {**MODEL_CONFIG, "hidden_size": 48, "intermediate_size": 128}
-MODELS = {"tiny-llama": MODEL_CONFIG, "tiny-llama-student": STUDENT_CONFIG}
+# The mixture-of-experts demo: Qwen3-MoE of the demo Llama's attention (with q/k norms), every
+# layer 4 experts of width 48, top 2 renormalized, as Qwen3-30B-A3B's router (norm_topk_prob).
+MOE_CONFIG = {**MODEL_CONFIG, "architecture": "Qwen3MoeForCausalLM", "model_type": "qwen3_moe", "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
+              "mlp_only_layers": [], "output_router_logits": False, "router_aux_loss_coef": 0.001}
+MODELS = {"tiny-llama": MODEL_CONFIG, "tiny-llama-student": STUDENT_CONFIG, "tiny-qwen3-moe": MOE_CONFIG}
 
 
 def build(dest: str | Path) -> Path:
-    """Write tokenizer/, tiny-llama/, tiny-llama-student/ and data/ under dest (idempotent)
+    """Write tokenizer/, tiny-llama/, tiny-llama-student/, tiny-qwen3-moe/ and data/ under dest (idempotent)
     and return dest."""
     dest = Path(dest)
     tokenizer = train_tokenizer()
@@ -219,9 +225,10 @@ def tokenizer_files(tok: Tokenizer) -> dict[str, bytes]:
 
 
 def llama_config(vocab_size: int, ids: dict[str, int], c: dict = MODEL_CONFIG) -> dict:
+    c = dict(c)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [c.pop("architecture", "LlamaForCausalLM")],
+        "model_type": c.pop("model_type", "llama"),
         "vocab_size": vocab_size,
         **c,
         "head_dim": c["hidden_size"] // c["num_attention_heads"],
@@ -239,9 +246,10 @@ def llama_config(vocab_size: int, ids: dict[str, int], c: dict = MODEL_CONFIG) -
 
 
 def llama_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes exactly as HF's LlamaForCausalLM state dict has them."""
-    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    """Parameter names and shapes exactly as HF's LlamaForCausalLM (Qwen3MoeForCausalLM: q/k
+    norms, a router and experts for the MLP) saves them."""
+    h, f, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * d
     shapes = {"model.embed_tokens.weight": (v, h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -250,12 +258,17 @@ def llama_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if "num_experts" in cfg:
+            m = cfg["moe_intermediate_size"]
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,), p + "mlp.gate.weight": (cfg["num_experts"], h)}
+            for e in range(cfg["num_experts"]):
+                x = f"{p}mlp.experts.{e}."
+                shapes |= {x + "gate_proj.weight": (m, h), x + "up_proj.weight": (m, h), x + "down_proj.weight": (h, m)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
     return shapes | {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
 
 

@@ -48,13 +48,13 @@ def prep_demo(demo_dir: Path, out: Path, prompts: bool = False) -> Path:
     return out
 
 
-def convert_demo(demo_dir: Path, out: Path, **hf_overrides) -> Path:
-    """The demo's tiny random Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) as a model stage
-    output; with `hf_overrides` (num_hidden_layers, tie_word_embeddings), a random HF Llama of
-    the demo's shape with those changes."""
+def convert_demo(demo_dir: Path, out: Path, model: str = "tiny-llama", **hf_overrides) -> Path:
+    """The demo's tiny random Llama (hidden 64, 2 layers, 4 heads, 2 kv heads; or another demo
+    `model`, e.g. tiny-qwen3-moe) as a model stage output; with `hf_overrides`
+    (num_hidden_layers, tie_word_embeddings), a random HF Llama of the demo's shape with those changes."""
     from alignflow.stages import convert
 
-    source = demo_dir / "tiny-llama"
+    source = demo_dir / model
     if hf_overrides:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
