@@ -223,6 +223,15 @@ CASES = {
                                        ("dpo.resources.tasks_per_node: 2 ranks per node but launcher.gpus_per_node is 1 (one GPU per rank)",)),
     "tensor-parallel-does-not-divide-heads": Case(("sft.parallel.tensor_model_parallel_size=3", "sft.resources.tasks_per_node=3"),
                                                   ("sft.parallel.tensor_model_parallel_size: 3 does not divide the model's 4 attention heads",)),
+    "expert-parallel-on-a-dense-model": Case(("sft.parallel.expert_model_parallel_size=2", "sft.resources.tasks_per_node=2"),
+                                             ("sft.parallel.expert_model_parallel_size: 2, but the model (LlamaForCausalLM, model.source) has no experts",)),
+    "expert-parallel-does-not-divide-experts": Case(("model=tiny_qwen3_moe", "sft.parallel.expert_model_parallel_size=3", "sft.resources.tasks_per_node=3"),
+                                                    ("sft.parallel.expert_model_parallel_size: 3 does not divide the model's 4 experts",)),
+    "expert-parallel-beyond-data-parallel": Case(("model=tiny_qwen3_moe", "dpo.parallel.expert_model_parallel_size=2",
+                                                  "dpo.parallel.tensor_model_parallel_size=2", "dpo.resources.tasks_per_node=2"),
+                                                 ("dpo.parallel.expert_model_parallel_size: 2 does not divide the data-parallel size 1",)),
+    "expert-parallel-zero": Case(("model=tiny_qwen3_moe", "sft.parallel.expert_model_parallel_size=0"),
+                                 ("sft.parallel.expert_model_parallel_size: must be >= 1, got 0",)),
 }
 
 
