@@ -196,3 +196,18 @@ def test_a_run_left_on_the_cpu_of_a_gpu_machine_says_so_at_warning(base_override
     warnings = [log.message for log in asyncio.run(flow_logs()) if log.level == 30 and log.task_run_id is None]
     assert warnings == ["launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has 4 GPU(s) (nvidia-smi -L); "
                         "leave it unset (null) to give each rank one of them"], warnings
+
+
+def test_a_qwen3_moe_demo_runs_sft_dpo_end_to_end_and_exports_hf_qwen3_moe(base_overrides):
+    """model=tiny_qwen3_moe through prep -> convert -> sft -> ref_logprobs -> dpo -> eval
+    (greedy generation through the MoE layers) -> export: a Qwen3-MoE checkpoint HF loads."""
+    from transformers import AutoModelForCausalLM
+
+    dpo_fast = ["dpo.trainer.max_steps=2", "dpo.optim.warmup_steps=1", "dpo.trainer.val_check_interval=1", "dpo.trainer.limit_val_batches=1",
+                "data.preference.dev_choose_samples=64"]
+    results = align(pipeline="sft_dpo", overrides=[*base_overrides, "model=tiny_qwen3_moe", *dpo_fast])
+    assert list(results) == ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"]
+    assert {"dpo.accuracy", "dpo.preference_accuracy", "convert.val_loss"} <= set(results["eval"].metrics)
+    model, info = AutoModelForCausalLM.from_pretrained(results["export"].uri, output_loading_info=True)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == 4
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
