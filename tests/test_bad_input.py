@@ -120,6 +120,13 @@ def model_copy(change: Callable[[Path], None]) -> Callable[[Path, Path], None]:
     return setup
 
 
+def moe_with_router_logits(w: Path, d: Path) -> None:
+    """The demo Qwen3-MoE at W/moe with output_router_logits on (HF then adds its load-balancing loss)."""
+    shutil.copytree(d / "tiny-qwen3-moe", w / "moe")
+    config = json.loads((w / "moe" / "config.json").read_text())
+    (w / "moe" / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+
+
 def truncated(model: Path) -> None:
     os.truncate(model / "model.safetensors", (model / "model.safetensors").stat().st_size // 2)
 
@@ -230,6 +237,8 @@ CASES = {
     "expert-parallel-beyond-data-parallel": Case(("model=tiny_qwen3_moe", "dpo.parallel.expert_model_parallel_size=2",
                                                   "dpo.parallel.tensor_model_parallel_size=2", "dpo.resources.tasks_per_node=2"),
                                                  ("dpo.parallel.expert_model_parallel_size: 2 does not divide the data-parallel size 1",)),
+    "moe-load-balancing-loss": Case(("model.source={W}/moe",), ("sft: the model's config.json (model.source) sets output_router_logits=true",
+                                                                "dpo: the model's config.json"), moe_with_router_logits),
     "expert-parallel-zero": Case(("model=tiny_qwen3_moe", "sft.parallel.expert_model_parallel_size=0"),
                                  ("sft.parallel.expert_model_parallel_size: must be >= 1, got 0",)),
 }

@@ -130,6 +130,10 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
         problems += _check_recompute(key, section, shape)
     if "finetuning_type" in section and section.finetuning_type != FinetuningType.all_weights:
         problems += _check_lora(key, section, shape)
+    if "optim" in section and shape is not None and shape.moe_aux_loss_coef:
+        problems.append(f"{key}: the model's config.json (model.source) sets output_router_logits=true, so HF's training loss adds "
+                        f"router_aux_loss_coef ({shape.moe_aux_loss_coef}) x its load-balancing loss, which alignflow does not compute; "
+                        "set output_router_logits to false (HF's default) to train on the language-model loss alone")
     if kind == "dpo":
         if section.loss.beta <= 0:
             problems.append(f"{key}.loss.beta: must be > 0, got {section.loss.beta}")

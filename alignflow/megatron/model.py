@@ -60,9 +60,9 @@ CPU_SETTINGS = {
 # TransformerConfig settings of a MoE model, given its shape: HF's router. Top-k of the
 # softmax; renormalized over the top k (norm_topk_prob, Mixtral) is Megatron's softmax over the
 # top-k logits, else the softmax over all experts before the top-k (pre-softmax). No capacity,
-# so no token is dropped. The load-balancing loss is HF's, over all layers together
-# (`alignflow.megatron.moe`), not Megatron's per-layer one: Megatron's is off. The alltoall
-# dispatcher runs on gloo (CPU) as on NCCL.
+# so no token is dropped. No load-balancing loss: HF adds its own (over all layers together,
+# unlike Megatron's per layer) only with output_router_logits, which compose refuses for
+# training (alignflow.config.validate). The alltoall dispatcher runs on gloo (CPU) as on NCCL.
 def moe_settings(shape: ModelShape, ep_size: int) -> dict[str, Any]:
     if not shape.moe:
         return {"moe_token_dispatcher_type": "alltoall"}  # variable_seq_lengths refuses the default even without experts
