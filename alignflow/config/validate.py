@@ -165,7 +165,7 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     vpp = par.virtual_pipeline_model_parallel_size
     if vpp is not None and (vpp < 1 or pp == 1):
         problems.append(f"{key}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1 and a value >= 1")
-    problems += _check_experts(key, par.expert_model_parallel_size, dp, shape)
+    problems += _check_experts(kind, key, par.expert_model_parallel_size, dp, shape)
     if shape is not None:
         if shape.num_attention_heads % tp:
             problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_attention_heads} attention heads (model.source)")
@@ -185,12 +185,15 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     return problems
 
 
-def _check_experts(key: str, ep: int, dp: int, shape: ModelShape | None) -> list[str]:
+def _check_experts(kind: str, key: str, ep: int, dp: int, shape: ModelShape | None) -> list[str]:
     """Expert parallelism splits each MoE layer's experts over EP of the data-parallel ranks."""
     if ep < 1:
         return [f"{key}.expert_model_parallel_size: must be >= 1, got {ep}"]
     if ep == 1:
         return []
+    if kind in ("grpo", "eval"):
+        return [f"{key}.expert_model_parallel_size: {ep}, but {kind} generates, and generation runs the experts at EP1 only "
+                "(alignflow.megatron.decoder); set it to 1"]
     if shape is not None and not shape.moe:
         return [f"{key}.expert_model_parallel_size: {ep}, but the model ({shape.architecture}, model.source) has no experts"]
     problems = []
@@ -293,6 +296,9 @@ def _check_lora(stage: str, section: DictConfig, shape: ModelShape | None) -> li
                         "output would not carry its adapters' gradients); use selective or none")
     patterns = list(lora.target_modules)
     problems += lora_targets.target_problems(f"{key}.target_modules", patterns, shape.num_layers if shape else None)
+    if shape is not None and shape.moe and any(path.startswith("mlp.") for _, path in lora_targets.select(patterns, shape.num_layers)):
+        problems.append(f"{key}.target_modules: {patterns} adapts the MLP, but the model's MLPs are experts ({shape.architecture}) "
+                        "and LoRA on the expert projections is not built; target the attention only, e.g. [linear_qkv, linear_proj]")
     par = section.parallel
     if shape is not None and not problems and shape.num_layers % (par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)) == 0:
         problems += lora_targets.stage_problems(f"{key}.target_modules", patterns, shape.num_layers, par.pipeline_model_parallel_size,
