@@ -165,3 +165,17 @@ def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("max |logits - HF|") == len(cases) * (1 if "--pp" in layout else 2)  # each last-stage rank, every model
     assert run.stdout.count("0 greedy completions differ") == (2 * len(cases) if generate else 0)  # every rank, every model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp", "2", "--ep", "2"], ["--pp", "2", "--ep", "2"]], ids=["ep2xtp2", "ep2xpp2"])
+def test_four_ranks_ep_times_tp_and_pp_logits_match_hf(layout):
+    """EP2 x TP2 (experts split over EP, each expert over TP) and EP2 x PP2 on 4 ranks."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4", str(RANKS_SCRIPT), *layout, "mixtral"],
+                         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count("max |logits - HF|") == (2 if "--pp" in layout else 4)  # each last-stage rank
