@@ -1,5 +1,6 @@
 """Deterministic offline demo assets: a byte-level BPE tokenizer, a tiny random Llama (and a
-smaller one sharing its tokenizer: the distill pipeline's student; a tiny Qwen3 too) and an arithmetic task
+smaller one sharing its tokenizer: the distill pipeline's student; a tiny Qwen3; and a tiny
+Qwen3-MoE, the mixture-of-experts demo model: conf/model/tiny_qwen3_moe.yaml) and an arithmetic task
 ("What is 17 + 25?" -> "42") whose answers a reward function can check.
 
 There is no model hub here, so the demo and the tests build everything they need from seeds.
@@ -72,12 +73,17 @@ MODEL_CONFIG = {
 STUDENT_CONFIG = {**MODEL_CONFIG, "hidden_size": 48, "intermediate_size": 128}
 # Qwen3's traits: per-head q/k norms, a head_dim wider than hidden / heads, tied embeddings.
 QWEN3_CONFIG = {**MODEL_CONFIG, "head_dim": 32, "tie_word_embeddings": True}
+# The mixture-of-experts demo: Qwen3-MoE of the demo Llama's attention (with q/k norms), every
+# layer 4 experts of width 48, top 2 renormalized, as Qwen3-30B-A3B's router (norm_topk_prob).
+MOE_CONFIG = {**MODEL_CONFIG, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+              "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False, "router_aux_loss_coef": 0.001}
 
 # Folder -> (architecture, HF model_type, shape): the demo's models, all on the one tokenizer.
 MODELS = {
     "tiny-llama": ("LlamaForCausalLM", "llama", MODEL_CONFIG),
     "tiny-llama-student": ("LlamaForCausalLM", "llama", STUDENT_CONFIG),
     "tiny-qwen3": ("Qwen3ForCausalLM", "qwen3", QWEN3_CONFIG),
+    "tiny-qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe", MOE_CONFIG),
 }
 
 
@@ -248,25 +254,31 @@ def model_config(vocab_size: int, ids: dict[str, int], architecture: str, model_
 
 def model_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes exactly as HF's LlamaForCausalLM (Qwen3ForCausalLM: with q/k
-    norms) state dict has them; tied embeddings are saved once."""
+    norms; Qwen3MoeForCausalLM: a router and experts for the MLP too) state dict has them; tied
+    embeddings are saved once."""
     h, f, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     shapes = {"model.embed_tokens.weight": (v, h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         shapes |= {
             p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if "num_experts" in cfg:
+            m = cfg["moe_intermediate_size"]
+            shapes |= {p + "mlp.gate.weight": (cfg["num_experts"], h)}
+            for e in range(cfg["num_experts"]):
+                x = f"{p}mlp.experts.{e}."
+                shapes |= {x + "gate_proj.weight": (m, h), x + "up_proj.weight": (m, h), x + "down_proj.weight": (h, m)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
     return shapes | {"model.norm.weight": (h,)} | ({} if cfg["tie_word_embeddings"] else {"lm_head.weight": (v, h)})
 
 

@@ -1,7 +1,8 @@
 """HF -> Megatron conversion: throughput against a plain read of the same files, and peak RSS.
 
-Builds a synthetic bf16 Llama checkpoint of about 2 GB (random weights, 1 GB shards +
-index.json), then measures in the same run, each time after evicting the shards from the
+Builds a synthetic bf16 checkpoint (random weights, 1 GB shards + index.json): a Llama of about
+2 GB, or with --shape mixtral a Mixtral of about 1.7 GB (8 layers of 8 experts: 192 expert
+matrices per checkpoint key, each its own chunks), then measures in the same run, each time after evicting the shards from the
 page cache (posix_fadvise DONTNEED), as a real conversion reads a checkpoint it has not read:
 - a plain read of every shard file (64 MiB blocks, bytes discarded): the I/O ceiling (the
   same read from the page cache is printed too);
@@ -10,9 +11,10 @@ page cache (posix_fadvise DONTNEED), as a real conversion reads a checkpoint it 
   and is shown against the largest tensor and the checkpoint size, beside the RSS of a
   process that only imports the same modules.
 
-Run: .venv/bin/python bench/convert.py [WORKDIR]   (needs ~5 GB of free disk in WORKDIR)
+Run: .venv/bin/python bench/convert.py [WORKDIR] [--shape mixtral]   (needs ~5 GB of free disk in WORKDIR)
 """
 
+import argparse
 import json
 import os
 import resource
@@ -34,6 +36,9 @@ CONFIG = {
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
     "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
+MIXTRAL = {**CONFIG, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 3584,
+           "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2}
+SHAPES = {"llama": CONFIG, "mixtral": MIXTRAL}
 CHILD = """
 import json, re, sys
 from omegaconf import OmegaConf
@@ -50,9 +55,14 @@ def hf_specs(c: dict) -> list[TensorSpec]:
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (f, h),
-                   p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h), p + "post_attention_layernorm.weight": (h,)}
+        if "num_local_experts" in c:  # Mixtral: a router and w1 (gate), w3 (up), w2 (down) per expert
+            shapes[p + "block_sparse_moe.gate.weight"] = (c["num_local_experts"], h)
+            for e in range(c["num_local_experts"]):
+                x = f"{p}block_sparse_moe.experts.{e}."
+                shapes |= {x + "w1.weight": (f, h), x + "w3.weight": (f, h), x + "w2.weight": (h, f)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
     shapes |= {"model.norm.weight": (h,), "lm_head.weight": (c["vocab_size"], h)}
     return [TensorSpec(name, torch.bfloat16, shape) for name, shape in shapes.items()]
 
@@ -81,15 +91,20 @@ def child(*args: str) -> tuple[dict, float]:
     return json.loads(out.strip().splitlines()[-1]), time.perf_counter() - started
 
 
-work = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="alignflow-bench-convert-"))
+parser = argparse.ArgumentParser()
+parser.add_argument("workdir", nargs="?")
+parser.add_argument("--shape", choices=sorted(SHAPES), default="llama")
+args = parser.parse_args()
+config = SHAPES[args.shape]
+work = Path(args.workdir or tempfile.mkdtemp(prefix="alignflow-bench-convert-"))
 source, out = work / "hf", work / "megatron"
-specs = hf_specs(CONFIG)
+specs = hf_specs(config)
 size = sum(s.nbytes for s in specs)
 largest = max(specs, key=lambda s: s.nbytes)
-print(f"synthetic Llama: {len(specs)} tensors, {size / 1e9:.2f} GB bf16, largest {largest.name} {largest.nbytes / 1e6:.0f} MB")
+print(f"synthetic {args.shape}: {len(specs)} tensors, {size / 1e9:.2f} GB bf16, largest {largest.name} {largest.nbytes / 1e6:.0f} MB")
 generator = torch.Generator().manual_seed(0)
 write_sharded(str(source), specs, (torch.randn(s.shape, generator=generator).to(torch.bfloat16) for s in specs), max_shard_bytes=10**9)
-(source / "config.json").write_text(json.dumps(CONFIG))
+(source / "config.json").write_text(json.dumps(config))
 tokenizer = demo.build(work / "demo") / "tokenizer"
 files = sorted(source.glob("*.safetensors"))
 
@@ -112,5 +127,5 @@ peak = converted["peak_rss"]
 print(f"peak RSS of convert: {peak / 1e6:.0f} MB = {peak / size:.1%} of the checkpoint, "
       f"{peak / largest.nbytes:.1f}x the largest tensor; a process importing the same modules: {baseline['peak_rss'] / 1e6:.0f} MB")
 print(f"bench process peak RSS (generation): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
-if len(sys.argv) < 2:
+if args.workdir is None:
     shutil.rmtree(work)

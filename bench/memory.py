@@ -73,7 +73,7 @@ def rank_main(rank: int, setting: str, results) -> None:
     precision, distributed, recompute, _ = SETTINGS[setting]
     cfg = OmegaConf.create({
         "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-                     "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": distributed,
+                     "context_parallel_size": 1, "expert_model_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": distributed,
                      "overlap_grad_reduce": None, "overlap_param_gather": None},
         "optim": {"name": "adamw", "lr": 1e-4, "min_lr": 1e-5, "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.98, "adam_eps": 1e-8},
         "trainer": {"gradient_clip_val": 1.0},

@@ -19,7 +19,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import (
     Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    Qwen3MoeConfig, Qwen3MoeForCausalLM,
 )
 
 from reference_convert import hf_to_megatron
@@ -66,6 +67,12 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
     }),
+    # mixture of experts: 4 experts, top 2, renormalized over the top 2 (Mixtral's router) or not
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                         "norm_topk_prob": True, "head_dim": 32}),
+    "qwen3_moe_unnormed": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                                  "norm_topk_prob": False, "tie_word_embeddings": True}),
 }
 
 
@@ -163,13 +170,14 @@ def converted_chunks(hf_config: dict, parallel: dict, hf_state: dict) -> list:
             parallel_state.get_tensor_model_parallel_rank(), parallel["tensor_model_parallel_size"],
             parallel_state.get_pipeline_model_parallel_rank(), parallel["pipeline_model_parallel_size"],
             vp_stage=vp_stage if vp_size else None, vp_size=vp_size,
+            ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=parallel["expert_model_parallel_size"],
         ))
     return chunks
 
 
-def parallel_cfg(tp: int = 1, pp: int = 1, vp: Optional[int] = None) -> dict:
+def parallel_cfg(tp: int = 1, pp: int = 1, vp: Optional[int] = None, ep: int = 1) -> dict:
     return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": vp,
-            "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
+            "context_parallel_size": 1, "expert_model_parallel_size": ep, "sequence_parallel": False, "use_distributed_optimizer": False}
 
 
 def main() -> int:
@@ -177,18 +185,19 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vp", type=int, default=None)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--generate", action="store_true", help="also compare KV-cached greedy generation with HF's")
     parser.add_argument("cases", nargs="+", choices=sorted(CASES))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:  # saved before init: HF saves on rank 0 only once distributed
         hf_states = {case: saved_state(tiny_hf_model(case)[0], Path(workdir) / case) for case in args.cases}
-    parallel = parallel_cfg(args.tp, args.pp, args.vp)
+    parallel = parallel_cfg(args.tp, args.pp, args.vp, args.ep)
     runtime.init_parallel(parallel)
     failed = False
     for case, hf_state in hf_states.items():
         error = max_logit_error(case, parallel, hf_state)
         if error is not None:
-            print(f"{case} tp={args.tp} pp={args.pp} vp={args.vp}: max |logits - HF| = {error:.2e}", flush=True)
+            print(f"{case} tp={args.tp} pp={args.pp} vp={args.vp} ep={args.ep}: max |logits - HF| = {error:.2e}", flush=True)
             failed |= not error < TOLERANCE
         if args.pp == 1:
             error = max_logprob_error(case, parallel, hf_state)

@@ -8,7 +8,9 @@ Tensor parallel (`TP_SPLIT`, by parameter name within a layer):
   the vocab-parallel embedding and output layer (rows of the padded vocab);
 - row (dim 1): attention output projection, fc2 (their biases are added after the reduction: replicated);
 - gated (dim 0 of gate and of up separately): fc1 and its bias, so each rank computes silu(gate_r) * up_r;
-- anything else (the norms, q/k norms) is replicated.
+- anything else (the norms, q/k norms, the MoE router) is replicated.
+Expert parallel: EP rank r holds experts [r * E / EP, (r + 1) * E / EP), numbered locally from 0;
+within an expert, TP splits fc1 (gated) and fc2 (row) as the dense MLP's (expert TP = TP).
 """
 
 import re
@@ -18,7 +20,7 @@ import torch
 from torch import Tensor
 
 from alignflow.convert.layout import fuse
-from alignflow.convert.families import TIED_OUTPUT_COPY, ModelShape, Param, model_shape, params_for
+from alignflow.convert.families import TIED_OUTPUT_COPY, ModelShape, Param, Slot, model_shape, params_for
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, VOCAB_PARAMS, padded_vocab_size, param_to_hf, stage_ends
 
 COLUMN, ROW, GATED = "column", "row", "gated"
@@ -32,6 +34,8 @@ TP_SPLIT: dict[str, str] = {
     "mlp.linear_fc1.weight": GATED,
     "mlp.linear_fc1.bias": GATED,
     "mlp.linear_fc2.weight": ROW,
+    "mlp.experts.linear_fc1.weight": GATED,
+    "mlp.experts.linear_fc2.weight": ROW,
 }
 
 # Non-layer parameters -> the pipeline end that holds them.
@@ -42,14 +46,15 @@ PIPELINE_END = {
 }
 
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+|\{layer\})\.")  # a number or the table's placeholder
+_EXPERT = re.compile(r"local_experts\.(\d+|\{expert\})\.")
 
-# (param, HF layer number, Megatron local layer number); layers are None for non-layer params.
-Placed = tuple[Param, Optional[int], Optional[int]]
+# (param, HF (layer, expert), Megatron (local layer, local expert)); None where the param has no such axis.
+Placed = tuple[Param, Slot, Slot]
 
 
 def tp_split(name: str) -> Optional[str]:
     """How TP splits a Megatron parameter (COLUMN, ROW, GATED), or None if replicated."""
-    return TP_SPLIT.get(_LAYER_PREFIX.sub("", name))
+    return TP_SPLIT.get(_EXPERT.sub("", _LAYER_PREFIX.sub("", name)))
 
 
 def shard(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
@@ -112,26 +117,42 @@ def stage_layers(shape: ModelShape, pp_rank: int, pp_size: int, vp_stage: Option
     return range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
 
 
-def stage_params(shape: ModelShape, pp_rank: int = 0, pp_size: int = 1, vp_stage: Optional[int] = None, vp_size: Optional[int] = None) -> list[Placed]:
-    """The table entries a pipeline stage (virtual chunk) holds, with their layer numbers."""
+def stage_experts(shape: ModelShape, ep_rank: int, ep_size: int) -> range:
+    """The global expert numbers an expert-parallel rank holds."""
+    if shape.num_experts % ep_size:
+        raise ValueError(f"num_experts={shape.num_experts} does not split over EP={ep_size}")
+    per_rank = shape.num_experts // ep_size
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def stage_params(shape: ModelShape, pp_rank: int = 0, pp_size: int = 1, vp_stage: Optional[int] = None, vp_size: Optional[int] = None,
+                 ep_rank: int = 0, ep_size: int = 1) -> list[Placed]:
+    """The table entries a pipeline stage (virtual chunk) and expert-parallel rank holds, with
+    their global and local (layer, expert) numbers."""
     pre, post = stage_ends(pp_rank, pp_size, vp_stage, vp_size)
     holds = {"first": pre, "last": post}
     params = params_for(shape)
-    placed: list[Placed] = [(p, None, None) for p in params if not p.per_layer and holds[PIPELINE_END[p.megatron]]]
+    none: Slot = (None, None)
+    placed: list[Placed] = [(p, none, none) for p in params if not p.per_layer and holds[PIPELINE_END[p.megatron]]]
     if shape.tied_embeddings and post and not pre:
-        placed.append((TIED_OUTPUT_COPY, None, None))
+        placed.append((TIED_OUTPUT_COPY, none, none))
+    experts = list(enumerate(stage_experts(shape, ep_rank, ep_size))) if shape.moe else []
     for local, layer in enumerate(stage_layers(shape, pp_rank, pp_size, vp_stage, vp_size)):
-        placed += [(p, layer, local) for p in params if p.per_layer]
+        for p in params:
+            if p.per_expert:
+                placed += [(p, (layer, expert), (local, local_expert)) for local_expert, expert in experts]
+            elif p.per_layer:
+                placed.append((p, (layer, None), (local, None)))
     return placed
 
 
 def param_to_megatron(
-    param: Param, layer: Optional[int], hf_state: Mapping[str, Tensor], shape: ModelShape,
+    param: Param, slot: Slot, hf_state: Mapping[str, Tensor], shape: ModelShape,
     tp_rank: int, tp_size: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
 ) -> Tensor:
     """One Megatron tensor (this TP rank's slice) from the HF tensors it is built from."""
     check_tp(shape, tp_size)
-    full = fuse(param.fuse, [hf_state[name] for name in param.hf_names(layer)], shape)
+    full = fuse(param.fuse, [hf_state[name] for name in param.hf_names(*slot)], shape)
     if param.megatron in VOCAB_PARAMS:
         full = pad_vocab(full, padded_vocab_size(shape.vocab_size, tp_size, divisible_by))
     return shard(param.megatron, full, tp_rank, tp_size)
@@ -139,16 +160,16 @@ def param_to_megatron(
 
 def hf_to_megatron(
     hf_state: Mapping[str, Tensor], hf_config: Mapping, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-    *, vp_stage: Optional[int] = None, vp_size: Optional[int] = None,
+    *, vp_stage: Optional[int] = None, vp_size: Optional[int] = None, ep_rank: int = 0, ep_size: int = 1,
     make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
 ) -> dict[str, Tensor]:
-    """This rank's local Megatron state (checkpoint names, stage-local layer numbers).
+    """This rank's local Megatron state (checkpoint names, stage-local layer and EP-local expert numbers).
 
     With virtual pipeline parallelism, the state of one chunk (`vp_stage`)."""
     shape = model_shape(hf_config)
     return {
-        param.megatron_name(local): param_to_megatron(param, layer, hf_state, shape, tp_rank, tp_size, make_vocab_size_divisible_by)
-        for param, layer, local in stage_params(shape, pp_rank, pp_size, vp_stage, vp_size)
+        param.megatron_name(*local): param_to_megatron(param, slot, hf_state, shape, tp_rank, tp_size, make_vocab_size_divisible_by)
+        for param, slot, local in stage_params(shape, pp_rank, pp_size, vp_stage, vp_size, ep_rank, ep_size)
     }
 
 
@@ -159,12 +180,12 @@ def megatron_to_hf(full_megatron_state: Mapping[str, Tensor], hf_config: Mapping
     tied output copy a last pipeline stage keeps is the only one ignored."""
     shape = model_shape(hf_config)
     placed = stage_params(shape)
-    known = {p.megatron_name(local) for p, _, local in placed}
+    known = {p.megatron_name(*local) for p, _, local in placed}
     ignored = {TIED_OUTPUT_COPY.megatron} if shape.tied_embeddings else set()
     unknown = set(full_megatron_state) - known - ignored
     if unknown:
         raise ValueError(f"Megatron tensors not in the {shape.architecture} table: {sorted(unknown)}")
     hf: dict[str, Tensor] = {}
-    for param, layer, local in placed:
-        hf.update(param_to_hf(param, layer, full_megatron_state[param.megatron_name(local)], shape))
+    for param, slot, local in placed:
+        hf.update(param_to_hf(param, slot, full_megatron_state[param.megatron_name(*local)], shape))
     return hf

@@ -120,6 +120,13 @@ def model_copy(change: Callable[[Path], None]) -> Callable[[Path, Path], None]:
     return setup
 
 
+def moe_with_router_logits(w: Path, d: Path) -> None:
+    """The demo Qwen3-MoE at W/moe with output_router_logits on (HF then adds its load-balancing loss)."""
+    shutil.copytree(d / "tiny-qwen3-moe", w / "moe")
+    config = json.loads((w / "moe" / "config.json").read_text())
+    (w / "moe" / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+
+
 def truncated(model: Path) -> None:
     os.truncate(model / "model.safetensors", (model / "model.safetensors").stat().st_size // 2)
 
@@ -262,6 +269,22 @@ CASES = {
     "preset-numbers-not-a-mapping": Case(("model.architecture=4096",), ("model.architecture: a mapping of the checkpoint's config.json keys",)),
     "tensor-parallel-does-not-divide-heads": Case(("sft.parallel.tensor_model_parallel_size=3", "sft.resources.tasks_per_node=3"),
                                                   ("sft.parallel.tensor_model_parallel_size: 3 does not divide the model's 4 attention heads",)),
+    "expert-parallel-on-a-dense-model": Case(("sft.parallel.expert_model_parallel_size=2", "sft.resources.tasks_per_node=2"),
+                                             ("sft.parallel.expert_model_parallel_size: 2, but the model (LlamaForCausalLM, model.source) has no experts",)),
+    "expert-parallel-does-not-divide-experts": Case(("model=tiny_qwen3_moe", "sft.parallel.expert_model_parallel_size=3", "sft.resources.tasks_per_node=3"),
+                                                    ("sft.parallel.expert_model_parallel_size: 3 does not divide the model's 4 experts",)),
+    "expert-parallel-beyond-data-parallel": Case(("model=tiny_qwen3_moe", "dpo.parallel.expert_model_parallel_size=2",
+                                                  "dpo.parallel.tensor_model_parallel_size=2", "dpo.resources.tasks_per_node=2"),
+                                                 ("dpo.parallel.expert_model_parallel_size: 2 does not divide the data-parallel size 1",)),
+    "moe-load-balancing-loss": Case(("model.source={W}/moe",), ("sft: the model's config.json (model.source) sets output_router_logits=true",
+                                                                "dpo: the model's config.json"), moe_with_router_logits),
+    "lora-on-experts": Case(("pipeline=sft_lora_dpo", "model=tiny_qwen3_moe"),
+                            ("sft.lora.target_modules: ['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2'] adapts the MLP, but the model's MLPs are experts",)),
+    "expert-parallel-in-generation": Case(("pipeline=sft_grpo", "model=tiny_qwen3_moe", "grpo.parallel.expert_model_parallel_size=2",
+                                           "grpo.resources.tasks_per_node=2"),
+                                          ("grpo.parallel.expert_model_parallel_size: 2, but grpo generates, and generation runs the experts at EP1 only",)),
+    "expert-parallel-zero": Case(("model=tiny_qwen3_moe", "sft.parallel.expert_model_parallel_size=0"),
+                                 ("sft.parallel.expert_model_parallel_size: must be >= 1, got 0",)),
 }
 
 

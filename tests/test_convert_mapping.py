@@ -15,7 +15,7 @@ from reference_convert import (
     hf_to_megatron, megatron_to_hf, padded_vocab_size, shard, stage_layers, stage_params, unshard,
 )
 
-CASES = ["llama", "llama_tied", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3"]  # GQA untied, tied, qkv bias, q/k norms, every bias, sandwich norms
+CASES = ["llama", "llama_tied", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "mixtral", "qwen3_moe"]  # GQA untied, tied, qkv bias, q/k norms, every bias, sandwich norms, experts
 LAYER_NAMES = [
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.weight",
@@ -68,11 +68,39 @@ def test_every_hf_tensor_is_read_once_and_every_megatron_tensor_made_once(hf, ca
     shape = model_shape(config)
     reads = Reads(hf_state)
     for pp_rank in range(pp):
-        names = [param.megatron_name(local) for param, _, local in stage_params(shape, pp_rank, pp)]
+        names = [param.megatron_name(*local) for param, _, local in stage_params(shape, pp_rank, pp)]
         assert len(names) == len(set(names))
         assert set(hf_to_megatron(reads, config, 0, 1, pp_rank, pp)) == set(names)
     tied_copy = Counter({"model.embed_tokens.weight": 1} if shape.tied_embeddings and pp > 1 else {})
     assert reads.counts == Counter(dict.fromkeys(hf_state, 1)) + tied_copy  # the last stage's output copy
+
+
+MOE_LAYER_NAMES = [
+    "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+    "pre_mlp_layernorm.weight", "mlp.router.weight",
+    *(f"mlp.experts.local_experts.{e}.{fc}.weight" for e in range(4) for fc in ("linear_fc1", "linear_fc2")),
+]
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_moe_megatron_names_and_experts_split_over_ep(hf, case):
+    hf_state, config = hf[case]
+    extra = {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"} if case == "qwen3_moe" else set()
+    names = set(hf_to_megatron(hf_state, config, 0, 1, 0, 1))
+    assert names == {f"decoder.layers.{i}.{n}" for i in range(4) for n in [*MOE_LAYER_NAMES, *extra]} | {
+        "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"}
+    experts = "block_sparse_moe.experts.{e}.w{w}" if case == "mixtral" else "mlp.experts.{e}.{w}_proj"
+    gate, up, down = ("1", "3", "2") if case == "mixtral" else ("gate", "up", "down")
+    for ep_rank in range(2):  # EP rank r holds experts 2r, 2r + 1 as its local experts 0, 1
+        local = hf_to_megatron(hf_state, config, 0, 1, 0, 1, ep_rank=ep_rank, ep_size=2)
+        assert not any("local_experts.2." in n for n in local)
+        for e in range(2):
+            hf_name = f"model.layers.1.{experts}.weight"
+            fc1 = local[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            assert torch.equal(fc1, torch.cat([hf_state[hf_name.format(e=2 * ep_rank + e, w=gate)], hf_state[hf_name.format(e=2 * ep_rank + e, w=up)]]))
+            assert torch.equal(local[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc2.weight"], hf_state[hf_name.format(e=2 * ep_rank + e, w=down)])
+    with pytest.raises(ValueError, match="num_experts=4 does not split over EP=3"):
+        hf_to_megatron(hf_state, config, 0, 1, 0, 1, ep_rank=0, ep_size=3)
 
 
 def test_pipeline_stages_number_layers_locally(hf):
@@ -160,7 +188,7 @@ def test_vocab_is_padded_to_a_multiple_of_128_times_tp():
 
 def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(ValueError, match="'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                         "Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"):
+                                         "Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM"):
         model_shape({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]})
 
 
@@ -210,6 +238,10 @@ def test_gemma_configs_without_layer_types_read_as_transformers_reads_them(confi
     ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_type 'yarn'"),
     ("gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]}, "'Gemma3ForConditionalGeneration': the multimodal Gemma 3"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]: dense layers among the MoE layers are not mapped"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2: dense layers among the MoE layers are not mapped"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: router jitter noise"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
 ])
 def test_unsupported_config_fails_clearly(case, change, message):
     with pytest.raises(ValueError, match=message):

@@ -15,7 +15,10 @@ FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_
         "dpo.trainer.max_steps=2", "dpo.optim.warmup_steps=1", "dpo.trainer.val_check_interval=1", "dpo.trainer.limit_val_batches=1",
         "eval.num_generation_samples=4", "eval.limit_batches=1", "data.preference.dev_choose_samples=64"]
 # conf/model preset -> (its demo folder, HF architecture, a weight only that family has: it must have trained)
-PRESETS = {"tiny_qwen3": ("tiny-qwen3", "Qwen3ForCausalLM", "model.layers.1.self_attn.k_norm.weight")}
+PRESETS = {
+    "tiny_qwen3": ("tiny-qwen3", "Qwen3ForCausalLM", "model.layers.1.self_attn.k_norm.weight"),
+    "tiny_qwen3_moe": ("tiny-qwen3-moe", "Qwen3MoeForCausalLM", "model.layers.1.mlp.experts.3.down_proj.weight"),  # eval generates through experts
+}
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

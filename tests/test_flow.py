@@ -196,3 +196,4 @@ def test_a_run_left_on_the_cpu_of_a_gpu_machine_says_so_at_warning(base_override
     warnings = [log.message for log in asyncio.run(flow_logs()) if log.level == 30 and log.task_run_id is None]
     assert warnings == ["launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has 4 GPU(s) (nvidia-smi -L); "
                         "leave it unset (null) to give each rank one of them"], warnings
+

@@ -22,7 +22,9 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
-TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "gemma2", "gemma3"]  # every family trait over TP and PP
+TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "gemma2", "gemma3",
+                  "qwen3_moe"]  # every family trait over TP and PP
+EP_CASES = ["mixtral", "qwen3_moe_unnormed"]  # the two routers, experts split over EP
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -175,28 +177,30 @@ def test_fp32_matmuls_take_tf32_on_cuda_only(monkeypatch):
 
 
 def test_unsupported_architecture_fails_before_building():
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM"):
         build_gpt({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]}, parallel_cfg())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--vp", "2"]], ids=["tp2", "pp2", "pp2-vp2"])
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--vp", "2"], ["--ep", "2"]], ids=["tp2", "pp2", "pp2-vp2", "ep2"])
 def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
-    """Logits at TP2 / PP2 / PP2 with virtual chunks; KV-cached greedy generation at TP2 and PP2."""
-    generate = [] if "--vp" in layout else ["--generate"]
+    """Logits at TP2 / PP2 / PP2 with virtual chunks / EP2 (MoE models, Megatron's alltoall
+    dispatcher on gloo); KV-cached greedy generation at TP2 and PP2."""
+    generate = [] if "--vp" in layout or "--ep" in layout else ["--generate"]
+    cases = EP_CASES if "--ep" in layout else TWO_RANK_CASES
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # torchrun sets them per rank
     run = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, *generate, *TWO_RANK_CASES],
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, *generate, *cases],
         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    cases = len(TWO_RANK_CASES)
-    assert run.stdout.count("max |logits - HF|") == cases * (2 if "--tp" in layout else 1)  # each last-stage rank, every model
-    assert run.stdout.count("max |logp - HF log_softmax over the real vocab|") == (2 * cases if "--tp" in layout else 0)
-    assert run.stdout.count("0 greedy completions differ") == (2 * cases if generate else 0)  # every rank, every model
+    n = len(cases)
+    assert run.stdout.count("max |logits - HF|") == n * (1 if "--pp" in layout else 2)  # each last-stage rank, every model
+    assert run.stdout.count("max |logp - HF log_softmax over the real vocab|") == (0 if "--pp" in layout else 2 * n)
+    assert run.stdout.count("0 greedy completions differ") == (2 * n if generate else 0)  # every rank, every model
 
 
 def test_gemma_norm_and_embedding_scale_round_as_hfs_in_bf16():
@@ -220,3 +224,17 @@ def test_gemma_norm_and_embedding_scale_round_as_hfs_in_bf16():
     ids = torch.tensor([1, 7, 3])
     embedded = F.embedding(ids, hf_embedding.weight)
     assert embedding_scale(hidden, embedded).item() == 55.5 and torch.equal(embedded * embedding_scale(hidden, embedded), hf_embedding(ids))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp", "2", "--ep", "2"], ["--pp", "2", "--ep", "2"]], ids=["ep2xtp2", "ep2xpp2"])
+def test_four_ranks_ep_times_tp_and_pp_logits_match_hf(layout):
+    """EP2 x TP2 (experts split over EP, each expert over TP) and EP2 x PP2 on 4 ranks."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4", str(RANKS_SCRIPT), *layout, "mixtral"],
+                         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count("max |logits - HF|") == (2 if "--pp" in layout else 4)  # each last-stage rank

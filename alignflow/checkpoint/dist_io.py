@@ -116,11 +116,13 @@ class DistCheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.metadata.state_dict_metadata[key].properties.dtype
 
-    def read(self, key: str, index: int | None = None) -> torch.Tensor:
-        """The whole global tensor of `key`, or its slice `index` along the first axis."""
+    def read(self, key: str, index: int | tuple[int, ...] | None = None) -> torch.Tensor:
+        """The whole global tensor of `key`, or its slice at `index` along the first axis (axes:
+        a tuple indexes the leading ones, e.g. a layer and an expert)."""
         shape = self.shape(key)
-        lo = [0] * len(shape) if index is None else [index] + [0] * (len(shape) - 1)
-        hi = list(shape) if index is None else [index + 1] + list(shape[1:])
+        index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        lo = list(index) + [0] * (len(shape) - len(index))
+        hi = [i + 1 for i in index] + list(shape[len(index):])
         out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=self.dtype(key), device="cpu")
         for chunk in self.metadata.state_dict_metadata[key].chunks:
             c_lo = list(chunk.offsets)
@@ -134,7 +136,7 @@ class DistCheckpointReader:
                 src = src.narrow(dim, start - cl, stop - start)
                 dst = dst.narrow(dim, start - l, stop - start)
             dst.copy_(src)
-        return out if index is None else out[0]
+        return out.reshape(out.shape[len(index):])
 
     def read_chunk(self, key: str, offsets) -> torch.Tensor:
         """One stored chunk of `key`, as written."""

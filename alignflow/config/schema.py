@@ -279,7 +279,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = not_identity(1)
     virtual_pipeline_model_parallel_size: Optional[int] = not_identity(None)
     context_parallel_size: int = not_identity(1)
-    expert_model_parallel_size: int = not_identity(1)  # MoE models: experts split over this many ranks
+    # Mixture-of-experts models: the experts of each MoE layer split over this many ranks (taken
+    # from the data-parallel ranks: DP must be a multiple of it; it must divide the number of experts).
+    expert_model_parallel_size: int = not_identity(1)
     sequence_parallel: bool = not_identity(False)
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state and fp32 main weights sharded over DP
     # Overlap the gradient reduce-scatter / all-reduce with the backward pass, and (with the

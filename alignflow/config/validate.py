@@ -210,6 +210,10 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
         problems += _check_recompute(key, section, shape)
     if "finetuning_type" in section and section.finetuning_type != FinetuningType.all_weights:
         problems += _check_lora(key, section, shape)
+    if "optim" in section and shape is not None and shape.moe_aux_loss_coef:
+        problems.append(f"{key}: the model's config.json (model.source) sets output_router_logits=true, so HF's training loss adds "
+                        f"router_aux_loss_coef ({shape.moe_aux_loss_coef}) x its load-balancing loss, which alignflow does not compute; "
+                        "set output_router_logits to false (HF's default) to train on the language-model loss alone")
     if kind == "dpo":
         problems += _check_dpo_loss(f"{key}.loss", section.loss)
     if kind == "grpo":
@@ -261,6 +265,7 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     vpp = par.virtual_pipeline_model_parallel_size
     if vpp is not None and (vpp < 1 or pp == 1):
         problems.append(f"{key}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1 and a value >= 1")
+    problems += _check_experts(kind, key, par.expert_model_parallel_size, dp, shape)
     if shape is not None:
         if shape.num_attention_heads % tp:
             problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_attention_heads} attention heads (model.source)")
@@ -277,6 +282,26 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
             f"{stage_key}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
             f"x data-parallel size ({dp})"
         )
+    return problems
+
+
+def _check_experts(kind: str, key: str, ep: int, dp: int, shape: ModelShape | None) -> list[str]:
+    """Expert parallelism splits each MoE layer's experts over EP of the data-parallel ranks."""
+    if ep < 1:
+        return [f"{key}.expert_model_parallel_size: must be >= 1, got {ep}"]
+    if ep == 1:
+        return []
+    if kind in ("grpo", "eval"):
+        return [f"{key}.expert_model_parallel_size: {ep}, but {kind} generates, and generation runs the experts at EP1 only "
+                "(alignflow.megatron.decoder); set it to 1"]
+    if shape is not None and not shape.moe:
+        return [f"{key}.expert_model_parallel_size: {ep}, but the model ({shape.architecture}, model.source) has no experts"]
+    problems = []
+    if dp % ep:
+        problems.append(f"{key}.expert_model_parallel_size: {ep} does not divide the data-parallel size {dp} (world size / "
+                        "(tensor x pipeline x context)); expert-parallel ranks are data-parallel ranks")
+    if shape is not None and shape.num_experts % ep:
+        problems.append(f"{key}.expert_model_parallel_size: {ep} does not divide the model's {shape.num_experts} experts (model.source)")
     return problems
 
 
@@ -373,6 +398,9 @@ def _check_lora(stage: str, section: DictConfig, shape: ModelShape | None) -> li
     problems += lora_targets.target_problems(f"{key}.target_modules", patterns, shape.num_layers if shape else None)
     if shape is not None and shape.gemma_norms and not problems:
         problems += _post_normed_targets(f"{key}.target_modules", patterns, shape)
+    if shape is not None and shape.moe and any(path.startswith("mlp.") for _, path in lora_targets.select(patterns, shape.num_layers)):
+        problems.append(f"{key}.target_modules: {patterns} adapts the MLP, but the model's MLPs are experts ({shape.architecture}) "
+                        "and LoRA on the expert projections is not built; target the attention only, e.g. [linear_qkv, linear_proj]")
     par = section.parallel
     if shape is not None and not problems and shape.num_layers % (par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)) == 0:
         problems += lora_targets.stage_problems(f"{key}.target_modules", patterns, shape.num_layers, par.pipeline_model_parallel_size,

@@ -8,14 +8,23 @@ embeddings, RMSNorm, SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x 
 (weights stored as HF holds them), sandwich norms, GeGLU (tanh), embeddings scaled by
 sqrt(hidden), query_pre_attn_scalar, attention and final logit soft-capping, sliding-window
 layers by `layer_types`, Gemma 3's per-head q/k norms and its own RoPE base on sliding layers.
+The mixture-of-experts MixtralForCausalLM and Qwen3MoeForCausalLM: a softmax top-k router,
+renormalized over the top k or not as `norm_topk_prob` says, SwiGLU experts, every layer sparse.
 Refused with a ValueError that says why: any other architecture (Gemma3ForConditionalGeneration
 by name) or activation, other rope types, Qwen2/Qwen3 per-layer sliding windows, Gemma's
-attention biases and bidirectional attention. Each would otherwise convert into a different model.
+attention biases and bidirectional attention, Qwen3-MoE dense layers among the sparse ones
+(`mlp_only_layers`, `decoder_sparse_step`), Mixtral's router jitter. Each would otherwise
+convert into a different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;
 `alignflow.megatron.model` maps them onto a local-spec module. `{layer}` is the layer number:
-global on the HF side, local to a pipeline stage on the Megatron side.
+global on the HF side, local to a pipeline stage on the Megatron side; `{expert}` the expert
+number: global on the HF side, local to an expert-parallel rank on the Megatron side (the
+local spec's `local_experts.{expert}`; a checkpoint stacks experts on an axis after the
+layer's under `mlp.experts.experts.`, as Megatron-Core's SequentialMLP and TEGroupedMLP both
+store them). A MoE layer's
+pre-MLP norm is `pre_mlp_layernorm` (Transformer Engine's MoE spec keeps it apart from fc1).
 
 Imports no torch, so config validation can call `model_shape`.
 """
@@ -38,6 +47,17 @@ HF_DEFAULTS: dict[str, Any] = {
     "rope_parameters": None,  # transformers >= 5; older configs have rope_theta + rope_scaling
     "rope_theta": 10000.0,
     "rope_scaling": None,
+    # mixture of experts (Mixtral, Qwen3-MoE)
+    "num_local_experts": None,
+    "num_experts": None,  # Qwen3-MoE's name in config.json
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": None,  # Qwen3-MoE; Mixtral's experts are intermediate_size wide
+    "norm_topk_prob": False,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+    "router_jitter_noise": 0.0,
+    "mlp_only_layers": [],
+    "decoder_sparse_step": 1,
 }
 
 NO_LAYER_WINDOWS = ("use_sliding_window", True, "per-layer sliding windows (use_sliding_window) are not mapped")
@@ -87,7 +107,8 @@ def _layer_type_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Family:
     """One HF architecture: the ModelShape flags its config sets (`flags`, from the config with
-    HF_DEFAULTS filled in) and the config values it refuses, each with why."""
+    HF_DEFAULTS filled in) and the config values it refuses (a value, or a predicate on it),
+    each with why."""
 
     flags: Callable[[Mapping[str, Any]], dict[str, Any]]
     refused: tuple[tuple[str, Any, str], ...] = ()
@@ -128,6 +149,26 @@ GEMMA3_DEFAULTS = {  # Gemma3TextConfig's
     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
 }
 
+
+def _moe(cfg: Mapping[str, Any], expert_names: str, ffn_key: str, norm_topk: bool) -> dict[str, Any]:
+    """A MoE family's flags. HF's loss adds the load-balancing loss only with `output_router_logits`."""
+    return {
+        "num_experts": cfg["num_local_experts"] or cfg["num_experts"],
+        "moe_top_k": cfg["num_experts_per_tok"],
+        "moe_ffn_hidden_size": cfg[ffn_key],
+        "moe_norm_topk": norm_topk,
+        "moe_aux_loss_coef": cfg["router_aux_loss_coef"] if cfg["output_router_logits"] else 0.0,
+        "expert_names": expert_names,
+    }
+
+
+NO_JITTER = ("router_jitter_noise", lambda v: v not in (0, 0.0, None), "router jitter noise (random input scaling in training) is not mapped")
+ALL_SPARSE = (
+    ("mlp_only_layers", lambda v: bool(v), "dense layers among the MoE layers are not mapped (every layer must be sparse)"),
+    ("decoder_sparse_step", lambda v: v != 1, "dense layers among the MoE layers are not mapped (every layer must be sparse)"),
+)
+
+
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": Family(_llama),
     "MistralForCausalLM": Family(lambda cfg: {"sliding_window": cfg["sliding_window"]}),
@@ -136,6 +177,14 @@ ARCHITECTURES: dict[str, Family] = {
     "Gemma2ForCausalLM": Family(lambda cfg: _gemma(cfg, every=2), GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA2_DEFAULTS),
     "Gemma3ForCausalLM": Family(lambda cfg: {**_gemma(cfg, every=cfg["sliding_window_pattern"]), "qk_norm": True},
                                 GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA3_DEFAULTS, _layer_type_rope),
+    "MixtralForCausalLM": Family(
+        lambda cfg: {"sliding_window": cfg["sliding_window"], **_moe(cfg, "mixtral", "intermediate_size", True)},
+        refused=(NO_JITTER,),
+    ),
+    "Qwen3MoeForCausalLM": Family(
+        lambda cfg: {**_llama(cfg), "qk_norm": True, **_moe(cfg, "qwen3_moe", "moe_intermediate_size", bool(cfg["norm_topk_prob"]))},
+        refused=(NO_LAYER_WINDOWS, *ALL_SPARSE),
+    ),
 }
 
 # Architectures refused by name, with why (the generic refusal lists the supported ones).
@@ -176,6 +225,12 @@ class ModelShape:
     softmax_scale: Optional[float] = None  # of the attention scores; None: head_dim ** -0.5
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the softmax
     logit_softcap: Optional[float] = None  # the same on the output logits
+    num_experts: int = 0  # 0: a dense MLP in every layer; else a MoE layer in every layer
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk: bool = False  # renormalize the top-k router probabilities (HF's norm_topk_prob)
+    moe_aux_loss_coef: float = 0.0  # HF's load-balancing loss weight in its training loss (0: not added)
+    expert_names: str = ""  # which EXPERT_NAMES the HF checkpoint uses
 
     @property
     def untied_embeddings(self) -> bool:
@@ -183,7 +238,24 @@ class ModelShape:
 
     @property
     def pre_norms_only(self) -> bool:
-        return not self.gemma_norms
+        """A dense MLP with only the norm before it (not Gemma's sandwich)."""
+        return self.dense and not self.gemma_norms
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dense(self) -> bool:
+        return not self.moe
+
+    @property
+    def mixtral_experts(self) -> bool:
+        return self.expert_names == "mixtral"
+
+    @property
+    def qwen3_moe_experts(self) -> bool:
+        return self.expert_names == "qwen3_moe"
 
 
 @dataclass(frozen=True)
@@ -203,15 +275,22 @@ class Param:
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
 
-    def megatron_name(self, layer: Optional[int] = None) -> str:
-        return self.megatron.format(layer=layer)
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.megatron
 
-    def hf_names(self, layer: Optional[int] = None) -> tuple[str, ...]:
-        return tuple(name.format(layer=layer) for name in self.hf)
+    def megatron_name(self, layer: Optional[int] = None, expert: Optional[int] = None) -> str:
+        return self.megatron.format(layer=layer, expert=expert)
+
+    def hf_names(self, layer: Optional[int] = None, expert: Optional[int] = None) -> tuple[str, ...]:
+        return tuple(name.format(layer=layer, expert=expert) for name in self.hf)
 
 
 _HF = "model.layers.{layer}."
 _MEG = "decoder.layers.{layer}."
+_EXP = _MEG + "mlp.experts.local_experts.{expert}."
+_MIX = _HF + "block_sparse_moe.experts.{expert}."  # Mixtral's w1 (gate), w3 (up), w2 (down)
+_QMOE = _HF + "mlp.experts.{expert}."
 
 TABLE: tuple[Param, ...] = (
     Param("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
@@ -234,11 +313,18 @@ TABLE: tuple[Param, ...] = (
     Param(_MEG + "self_attention.linear_proj.post_layernorm.weight", (_HF + "post_attention_layernorm.weight",), when="gemma_norms"),
     Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), when="pre_norms_only"),
     Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "pre_feedforward_layernorm.weight",), when="gemma_norms"),
-    Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1"),
+    Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1", when="dense"),
     Param(_MEG + "mlp.linear_fc1.bias", (_HF + "mlp.gate_proj.bias", _HF + "mlp.up_proj.bias"), fuse="fc1", when="mlp_bias"),
-    Param(_MEG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",)),
+    Param(_MEG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",), when="dense"),
     Param(_MEG + "mlp.linear_fc2.bias", (_HF + "mlp.down_proj.bias",), when="mlp_bias"),
     Param(_MEG + "mlp.linear_fc2.post_layernorm.weight", (_HF + "post_feedforward_layernorm.weight",), when="gemma_norms"),
+    Param(_MEG + "pre_mlp_layernorm.weight", (_HF + "post_attention_layernorm.weight",), when="moe"),
+    Param(_MEG + "mlp.router.weight", (_HF + "block_sparse_moe.gate.weight",), when="mixtral_experts"),
+    Param(_EXP + "linear_fc1.weight", (_MIX + "w1.weight", _MIX + "w3.weight"), fuse="fc1", when="mixtral_experts"),
+    Param(_EXP + "linear_fc2.weight", (_MIX + "w2.weight",), when="mixtral_experts"),
+    Param(_MEG + "mlp.router.weight", (_HF + "mlp.gate.weight",), when="qwen3_moe_experts"),
+    Param(_EXP + "linear_fc1.weight", (_QMOE + "gate_proj.weight", _QMOE + "up_proj.weight"), fuse="fc1", when="qwen3_moe_experts"),
+    Param(_EXP + "linear_fc2.weight", (_QMOE + "down_proj.weight",), when="qwen3_moe_experts"),
     Param("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Param("output_layer.weight", ("lm_head.weight",), when="untied_embeddings"),
 )
@@ -251,6 +337,17 @@ TIED_OUTPUT_COPY = Param("output_layer.weight", ("model.embed_tokens.weight",))
 def params_for(shape: ModelShape) -> tuple[Param, ...]:
     """The table's entries that exist for this model."""
     return tuple(p for p in TABLE if p.when is None or getattr(shape, p.when))
+
+
+# Where one Megatron tensor of a table entry sits: (layer, expert), None where the entry has no such axis.
+Slot = tuple[Optional[int], Optional[int]]
+
+
+def slots(param: Param, shape: ModelShape) -> list[Slot]:
+    """Every (layer, expert) of a table entry in the whole model, layer-major: one tensor each."""
+    layers = range(shape.num_layers) if param.per_layer else [None]
+    experts = range(shape.num_experts) if param.per_expert else [None]
+    return [(layer, expert) for layer in layers for expert in experts]
 
 
 def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
@@ -288,8 +385,8 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
 
 def _refuse_unsupported(cfg: Mapping[str, Any], family: Family) -> None:
     for key, refused, why in family.refused:
-        if cfg.get(key) == refused:
-            raise ValueError(f"unsupported HF config {key}={refused!r}: {why}")
+        if refused(cfg.get(key)) if callable(refused) else cfg.get(key) == refused:
+            raise ValueError(f"unsupported HF config {key}={cfg.get(key)!r}: {why}")
     activation = cfg[family.activation_key]
     if activation != family.activation:
         raise ValueError(f"unsupported HF config {family.activation_key}={activation!r}: {cfg['architectures'][0]} maps only {family.activation!r}")

@@ -13,7 +13,7 @@ from typing import Optional
 from torch import Tensor
 
 from alignflow.convert.layout import unfuse
-from alignflow.convert.families import ModelShape, Param
+from alignflow.convert.families import ModelShape, Param, Slot
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
 VOCAB_PARAMS = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
@@ -34,8 +34,8 @@ def stage_ends(pp_rank: int, pp_size: int, vp_stage: Optional[int] = None, vp_si
     )
 
 
-def param_to_hf(param: Param, layer: Optional[int], full: Tensor, shape: ModelShape) -> dict[str, Tensor]:
-    """HF tensors from one full Megatron tensor; each owns its memory, as safetensors requires."""
+def param_to_hf(param: Param, slot: Slot, full: Tensor, shape: ModelShape) -> dict[str, Tensor]:
+    """HF tensors from one full Megatron tensor at (layer, expert) `slot`; each owns its memory, as safetensors requires."""
     if param.megatron in VOCAB_PARAMS:
         full = full[: shape.vocab_size]
-    return {name: t.clone() for name, t in zip(param.hf_names(layer), unfuse(param.fuse, full, shape))}
+    return {name: t.clone() for name, t in zip(param.hf_names(*slot), unfuse(param.fuse, full, shape))}

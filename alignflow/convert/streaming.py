@@ -1,10 +1,10 @@
 """Streaming conversion between HF safetensors and Megatron torch_dist checkpoints.
 
 HF -> Megatron: every table entry becomes one checkpoint key (per-layer parameters stacked
-on a leading layer axis, as Megatron-Core stores them) whose chunks are loaders of a bounded
+on a leading layer axis, experts on the next, as Megatron-Core stores them) whose chunks are loaders of a bounded
 number of bytes of rows (CHUNK_BYTES_RANGE): plain rows, rows of gate then of up for fc1, whole query groups for
 qkv. `dist_io.save_lazy` calls them a few at a time, so memory stays near a few chunks
-whatever the model size. Megatron -> HF reads one layer's slice of a key at
+whatever the model size. Megatron -> HF reads one layer's (one expert's) slice of a key at
 a time and yields the HF tensors in the order of their precomputed specs, for
 `safetensors_io.write_sharded`. A torch_dist source (Megatron-LM or NeMo 2, whose keys carry
 a `module.` prefix) is re-keyed chunk by chunk.
@@ -21,11 +21,14 @@ import torch
 from alignflow.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry
 from alignflow.checkpoint.safetensors_io import SafetensorsReader, TensorSpec
 from alignflow.convert.layout import fuse, merge_qkv, unfuse
-from alignflow.convert.families import ModelShape, Param, params_for
+from alignflow.convert.families import ModelShape, Param, Slot, params_for, slots
 from alignflow.convert.sharding import VOCAB_PARAMS, param_to_hf
 
 LAYER_PLACEHOLDER = "decoder.layers.{layer}."
 STACKED_PREFIX = "decoder.layers."
+# SequentialMLP's `local_experts.{expert}.`; Megatron-Core 0.16.1's SequentialMLP and TEGroupedMLP
+# both store an expert's tensors under `{their prefix}experts.`, so the key reads `mlp.experts.experts.`.
+EXPERT_PLACEHOLDER, STACKED_EXPERTS = "local_experts.{expert}.", "experts."
 NEMO_PREFIX = "module."
 # Bytes of rows per stored chunk: 1/128 of the checkpoint, within these bounds. Writer memory
 # is a few chunks per thread; small models stay far below their size, big ones get ~128+ files.
@@ -34,8 +37,13 @@ CHUNKS_PER_CHECKPOINT = 128
 
 
 def checkpoint_key(param: Param) -> str:
-    """The key Megatron-Core stores a parameter under: per-layer ones share one stacked key."""
-    return param.megatron.replace(LAYER_PLACEHOLDER, STACKED_PREFIX)
+    """The key Megatron-Core stores a parameter under: per-layer (per-expert) ones share one stacked key."""
+    return param.megatron.replace(LAYER_PLACEHOLDER, STACKED_PREFIX).replace(EXPERT_PLACEHOLDER, STACKED_EXPERTS)
+
+
+def _axes(slot: Slot) -> tuple[int, ...]:
+    """The leading stacked-axis indices of a slot: (), (layer,) or (layer, expert)."""
+    return tuple(i for i in slot if i is not None)
 
 
 def hf_to_dist_entries(reader: SafetensorsReader, shape: ModelShape, padded_vocab: int) -> list[Entry]:
@@ -46,17 +54,15 @@ def hf_to_dist_entries(reader: SafetensorsReader, shape: ModelShape, padded_voca
     entries = []
     for param in params_for(shape):
         full = _fused_shape(param, reader, shape)
-        layers = range(shape.num_layers) if param.per_layer else [None]
         chunks = []
-        for layer in layers:
-            pieces = ROW_PLANS[param.fuse](reader, param.hf_names(layer if layer is not None else 0), shape, chunk_bytes)
+        for slot in slots(param, shape):
+            pieces = ROW_PLANS[param.fuse](reader, param.hf_names(*slot), shape, chunk_bytes)
             if param.megatron in VOCAB_PARAMS and padded_vocab > full[0]:
                 pieces.append((full[0], padded_vocab - full[0], partial(_zero_rows, padded_vocab - full[0], full[1:], reader.spec(param.hf_names(0)[0]).dtype)))
-            chunks += [_chunk(layer, row, rows, full[1:], load) for row, rows, load in pieces]
+            chunks += [_chunk(_axes(slot), row, rows, full[1:], load) for row, rows, load in pieces]
         global_shape = ((padded_vocab,) if param.megatron in VOCAB_PARAMS else full[:1]) + full[1:]
-        if param.per_layer:
-            global_shape = (shape.num_layers,) + global_shape
-        entries.append(Entry(checkpoint_key(param), global_shape, reader.spec(param.hf_names(0)[0]).dtype, tuple(chunks)))
+        stacked = (shape.num_layers,) * param.per_layer + (shape.num_experts,) * param.per_expert
+        entries.append(Entry(checkpoint_key(param), stacked + global_shape, reader.spec(param.hf_names(0, 0)[0]).dtype, tuple(chunks)))
     return entries
 
 
@@ -64,10 +70,10 @@ def hf_to_dist_entries(reader: SafetensorsReader, shape: ModelShape, padded_voca
 Piece = tuple[int, int, Callable[[], torch.Tensor]]
 
 
-def _chunk(layer: int | None, row: int, rows: int, rest: tuple[int, ...], load: Callable) -> Chunk:
-    if layer is None:
-        return Chunk((row,) + (0,) * len(rest), (rows,) + rest, load)
-    return Chunk((layer, row) + (0,) * len(rest), (1, rows) + rest, lambda: load().unsqueeze(0))
+def _chunk(axes: tuple[int, ...], row: int, rows: int, rest: tuple[int, ...], load: Callable) -> Chunk:
+    """A chunk of rows at stacked-axis indices `axes` (layer, expert): size 1 along each."""
+    ones = (1,) * len(axes)
+    return Chunk(axes + (row,) + (0,) * len(rest), ones + (rows,) + rest, lambda: load().reshape(ones + (rows,) + rest))
 
 
 def _row_ranges(rows: int, row_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -119,7 +125,7 @@ def _zero_rows(rows: int, rest: tuple[int, ...], dtype: torch.dtype) -> torch.Te
 
 
 def _fused_shape(param: Param, reader: SafetensorsReader, shape: ModelShape) -> tuple[int, ...]:
-    parts = [torch.empty(reader.spec(name).shape, device="meta") for name in param.hf_names(0)]
+    parts = [torch.empty(reader.spec(name).shape, device="meta") for name in param.hf_names(0, 0)]
     return tuple(fuse(param.fuse, parts, shape).shape)
 
 
@@ -141,22 +147,21 @@ def dist_to_dist_entries(reader: DistCheckpointReader, shape: ModelShape) -> lis
 
 def dist_to_hf(reader: DistCheckpointReader, shape: ModelShape, dtype: torch.dtype) -> tuple[list[TensorSpec], Iterator[torch.Tensor]]:
     """The HF tensor specs of the model and a generator producing them, one layer at a time."""
-    placed = [(p, layer) for p in params_for(shape) for layer in (range(shape.num_layers) if p.per_layer else [None])]
-    specs = [spec for param, layer in placed for spec in _hf_specs(reader, param, layer, shape, dtype)]
+    placed = [(p, slot) for p in params_for(shape) for slot in slots(p, shape)]
+    specs = [spec for param, slot in placed for spec in _hf_specs(reader, param, slot, shape, dtype)]
 
     def tensors() -> Iterator[torch.Tensor]:
-        for param, layer in placed:
-            full = reader.read(checkpoint_key(param), layer)
-            for tensor in param_to_hf(param, layer, full, shape).values():
+        for param, slot in placed:
+            full = reader.read(checkpoint_key(param), _axes(slot))
+            for tensor in param_to_hf(param, slot, full, shape).values():
                 yield tensor.to(dtype)
 
     return specs, tensors()
 
 
-def _hf_specs(reader: DistCheckpointReader, param: Param, layer: int | None, shape: ModelShape, dtype: torch.dtype) -> list[TensorSpec]:
-    stored = reader.shape(checkpoint_key(param))
-    full = stored[1:] if param.per_layer else stored
+def _hf_specs(reader: DistCheckpointReader, param: Param, slot: Slot, shape: ModelShape, dtype: torch.dtype) -> list[TensorSpec]:
+    full = reader.shape(checkpoint_key(param))[len(_axes(slot)):]
     if param.megatron in VOCAB_PARAMS:
         full = (shape.vocab_size,) + full[1:]
     parts = unfuse(param.fuse, torch.empty(full, device="meta"), shape)
-    return [TensorSpec(name, dtype, tuple(t.shape)) for name, t in zip(param.hf_names(layer), parts)]
+    return [TensorSpec(name, dtype, tuple(t.shape)) for name, t in zip(param.hf_names(*slot), parts)]

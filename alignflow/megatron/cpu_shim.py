@@ -29,6 +29,11 @@ tests/test_device.py):
   Both only on a CPU-only torch, where neither could answer otherwise.
 - `torch.cuda.synchronize()`: a no-op, as there is no device queue to wait for (Megatron's
   checkpoint writer calls it before saving; the model is built with `batch_p2p_sync=False`).
+- The MoE alltoall token dispatcher (`transformer/moe/token_dispatcher.py`) copies its token
+  counts to the host on a side CUDA stream: it sees `torch.cuda` streams as `_HostStream`s,
+  which have no queue to order (the counts are on the host already), and its copies of the
+  counts (`maybe_move_tensor_to_cpu`) become numpy arrays where it asks, as a device tensor's
+  do (all_to_all_single takes split sizes as a sequence of ints, not a tensor).
 
 Not covered: fused kernels, CUDA streams (DDP's overlapped reduction uses async gloo work
 instead), and Transformer Engine (absent on CPU anyway).
@@ -47,6 +52,7 @@ from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as transformer_utils
+from megatron.core.transformer.moe import token_dispatcher
 from torch.overrides import TorchFunctionMode
 
 from alignflow.device import device
@@ -137,6 +143,48 @@ class _TorchOnRankDevice(types.ModuleType):
 # Modules whose `torch` is `_TorchOnRankDevice`: each creates tensors on "cuda" by name at every step.
 TORCH_BY_NAME = (schedules, mcore_optimizer, clip_grads, mcore_utils)
 
+
+class _HostStream:
+    """A CUDA stream where there is no device: nothing is queued, so there is nothing to wait for."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self) -> "_HostStream":
+        return self  # an event that has happened: `synchronize` returns at once
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+class _CudaHostStreams(types.ModuleType):
+    """`torch.cuda` with host streams, as `_TorchWithHostStreams` gives it."""
+
+    Stream = _HostStream
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_stream(device=None) -> _HostStream:
+        return _HOST_STREAM
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
+
+
+class _TorchWithHostStreams(types.ModuleType):
+    """`torch` as the MoE token dispatcher sees it: its `cuda` streams are `_HostStream`s."""
+
+    cuda = _CudaHostStreams("torch.cuda")
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
 _CPU_TYPE = torch.Tensor.type
 
 
@@ -155,6 +203,11 @@ def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """`moe_utils.maybe_move_tensor_to_cpu` for a tensor already on the host: numpy where asked."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 def apply() -> None:
     """Install the patches once; a no-op where CUDA is available."""
     global _applied
@@ -171,5 +224,7 @@ def apply() -> None:
         module.torch = _TorchOnRankDevice("torch")
     for owner, name in CUDA_BY_NAME:
         setattr(owner, name, _on_rank_device_fn(getattr(owner, name)))
+    token_dispatcher.torch = _TorchWithHostStreams("torch")
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     _applied = True
     log.debug("CUDA absent: Megatron-Core runs on CPU with alignflow.megatron.cpu_shim")

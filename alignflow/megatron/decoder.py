@@ -7,7 +7,9 @@ autograd functions and inference-context bookkeeping per token; at 8 rows and a 
 model that overhead was most of a step (see `alignflow.generation`). `Decoder` reads each
 layer's weights once per batch (no copy) and runs the same math as Megatron's layers in ~20
 torch ops per layer: RMSNorm, the fused qkv per query group ([q heads of the group; k; v]),
-per-head q/k RMSNorm (Qwen3), RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU.
+per-head q/k RMSNorm (Qwen3), RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU,
+or a MoE layer's softmax top-k router and SwiGLU experts (Mixtral, Qwen3-MoE: each expert runs
+on the tokens routed to it, scaled by their router probabilities).
 Gemma 2 / 3 (`alignflow.megatron.gemma`): x * (1 + w) norms in fp32, the post-attention and
 post-MLP norms, GeGLU, scaled embeddings, soft-capped scores and logits, and per layer its
 window and its RoPE (Gemma 3's sliding layers have their own base).
@@ -21,12 +23,15 @@ it under a sliding window (Mistral, Gemma's window layers).
 
 Parallelism, as Megatron holds the weights: under TP each rank keeps its shards (qkv and fc1
 columns, proj and fc2 rows, its rows of the padded vocab) and all-reduces the row-parallel
-outputs (2 per layer) and the embedding, and all-gathers the logits; under PP hidden states
+outputs (2 per layer; a MoE layer's experts split as the dense MLP, their outputs summed
+before the one reduction) and the embedding, and all-gathers the logits; under PP hidden states
 [b, s, h] go stage to stage point to point. Sequence and context parallelism do not apply:
-every rank of those groups computes the whole (short) sequence with the same weights.
+every rank of those groups computes the whole (short) sequence with the same weights. Expert
+parallelism is not (each rank would hold only some experts): refused.
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
-window, Qwen2's qkv bias, Qwen3's q/k norms, Gemma 2 / 3, tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
+window, Qwen2's qkv bias, Qwen3's q/k norms, Gemma 2 / 3, tied embeddings, linear / llama3 RoPE scaling, Mixtral's and
+Qwen3-MoE's experts at EP1), on the local spec (SequentialMLP experts) and, by the same
 weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
 run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
@@ -52,10 +57,15 @@ from alignflow.megatron.vocab_parallel import mask_padded
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
     "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
-    "num_moe_experts": None, "multi_latent_attention": False, "rotary_interleaved": False, "fp32_residual_connection": False,
+    "multi_latent_attention": False, "rotary_interleaved": False, "fp32_residual_connection": False,
     "apply_residual_connection_post_layernorm": False, "softmax_type": "vanilla",
     "attention_output_gate": False, "no_rope_freq": None, "experimental_attention_variant": None,
     "activation_func_clamp_value": None, "heterogeneous_block_specs": False, "apply_query_key_layer_scaling": False,
+    # MoE: every layer sparse, a plain softmax top-k router, every token kept, all experts on this rank
+    "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None, "moe_expert_capacity_factor": None,
+    "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_group_topk": None,
+    "moe_router_enable_expert_bias": False, "moe_input_jitter_eps": None, "moe_z_loss_coeff": None, "moe_apply_probs_on_input": False,
+    "expert_model_parallel_size": 1,
 }
 ACTIVATIONS = (F.silu, gelu_tanh)  # SwiGLU, GeGLU
 
@@ -91,12 +101,14 @@ class LayerWeights:
     proj: Tensor
     proj_bias: Optional[Tensor]  # added once, after the TP reduction (Megatron's row-parallel bias)
     norm2: Tensor
-    fc1: Tensor  # [gate; up] of this TP rank
+    fc1: Optional[Tensor]  # [gate; up] of this TP rank (None in a MoE layer)
     fc1_bias: Optional[Tensor]
-    fc2: Tensor
+    fc2: Optional[Tensor]
     fc2_bias: Optional[Tensor]
     post_attention_norm: Optional[Tensor]  # Gemma's sandwich norms, after the TP reduction
     post_mlp_norm: Optional[Tensor]
+    router: Optional[Tensor] = None  # a MoE layer's [experts, hidden]
+    experts: tuple[tuple[Tensor, Tensor], ...] = ()  # each expert's (fc1, fc2), sharded as the dense MLP's
 
 
 def layer_weights(layer) -> LayerWeights:
@@ -104,19 +116,30 @@ def layer_weights(layer) -> LayerWeights:
     linears); a LoRA-adapted linear's weight merged with its adapter, as its forward applies it."""
     attention, mlp, config = layer.self_attention, layer.mlp, layer.config
     window = is_window_layer(config, layer.layer_number)
-    return LayerWeights(
+    common = dict(
         window_size=config.window_size if window else None, rope=int(window and isinstance(attention, LayerRopeSelfAttention)),
         norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=effective_weight(attention.linear_qkv),
         qkv_bias=_bias(attention.linear_qkv), q_norm=_qk_norm(attention.q_layernorm), k_norm=_qk_norm(attention.k_layernorm),
         proj=effective_weight(attention.linear_proj), proj_bias=_bias(attention.linear_proj),
-        norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
-        fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2),
-        post_attention_norm=_post_norm(attention.linear_proj), post_mlp_norm=_post_norm(mlp.linear_fc2))
+        post_attention_norm=_post_norm(attention.linear_proj))
+    if hasattr(mlp, "router"):  # MoELayer: its norm stands apart (both specs)
+        return LayerWeights(**common, norm2=layer.pre_mlp_layernorm.weight, fc1=None, fc1_bias=None, fc2=None, fc2_bias=None,
+                            post_mlp_norm=None, router=mlp.router.weight, experts=_experts(mlp.experts))
+    return LayerWeights(
+        **common, norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
+        fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2), post_mlp_norm=_post_norm(mlp.linear_fc2))
 
 
 def _post_norm(linear) -> Optional[Tensor]:
     norm = getattr(linear, "post_layernorm", None)
     return None if norm is None else norm.weight
+
+
+def _experts(experts) -> tuple[tuple[Tensor, Tensor], ...]:
+    """Each local expert's (fc1, fc2): SequentialMLP's MLPs, or TEGroupedMLP's `weight{i}` (not run on CPU)."""
+    if hasattr(experts, "local_experts"):
+        return tuple((effective_weight(e.linear_fc1), effective_weight(e.linear_fc2)) for e in experts.local_experts)
+    return tuple((getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")) for i in range(experts.num_local_experts))
 
 
 def _qk_norm(norm) -> Optional[Tensor]:
@@ -152,6 +175,7 @@ class Decoder:
         self.groups, self.per_group = config.num_query_groups // self.tp, config.num_attention_heads // config.num_query_groups
         self.head_dim, self.dtype = config.kv_channels, config.params_dtype
         self.scale = config.softmax_scale or self.head_dim ** -0.5
+        self.top_k, self.pre_softmax = config.moe_router_topk, config.moe_router_pre_softmax
         self.layers = [layer_weights(layer) for layer in model.decoder.layers]
         self.embedding = model.embedding.word_embeddings if model.pre_process else None
         if model.post_process:
@@ -241,11 +265,33 @@ class Decoder:
         qk = qk * cos + qk.roll(d // 2, -1) * sin  # x cos + rotate_half(x) sin
         out = attend(i, w, qk[..., :per, :], qk[..., per, :], qkv[..., per + 1, :])  # [b, s, heads * d]
         x = x + self._post_norm(_biased(self._reduce(F.linear(out, w.proj)), w.proj_bias), w.post_attention_norm)
-        gate, up = F.linear(self.norm(x, w.norm2, self.eps), w.fc1, w.fc1_bias).chunk(2, -1)
+        h = self.norm(x, w.norm2, self.eps)
+        if w.router is not None:
+            return x + self._reduce(self._experts(h, w))
+        gate, up = F.linear(h, w.fc1, w.fc1_bias).chunk(2, -1)
         return x + self._post_norm(_biased(self._reduce(F.linear(self.activation(gate) * up, w.fc2)), w.fc2_bias), w.post_mlp_norm)
 
     def _post_norm(self, out: Tensor, weight: Optional[Tensor]) -> Tensor:
         return out if weight is None else self.norm(out, weight, self.eps)
+
+    def _experts(self, h: Tensor, w: LayerWeights) -> Tensor:
+        """A MoE layer before the TP reduction: Megatron's router (top-k of the softmax; with
+        pre-softmax off, the softmax over the top-k logits, i.e. renormalized), then each expert
+        on its tokens, its output scaled by their probabilities and summed per token."""
+        flat = h.reshape(-1, h.shape[-1])
+        logits = F.linear(flat, w.router)
+        if self.pre_softmax:
+            probs, chosen = torch.softmax(logits, -1, dtype=torch.float32).type_as(logits).topk(self.top_k, -1)
+        else:
+            top, chosen = logits.topk(self.top_k, -1)
+            probs = torch.softmax(top, -1, dtype=torch.float32).type_as(logits)
+        out = torch.zeros_like(flat)
+        for expert, (fc1, fc2) in enumerate(w.experts):
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            if rows.numel():
+                gate, up = F.linear(flat[rows], fc1).chunk(2, -1)
+                out = out.index_add(0, rows, F.linear(F.silu(gate) * up * probs[rows, slot, None], fc2))
+        return out.view(h.shape)
 
     def _embed(self, tokens: Tensor) -> Tensor:
         embedding = self.embedding  # vocab-parallel: this rank's rows of the padded vocab

@@ -3,8 +3,10 @@
 Supported: what `alignflow.convert.families` supports (Llama, Mistral, Qwen2, Qwen3: GQA,
 tied or untied embeddings, qkv / attention output / MLP biases, per-head q/k RMSNorm, SwiGLU,
 RoPE with linear or llama3 scaling, Mistral's sliding window; Gemma 2 / 3 with the pieces of
-`alignflow.megatron.gemma` and per-layer windows), under TP, PP (with virtual chunks) and,
-with Transformer Engine, CP (not with attention soft-capping: its attention is ours).
+`alignflow.megatron.gemma` and per-layer windows; Mixtral and Qwen3-MoE: Megatron's MoELayer,
+a softmax top-k router as HF's (`MOE_SETTINGS`), no token dropping), under TP, PP (with
+virtual chunks), EP for the experts and, with Transformer Engine, CP (not with attention
+soft-capping: its attention is ours).
 Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local
 modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
 
@@ -30,6 +32,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -44,6 +47,12 @@ from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.runtime import parallel_sizes
 from alignflow.megatron.vocab_parallel import masking_hook
 
+# Megatron-Core 0.16.1's router gating tests `te_general_gemm is not None` but defines the name only
+# when Transformer Engine imports: without TE (the CPU) the MoE router raises NameError. None is
+# what it means: TE's GEMM is absent, torch's runs.
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
+
 # TransformerConfig settings where CUDA is absent.
 CPU_SETTINGS = {
     "batch_p2p_sync": False,  # it calls torch.cuda.synchronize
@@ -52,6 +61,29 @@ CPU_SETTINGS = {
     # even/odd order is exact.
     "batch_p2p_comm": False,
 }
+
+# TransformerConfig settings of a MoE model, given its shape: HF's router. Top-k of the
+# softmax; renormalized over the top k (norm_topk_prob, Mixtral) is Megatron's softmax over the
+# top-k logits, else the softmax over all experts before the top-k (pre-softmax). No capacity,
+# so no token is dropped. No load-balancing loss: HF adds its own (over all layers together,
+# unlike Megatron's per layer) only with output_router_logits, which compose refuses for
+# training (alignflow.config.validate). The alltoall dispatcher runs on gloo (CPU) as on NCCL.
+def moe_settings(shape: ModelShape, ep_size: int) -> dict[str, Any]:
+    if not shape.moe:
+        return {"moe_token_dispatcher_type": "alltoall"}  # variable_seq_lengths refuses the default even without experts
+    return {
+        "num_moe_experts": shape.num_experts,
+        "moe_router_topk": shape.moe_top_k,
+        "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+        "moe_router_pre_softmax": not shape.moe_norm_topk,
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": packed_thd(),  # TEGroupedMLP with Transformer Engine, SequentialMLP on the local spec
+        "expert_model_parallel_size": ep_size,
+    }
+
 
 # HF rope type -> GPTModel arguments, given the HF scaling factor (llama3: see `_llama3_rope`).
 ROPE_ARGS = {
@@ -94,7 +126,7 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
         # Micro batches may differ in shape (packed preference pairs): stages exchange shapes first
         # (Megatron refuses it beside its default MoE dispatcher, though this model has no experts).
         variable_seq_lengths=par["pipeline_model_parallel_size"] > 1,
-        moe_token_dispatcher_type="alltoall",
+        **moe_settings(shape, par["expert_model_parallel_size"]),
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         # On the CPU the weights are built from the full weight (TP ranks agree); elsewhere on the rank's device.
@@ -180,15 +212,22 @@ def layer_spec(shape: ModelShape) -> ModuleSpec:
     """Transformer Engine's fused layers where importable (GPU clusters), else Megatron's own;
     the attention output and the MLP biased as the HF model is (Megatron's `add_bias_linear`
     sets both together, HF's attention_bias and mlp_bias apart); Gemma's pieces where the
-    shape has them (see `alignflow.megatron.gemma`)."""
+    shape has them (see `alignflow.megatron.gemma`). MoE layers: TEGroupedMLP experts with TE,
+    SequentialMLP on the local spec; both store the experts under one checkpoint key, and the
+    pre-MLP norm under `pre_mlp_layernorm` (TE's MoE spec keeps it apart from fc1; the local
+    spec would save it under fc1's name)."""
+    experts = dict(num_experts=shape.num_experts or None, moe_grouped_gemm=shape.moe and packed_thd())
     if packed_thd():
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm, **experts)
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm", **experts)
         spec.submodules.self_attention.submodules.core_attention = DocumentWindowAttention
+        if shape.moe:
+            spec.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.")
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     attention.linear_proj = _biased(attention.linear_proj, shape.proj_bias)
-    mlp.linear_fc1, mlp.linear_fc2 = _biased(mlp.linear_fc1, shape.mlp_bias), _biased(mlp.linear_fc2, shape.mlp_bias)
+    if shape.dense:
+        mlp.linear_fc1, mlp.linear_fc2 = _biased(mlp.linear_fc1, shape.mlp_bias), _biased(mlp.linear_fc2, shape.mlp_bias)
     if shape.attn_softcap is not None:  # neither TE's attention nor SDPA soft-caps: ours, THD batches included
         attention.core_attention = type("SoftcappedAttention", (DocumentWindowAttention,), {"softcap": shape.attn_softcap})
     if shape.local_rope_theta is not None:

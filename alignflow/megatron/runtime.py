@@ -30,7 +30,7 @@ def parallel_sizes(parallel_cfg: Any) -> dict[str, Any]:
 
 
 def init_parallel(parallel_cfg: Any, *, seed: int = 1234) -> None:
-    """Process group, then Megatron's TP/PP/VP/CP groups, then every RNG this rank uses."""
+    """Process group, then Megatron's TP/PP/VP/CP/EP groups, then every RNG this rank uses."""
     cfg = parallel_sizes(parallel_cfg)
     cpu_shim.apply()
     fast_fp32_matmuls()
@@ -41,6 +41,7 @@ def init_parallel(parallel_cfg: Any, *, seed: int = 1234) -> None:
         pipeline_model_parallel_size=cfg["pipeline_model_parallel_size"],
         virtual_pipeline_model_parallel_size=cfg["virtual_pipeline_model_parallel_size"],
         context_parallel_size=cfg["context_parallel_size"],
+        expert_model_parallel_size=cfg["expert_model_parallel_size"],
     )
     seed_all(seed)
 

@@ -41,7 +41,7 @@ from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.eval")
 SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-               "context_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
+               "context_parallel_size": 1, "expert_model_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
