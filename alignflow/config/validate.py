@@ -248,8 +248,10 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     par, problems = section.parallel, []
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     key = f"{stage_key}.parallel"
-    if min(tp, pp, cp, par.expert_model_parallel_size) < 1:
-        return [f"{key}: parallel sizes must be >= 1"]
+    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
+             "expert_model_parallel_size": par.expert_model_parallel_size}
+    if (small := [f"{key}.{name}: must be >= 1, got {size}" for name, size in sizes.items() if size < 1]):
+        return small
     if world % (tp * pp * cp):
         problems.append(
             f"{key}: tensor ({tp}) x pipeline ({pp}) x context ({cp}) = {tp * pp * cp} does not divide the world size "
@@ -287,8 +289,6 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
 
 def _check_experts(kind: str, key: str, ep: int, dp: int, shape: ModelShape | None) -> list[str]:
     """Expert parallelism splits each MoE layer's experts over EP of the data-parallel ranks."""
-    if ep < 1:
-        return [f"{key}.expert_model_parallel_size: must be >= 1, got {ep}"]
     if ep == 1:
         return []
     if kind in ("grpo", "eval"):
