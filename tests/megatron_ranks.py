@@ -18,7 +18,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
+    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
 from reference_convert import hf_to_megatron
@@ -32,6 +33,7 @@ TINY = dict(
     num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
     initializer_range=0.1,  # large enough that attention is peaked: a layout error shows in the logits
 )
+PHI3_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # Phi3Config's defaults (32000) lie outside vocab 100
 
 # case -> (config class, model class, what differs from TINY)
 CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
@@ -53,6 +55,13 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "llama_attention_bias": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head_dim != hidden / heads, as Qwen3's real sizes
     "qwen3_tied_bias": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),  # post-norm, q/k norms over the whole projection
+    "olmo2_tied_bias": (Olmo2Config, Olmo2ForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
+    "phi3_window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 4, **PHI3_TOKENS}),  # fused qkv_proj, gate_up_proj; a window
+    "phi4_partial_tied": (Phi3Config, Phi3ForCausalLM, {  # Phi-4-mini's shape: RoPE on 3/4 of each head, tied
+        "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        **PHI3_TOKENS,
+    }),
 }
 
 

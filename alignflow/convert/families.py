@@ -3,10 +3,13 @@
 
 Supported: LlamaForCausalLM (with attention / MLP biases, RoPE default, linear, or llama3
 scaling with any constants), MistralForCausalLM (sliding window on all layers),
-Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm); GQA, tied or untied
-embeddings, RMSNorm, SwiGLU. Refused with a ValueError that says why: any other architecture
-or activation, other rope types, Qwen2/Qwen3 per-layer sliding windows. Each would otherwise
-convert into a different model.
+Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm), Olmo2ForCausalLM
+(post-norm layers, q/k RMSNorm over the whole projection, attention biases), Phi3ForCausalLM
+(Phi-3 and Phi-4: HF's fused qkv_proj and gate_up_proj, partial rotary, sliding window); GQA,
+tied or untied embeddings, RMSNorm, SwiGLU. Refused with a ValueError that says why: any other
+architecture or activation, other rope types (Phi-3's longrope), a partial rotary factor
+outside Phi-3, Qwen2/Qwen3 per-layer sliding windows. Each would otherwise convert into a
+different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;
@@ -34,6 +37,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "rope_parameters": None,  # transformers >= 5; older configs have rope_theta + rope_scaling
     "rope_theta": 10000.0,
     "rope_scaling": None,
+    "partial_rotary_factor": None,  # older configs; transformers >= 5 keeps it in rope_parameters
 }
 
 NO_LAYER_WINDOWS = ("use_sliding_window", True, "per-layer sliding windows (use_sliding_window) are not mapped")
@@ -47,6 +51,7 @@ class Family:
     flags: Callable[[Mapping[str, Any]], dict[str, Any]]
     refused: tuple[tuple[str, Any, str], ...] = ()
     activation: str = "silu"  # SwiGLU: Megatron's gated_linear_unit with F.silu
+    partial_rotary: bool = False  # HF's RoPE honours partial_rotary_factor (rotates the first dims of each head)
 
 
 def _llama(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -58,9 +63,18 @@ ARCHITECTURES: dict[str, Family] = {
     "MistralForCausalLM": Family(lambda cfg: {"sliding_window": cfg["sliding_window"]}),
     "Qwen2ForCausalLM": Family(lambda cfg: {"qkv_bias": True}, refused=(NO_LAYER_WINDOWS,)),
     "Qwen3ForCausalLM": Family(lambda cfg: {**_llama(cfg), "qk_norm": True}, refused=(NO_LAYER_WINDOWS,)),
+    "Olmo2ForCausalLM": Family(lambda cfg: {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "qk_norm": True,
+                                            "qk_norm_whole": True, "post_norm": True}),
+    "Phi3ForCausalLM": Family(lambda cfg: {"fused_projections": True, "sliding_window": cfg["sliding_window"]}, partial_rotary=True),
 }
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# Rope types refused with why they cannot be mapped.
+ROPE_REFUSED = {
+    "longrope": "Phi-3's long-context RoPE (Phi-3-*-128k, Phi-4-mini) switches its frequencies from short_factor to "
+                "long_factor once a sequence passes original_max_position_embeddings and scales cos/sin by an "
+                "attention factor; Megatron-Core's rotary embedding computes neither",
+}
 LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -86,12 +100,24 @@ class ModelShape:
     qkv_bias: bool = False
     proj_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE
+    qk_norm: bool = False  # RMSNorm of q and of k, before RoPE: over each head (Qwen3), or
+    qk_norm_whole: bool = False  # over the whole projection, all heads at once (OLMo 2)
+    post_norm: bool = False  # OLMo 2: RMSNorm on the attention's and the MLP's outputs, none on their inputs
+    fused_projections: bool = False  # Phi-3: HF holds qkv_proj ([all q; all k; all v]) and gate_up_proj ([gate; up])
+    rotary_percent: float = 1.0  # the share of each head's dims RoPE rotates (the first ones)
     sliding_window: Optional[int] = None
 
     @property
     def untied_embeddings(self) -> bool:
         return not self.tied_embeddings
+
+    @property
+    def pre_norm(self) -> bool:
+        return not self.post_norm
+
+    @property
+    def separate_projections(self) -> bool:
+        return not self.fused_projections
 
 
 @dataclass(frozen=True)
@@ -123,12 +149,14 @@ _MEG = "decoder.layers.{layer}."
 
 TABLE: tuple[Param, ...] = (
     Param("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-    Param(_MEG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",)),
+    Param(_MEG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",), when="pre_norm"),
     Param(
         _MEG + "self_attention.linear_qkv.weight",
         (_HF + "self_attn.q_proj.weight", _HF + "self_attn.k_proj.weight", _HF + "self_attn.v_proj.weight"),
         fuse="qkv",
+        when="separate_projections",
     ),
+    Param(_MEG + "self_attention.linear_qkv.weight", (_HF + "self_attn.qkv_proj.weight",), fuse="hf_qkv", when="fused_projections"),
     Param(
         _MEG + "self_attention.linear_qkv.bias",
         (_HF + "self_attn.q_proj.bias", _HF + "self_attn.k_proj.bias", _HF + "self_attn.v_proj.bias"),
@@ -139,11 +167,14 @@ TABLE: tuple[Param, ...] = (
     Param(_MEG + "self_attention.k_layernorm.weight", (_HF + "self_attn.k_norm.weight",), when="qk_norm"),
     Param(_MEG + "self_attention.linear_proj.weight", (_HF + "self_attn.o_proj.weight",)),
     Param(_MEG + "self_attention.linear_proj.bias", (_HF + "self_attn.o_proj.bias",), when="proj_bias"),
-    Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",)),
-    Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1"),
+    Param(_MEG + "post_self_attn_layernorm.weight", (_HF + "post_attention_layernorm.weight",), when="post_norm"),
+    Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), when="pre_norm"),
+    Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1", when="separate_projections"),
+    Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_up_proj.weight",), when="fused_projections"),  # [gate; up] as Megatron's
     Param(_MEG + "mlp.linear_fc1.bias", (_HF + "mlp.gate_proj.bias", _HF + "mlp.up_proj.bias"), fuse="fc1", when="mlp_bias"),
     Param(_MEG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",)),
     Param(_MEG + "mlp.linear_fc2.bias", (_HF + "mlp.down_proj.bias",), when="mlp_bias"),
+    Param(_MEG + "post_mlp_layernorm.weight", (_HF + "post_feedforward_layernorm.weight",), when="post_norm"),
     Param("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Param("output_layer.weight", ("lm_head.weight",), when="untied_embeddings"),
 )
@@ -177,7 +208,7 @@ def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
         max_position_embeddings=cfg["max_position_embeddings"],
         norm_eps=cfg["rms_norm_eps"],
         tied_embeddings=bool(cfg["tie_word_embeddings"]),
-        **_rope(cfg),
+        **_rope(cfg, family),
         **family.flags(cfg),
     )
 
@@ -197,12 +228,18 @@ def _refuse_unsupported(cfg: Mapping[str, Any], family: Family) -> None:
         raise ValueError(f"unsupported HF config hidden_act={cfg['hidden_act']!r}: {cfg['architectures'][0]} maps only {family.activation!r}")
 
 
-def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def _rope(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
     """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
     params = cfg["rope_parameters"] or {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ROPE_REFUSED:
+        raise ValueError(f"unsupported rope_type {rope_type!r} (rope_parameters): {ROPE_REFUSED[rope_type]}")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    partial = float(params.get("partial_rotary_factor", cfg["partial_rotary_factor"] or 1.0))
+    if partial != 1.0 and not family.partial_rotary:
+        raise ValueError(f"unsupported HF config partial_rotary_factor={partial}: {cfg['architectures'][0]} is mapped with RoPE "
+                         "over whole heads")
     missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
     if missing:
         raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
@@ -211,4 +248,5 @@ def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "rope_type": rope_type,
         "rope_factor": float(params.get("factor", 1.0)),
         "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
+        "rotary_percent": partial,
     }

@@ -7,7 +7,10 @@ autograd functions and inference-context bookkeeping per token; at 8 rows and a 
 model that overhead was most of a step (see `alignflow.generation`). `Decoder` reads each
 layer's weights once per batch (no copy) and runs the same math as Megatron's layers in ~20
 torch ops per layer: RMSNorm, the fused qkv per query group ([q heads of the group; k; v]),
-per-head q/k RMSNorm (Qwen3), RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU.
+q/k RMSNorm per head (Qwen3) or over the whole projection (OLMo 2, its sum of squares
+all-reduced over TP), RoPE on queries and keys together (on the first dims of each head with
+a partial rotary factor, Phi-3), grouped-query attention on a preallocated cache, SwiGLU, and
+the norms before each sublayer or, post-norm (OLMo 2), on its output.
 
 Batches: prompts are left-padded to the longest of the batch; a padded row's positions start
 at 0 at its first real token and its padding is never attended (prefill runs each row's
@@ -23,7 +26,8 @@ outputs (2 per layer) and the embedding, and all-gathers the logits; under PP hi
 every rank of those groups computes the whole (short) sequence with the same weights.
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
-window, Qwen2's qkv bias, Qwen3's q/k norms, tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
+window, Qwen2's qkv bias, Qwen3's q/k norms, OLMo 2's post-norm layers and whole-projection q/k
+norms, Phi-3's partial rotary and window, tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
 weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
 run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
@@ -42,7 +46,7 @@ from torch import Tensor
 from alignflow.device import device as rank_device
 from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.lora import effective_weight
-from alignflow.megatron.model import packed_thd
+from alignflow.megatron.model import ProjectionRMSNorm, packed_thd
 
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
@@ -66,25 +70,28 @@ def unsupported(model) -> dict:
     wrong = {k: getattr(config, k) for k, v in REQUIRED.items() if getattr(config, k, v) != v}
     if config.activation_func is not F.silu:
         wrong["activation_func"] = config.activation_func
-    if model.position_embedding_type != "rope" or model.rotary_pos_emb.inv_freq.numel() * 2 != config.kv_channels:
-        wrong["position_embedding"] = f"{model.position_embedding_type} (full-width RoPE needed)"
+    if model.position_embedding_type != "rope" or model.rotary_pos_emb.inv_freq.numel() * 2 > config.kv_channels:
+        wrong["position_embedding"] = f"{model.position_embedding_type} (RoPE within each head needed)"
     return wrong
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    norm1: Tensor
+    norm1: Optional[Tensor]  # None post-norm
     qkv: Tensor
     qkv_bias: Optional[Tensor]
-    q_norm: Optional[Tensor]  # per head, before RoPE
+    q_norm: Optional[Tensor]  # before RoPE: per head, or over this rank's share of the projection (`qk_norm_whole`)
     k_norm: Optional[Tensor]
     proj: Tensor
     proj_bias: Optional[Tensor]  # added once, after the TP reduction (Megatron's row-parallel bias)
-    norm2: Tensor
+    norm2: Optional[Tensor]
     fc1: Tensor  # [gate; up] of this TP rank
     fc1_bias: Optional[Tensor]
     fc2: Tensor
     fc2_bias: Optional[Tensor]
+    qk_norm_whole: bool = False
+    post_norm1: Optional[Tensor] = None  # post-norm: on the attention's output (its bias added), before the residual add
+    post_norm2: Optional[Tensor] = None  # and on the MLP's
 
 
 def layer_weights(layer) -> LayerWeights:
@@ -96,11 +103,13 @@ def layer_weights(layer) -> LayerWeights:
         qkv_bias=_bias(attention.linear_qkv), q_norm=_qk_norm(attention.q_layernorm), k_norm=_qk_norm(attention.k_layernorm),
         proj=effective_weight(attention.linear_proj), proj_bias=_bias(attention.linear_proj),
         norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
-        fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2))
+        fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2),
+        qk_norm_whole=isinstance(attention.q_layernorm, ProjectionRMSNorm),
+        post_norm1=_qk_norm(getattr(layer, "post_self_attn_layernorm", None)), post_norm2=_qk_norm(getattr(layer, "post_mlp_layernorm", None)))
 
 
 def _qk_norm(norm) -> Optional[Tensor]:
-    return getattr(norm, "weight", None)  # None or Megatron's IdentityOp without q/k norms
+    return getattr(norm, "weight", None)  # None or Megatron's IdentityOp without the norm
 
 
 def _bias(linear) -> Optional[Tensor]:
@@ -108,9 +117,9 @@ def _bias(linear) -> Optional[Tensor]:
     return bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor for "no bias"
 
 
-def _norm(norm, fused_linear) -> Tensor:
+def _norm(norm, fused_linear) -> Optional[Tensor]:
     weight = getattr(norm, "weight", None)
-    return weight if weight is not None else fused_linear.layer_norm_weight
+    return weight if weight is not None else getattr(fused_linear, "layer_norm_weight", None)  # None: post-norm
 
 
 class Decoder:
@@ -139,7 +148,8 @@ class Decoder:
         cache = (len(pad), self.groups, max_length, self.head_dim)
         self.keys = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
         self.values = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
-        angles = model.rotary_pos_emb.get_emb(max_length)[:, 0, 0].to(device)  # [max_length, head_dim], fp32
+        angles = model.rotary_pos_emb.get_emb(max_length)[:, 0, 0].to(device)  # [max_length, rotated dims], fp32
+        self.rotary_dim = angles.shape[-1]  # the first dims of each head, all of it unless partial
         self.cos_table, self.sin_table = angles.cos().to(self.dtype), _signed_sin(angles).to(self.dtype)
         pads = torch.tensor(pad, dtype=torch.long, device=device)
         self.cos, self.sin = self._rope(pads, max_length)  # [b, max_length, 1, 1, d] per row
@@ -205,16 +215,30 @@ class Decoder:
 
     def _layer(self, x: Tensor, i: int, w: LayerWeights, cos: Tensor, sin: Tensor, attend: Callable) -> Tensor:
         b, s, _ = x.shape
-        g, per, d = self.groups, self.per_group, self.head_dim
-        qkv = F.linear(F.rms_norm(x, (self.hidden,), w.norm1, self.eps), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
+        g, per, d, r = self.groups, self.per_group, self.head_dim, self.rotary_dim
+        qkv = F.linear(self._norm(x, w.norm1), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
         qk = qkv[..., : per + 1, :]  # each group's queries and key, rotated together
         if w.q_norm is not None:
-            qk = torch.cat([F.rms_norm(qk[..., :per, :], (d,), w.q_norm, self.eps), F.rms_norm(qk[..., per:, :], (d,), w.k_norm, self.eps)], -2)
-        qk = qk * cos + qk.roll(d // 2, -1) * sin  # x cos + rotate_half(x) sin
+            qk = torch.cat([self._qk_norm(qk[..., :per, :], w.q_norm, w.qk_norm_whole), self._qk_norm(qk[..., per:, :], w.k_norm, w.qk_norm_whole)], -2)
+        rotated = qk[..., :r] * cos + qk[..., :r].roll(r // 2, -1) * sin  # x cos + rotate_half(x) sin
+        qk = rotated if r == d else torch.cat([rotated, qk[..., r:]], -1)
         out = attend(i, qk[..., :per, :], qk[..., per, :], qkv[..., per + 1, :])  # [b, s, heads * d]
-        x = x + _biased(self._reduce(F.linear(out, w.proj)), w.proj_bias)
-        gate, up = F.linear(F.rms_norm(x, (self.hidden,), w.norm2, self.eps), w.fc1, w.fc1_bias).chunk(2, -1)
-        return x + _biased(self._reduce(F.linear(F.silu(gate) * up, w.fc2)), w.fc2_bias)
+        x = x + self._norm(_biased(self._reduce(F.linear(out, w.proj)), w.proj_bias), w.post_norm1)
+        gate, up = F.linear(self._norm(x, w.norm2), w.fc1, w.fc1_bias).chunk(2, -1)
+        return x + self._norm(_biased(self._reduce(F.linear(F.silu(gate) * up, w.fc2)), w.fc2_bias), w.post_norm2)
+
+    def _norm(self, x: Tensor, weight: Optional[Tensor]) -> Tensor:
+        return x if weight is None else F.rms_norm(x, (self.hidden,), weight, self.eps)
+
+    def _qk_norm(self, heads: Tensor, weight: Tensor, whole: bool) -> Tensor:
+        """RMSNorm of q's heads [b, s, g, per, d] (k's [b, s, g, 1, d]) per head, or `whole`
+        over all heads of the token (every TP rank's: `ProjectionRMSNorm`)."""
+        if not whole:
+            return F.rms_norm(heads, (heads.shape[-1],), weight, self.eps)
+        flat = heads.flatten(-3)  # this rank's heads in order: its share of the q (k) projection
+        squares = self._reduce(flat.float().square().sum(-1, keepdim=True))
+        normed = flat.float() * torch.rsqrt(squares / (flat.shape[-1] * self.tp) + self.eps)
+        return (weight * normed).to(heads.dtype).view(heads.shape)
 
     def _embed(self, tokens: Tensor) -> Tensor:
         embedding = self.embedding  # vocab-parallel: this rank's rows of the padded vocab

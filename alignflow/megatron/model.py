@@ -1,9 +1,11 @@
 """Build a Megatron-Core GPTModel from an HF Llama-family config; move states in and out of it.
 
-Supported: what `alignflow.convert.families` supports (Llama, Mistral, Qwen2, Qwen3: GQA,
-tied or untied embeddings, qkv / attention output / MLP biases, per-head q/k RMSNorm, SwiGLU,
-RoPE with linear or llama3 scaling, Mistral's sliding window), under TP, PP (with virtual
-chunks) and, with Transformer Engine, CP.
+Supported: what `alignflow.convert.families` supports (Llama, Mistral, Qwen2, Qwen3, OLMo 2,
+Phi-3: GQA, tied or untied embeddings, qkv / attention output / MLP biases, per-head q/k
+RMSNorm, SwiGLU, RoPE with linear or llama3 scaling or over part of each head, sliding
+windows), under TP, PP (with virtual chunks) and, with Transformer Engine, CP. Two pieces
+Megatron-Core lacks are alignflow's own (OLMo 2): `PostNormTransformerLayer` and
+`ProjectionRMSNorm`.
 Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local
 modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
 
@@ -20,7 +22,7 @@ leave a model under checkpoint names (`load_megatron_state`, `megatron_state`), 
 """
 
 from contextlib import nullcontext
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +31,15 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
+from torch.distributed.nn.functional import all_reduce
 
 from alignflow.convert.families import ModelShape, model_shape
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
@@ -123,6 +130,63 @@ class DocumentWindowAttention(DotProductAttention):
         return out.view(b, s, heads * dim).transpose(0, 1)
 
 
+class ProjectionRMSNorm(torch.nn.Module):
+    """OLMo 2's q/k norm: RMSNorm over the whole projection (all heads of q, or of k, at once),
+    where Megatron's `q_layernorm` normalizes each head. Under TP a rank holds its heads and
+    their slice of the weight (TP-sharded on dim 0, like the heads); the sum of squares is
+    all-reduced over the TP group (its gradient too: each rank's heads depend on it), so any TP
+    computes TP1's. Built by Megatron's SelfAttention in place of `q_layernorm` / `k_layernorm`."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float, heads: str):
+        super().__init__()
+        total = config.num_attention_heads if heads == "query" else config.num_query_groups
+        self.width, self.eps, self.tp = total * config.kv_channels, eps, config.tensor_model_parallel_size
+        self.weight = torch.nn.Parameter(torch.ones(self.width // self.tp, dtype=config.params_dtype, device=device()))
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[s, b, this rank's heads, head dim], normalized over every rank's heads of the token."""
+        squares = x.float().square().sum((-2, -1), keepdim=True)
+        if self.tp > 1:
+            squares = all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        normed = x.float() * torch.rsqrt(squares / self.width + self.eps)
+        return (self.weight.view(x.shape[-2:]) * normed).to(x.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        """The weight as one global tensor, TP-sharded on dim 0."""
+        groups = {"dp_cp_group": metadata["dp_cp_group"]} if metadata and "dp_cp_group" in metadata else {}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {"weight": 0}, sharded_offsets, **groups)
+
+
+class PostNormTransformerLayer(TransformerLayer):
+    """OLMo 2's layer: no norm before attention or the MLP; RMSNorm on each one's output (its
+    bias added) before the residual add: h = x + norm(attention(x)); out = h + norm(mlp(h)).
+    Megatron-Core has no such layer: here its bias-dropout-adds get the normed outputs, so its
+    forward (recompute, PP, TP's reductions) runs unchanged. The spec leaves the input norms out
+    (`layer_spec`); `post_norm` is the norm class (the spec's own)."""
+
+    def __init__(self, config: TransformerConfig, submodules, *args, post_norm: type, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        built = [build_module(post_norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon) for _ in range(2)]
+        self.post_self_attn_layernorm, self.post_mlp_layernorm = built
+        self.self_attn_bda = _normed_first(self.self_attn_bda, self.post_self_attn_layernorm)
+        self.mlp_bda = _normed_first(self.mlp_bda, self.post_mlp_layernorm)
+
+
+def _normed_first(bda: Callable, norm: torch.nn.Module) -> Callable:
+    """A Megatron bias-dropout-add factory whose add takes norm(output + bias)."""
+    def factory(training: bool, fused: bool) -> Callable:
+        add = bda(training, fused)
+
+        def normed_add(output_with_bias: tuple, residual: Tensor, prob: float) -> Tensor:
+            output, bias = output_with_bias
+            return add((norm(output if bias is None else output + bias), None), residual, prob)
+
+        return normed_add
+
+    return factory
+
+
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
     """Per-token cross entropy [b, s] from a GPTModel chunk on the last pipeline stage (its
     hidden states elsewhere; the logits when `labels` is None). At TP=1 torch's fused cross_entropy on the logits: Megatron's
@@ -156,16 +220,36 @@ def document_params(batch: dict) -> PackedSeqParams:
 def layer_spec(shape: ModelShape) -> ModuleSpec:
     """Transformer Engine's fused layers where importable (GPU clusters), else Megatron's own;
     the attention output and the MLP biased as the HF model is (Megatron's `add_bias_linear`
-    sets both together, HF's attention_bias and mlp_bias apart)."""
+    sets both together, HF's attention_bias and mlp_bias apart); OLMo 2's post-norm layer and
+    whole-projection q/k norms."""
     if packed_thd():
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = DocumentWindowAttention
+    if shape.post_norm:
+        spec = _post_norm(spec)
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     attention.linear_proj = _biased(attention.linear_proj, shape.proj_bias)
     mlp.linear_fc1, mlp.linear_fc2 = _biased(mlp.linear_fc1, shape.mlp_bias), _biased(mlp.linear_fc2, shape.mlp_bias)
+    if shape.qk_norm_whole:
+        attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "query"})
+        attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "key"})
     return spec
+
+
+def _post_norm(spec: ModuleSpec) -> ModuleSpec:
+    """The spec as `PostNormTransformerLayer`s: its input norms (TE's fused into linear_qkv and
+    linear_fc1) left out, its own norm class on the outputs."""
+    layer, attention, mlp = spec.submodules, spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    if packed_thd():  # Transformer Engine: norms fused into the linears; never run on CPU CI
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+        norm, attention.linear_qkv, mlp.linear_fc1 = TENorm, TEColumnParallelLinear, TEColumnParallelLinear
+    else:
+        norm = layer.input_layernorm
+    layer.input_layernorm, layer.pre_mlp_layernorm = IdentityOp, IdentityOp
+    return ModuleSpec(module=PostNormTransformerLayer, submodules=layer, params={"post_norm": norm})
 
 
 def _biased(linear: type, bias: bool) -> type:
@@ -214,6 +298,7 @@ def build_gpt(
         share_embeddings_and_output_weights=shape.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
+        rotary_percent=shape.rotary_percent,  # the first dims of each head, as HF's partial_rotary_factor
         **ROPE_ARGS[shape.rope_type](shape.rope_factor),
     )
     chunks = [_build_chunk(common, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
