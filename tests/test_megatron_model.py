@@ -21,7 +21,9 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
-TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other"]  # every family trait over TP and PP
+# every family trait over TP and PP (OLMo 2's whole-projection q/k norms all-reduced over TP, Phi-4-mini's partial rotary)
+TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "olmo2_tied_bias",
+                  "phi4_partial_tied"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
