@@ -128,6 +128,18 @@ def pickled_only(model: Path) -> None:
     (model / "model.safetensors").rename(model / "pytorch_model.bin")
 
 
+def config_changed(**changes) -> Callable[[Path], None]:
+    """A change of the model's config.json: `changes` over its keys."""
+    def change(model: Path) -> None:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, **changes}))
+    return change
+
+
+PHI3_LONGROPE = config_changed(architectures=["Phi3ForCausalLM"], model_type="phi3", rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "original_max_position_embeddings": 128})
+
+
 def an_export_marker(files_listed: list[str]) -> Callable[[Path, Path], None]:
     return files(("prev/alignflow-export.json", json.dumps({"files": files_listed})), ("prev/config.json", "{}"))
 
@@ -194,6 +206,13 @@ CASES = {
     "source-pickled-weights-only": Case((*CONVERT, "model.source={W}/model"), ("model.source: {W}/model holds pickled weights only (pytorch_model.bin)",),
                                         model_copy(pickled_only)),
     "source-truncated": Case((*CONVERT, "model.source={W}/model"), ("model.source: {W}/model/model.safetensors is truncated",), model_copy(truncated)),
+    "source-phi3-longrope": Case((*CONVERT, "model.source={W}/model"),
+                                 ("model.source: {W}/model/config.json: unsupported rope_type 'longrope' (rope_parameters): Phi-3's "
+                                  "long-context RoPE",), model_copy(PHI3_LONGROPE)),
+    "source-partial-rotary-outside-phi3": Case((*CONVERT, "model.source={W}/model"),
+                                               ("model.source: {W}/model/config.json: unsupported HF config partial_rotary_factor=0.5: "
+                                                "LlamaForCausalLM is mapped with RoPE over whole heads",),
+                                               model_copy(config_changed(partial_rotary_factor=0.5))),
     "source-missing": Case((*CONVERT, "model.source={W}/nothing"), ("model.source: {W}/nothing/config.json does not exist",)),
     "tokenizer-missing": Case(("model.tokenizer={W}/nothing",), ("model.tokenizer: {W}/nothing does not exist",)),
     "data-empty-file": Case(("data.sft.train={W}/empty.jsonl",), ("data.sft.train: {W}/empty.jsonl is an empty file",), files(("empty.jsonl", ""))),

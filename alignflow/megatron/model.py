@@ -154,7 +154,8 @@ class ProjectionRMSNorm(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
         """The weight as one global tensor, TP-sharded on dim 0."""
-        groups = {"dp_cp_group": metadata["dp_cp_group"]} if metadata and "dp_cp_group" in metadata else {}
+        groups = ({"tp_group": parallel_state.get_tensor_model_parallel_group(), "dp_cp_group": metadata["dp_cp_group"]}
+                  if metadata and "dp_cp_group" in metadata else {})  # Megatron's defaults take both or neither
         return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {"weight": 0}, sharded_offsets, **groups)
 
 
