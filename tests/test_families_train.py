@@ -1,6 +1,7 @@
 """SFT and DPO on the families beyond Llama: a few steps at TP2 give TP1's losses within 1e-5
-(fp32), where the q/k norms are replicated and the biases split (fc1's) or added after the
-reduction (the attention output's, fc2's)."""
+(fp32), where the q/k norms are replicated (per head) or split with their sum of squares
+all-reduced (OLMo 2's, over the whole projection) and the biases split (fc1's) or added after
+the reduction (the attention output's, fc2's)."""
 
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from alignflow.stages import eval as eval_stage
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_demo, stage_cfg, torchrun  # noqa: E402
+from train_ranks import assert_same_steps, convert_case, convert_demo, stage_cfg, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5
@@ -20,6 +21,11 @@ TOLERANCE = 1e-5
 CASES = {
     "qwen3-biased": ("tiny-qwen3", {"attention_bias": True}),  # q/k norms, qkv and attention output biases, tied
     "llama-biased": ("tiny-llama", {"attention_bias": True, "mlp_bias": True}),  # every bias, fc1's gated
+}
+# case -> `megatron_ranks.CASES` entry, for the families the demo has no model of
+RANKS_CASES = {
+    "olmo2-biased": "olmo2_tied_bias",  # post-norm, whole-projection q/k norms, attention biases, tied
+    "phi4-mini-shape": "phi4_partial_tied",  # fused qkv_proj / gate_up_proj, RoPE on 3/4 of each head, tied
 }
 
 
@@ -39,8 +45,11 @@ def data(demo_dir, tmp_path_factory):
 
 def inputs_of(case: str, stage: str, demo_dir: Path, data: str, root: Path) -> dict:
     """The case's model converted (and, for DPO, its reference log-probs on the data)."""
-    folder, changes = CASES[case]
-    model = convert_demo(demo_dir, root / "model", folder, **changes)
+    if case in RANKS_CASES:
+        model = convert_case(demo_dir, root / "model", RANKS_CASES[case])
+    else:
+        folder, changes = CASES[case]
+        model = convert_demo(demo_dir, root / "model", folder, **changes)
     inputs = {"data": data, "model": str(model)}
     if stage == "dpo":
         ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
@@ -50,7 +59,7 @@ def inputs_of(case: str, stage: str, demo_dir: Path, data: str, root: Path) -> d
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES | RANKS_CASES))
 def test_two_tensor_parallel_ranks_give_one_ranks_losses(demo_dir, data, tmp_path, case, stage):
     inputs = inputs_of(case, stage, demo_dir, data, tmp_path)
     section = {"trainer": {"val_check_interval": 5}, **({"loss": {"beta": 0.1}} if stage == "dpo" else {})}

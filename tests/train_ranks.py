@@ -77,14 +77,15 @@ def convert_demo(demo_dir: Path, out: Path, folder: str = "tiny-llama", **hf_ove
 
 
 def convert_case(demo_dir: Path, out: Path, case: str) -> Path:
-    """A tiny random HF model of `megatron_ranks.CASES[case]` (any family) over the demo
-    tokenizer's vocabulary, converted as a model stage output."""
+    """A tiny random HF model of `megatron_ranks.CASES[case]` (a family the demo has no model
+    of) over the demo tokenizer's vocabulary, initialized as the demo's, converted as a model
+    stage output."""
     from megatron_ranks import tiny_hf_model
 
     from alignflow.stages import convert
 
     source = out.with_name(out.name + "-hf")
-    tiny_hf_model(case, vocab_size=512, max_position_embeddings=512)[0].save_pretrained(source)
+    tiny_hf_model(case, vocab_size=512, max_position_embeddings=512, initializer_range=0.02)[0].save_pretrained(source)
     convert.run(typed({
         "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
                   "make_vocab_size_divisible_by": 128},
