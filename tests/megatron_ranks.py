@@ -58,6 +58,12 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),  # post-norm, q/k norms over the whole projection
     "olmo2_tied_bias": (Olmo2Config, Olmo2ForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
     "phi3_window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 4, **PHI3_TOKENS}),  # fused qkv_proj, gate_up_proj; a window
+    "phi3_longrope": (Phi3Config, Phi3ForCausalLM, {  # Phi-3-*-128k's RoPE within original_max_position_embeddings
+        "max_position_embeddings": 64, "original_max_position_embeddings": 32,  # Phi3Config's own key wins over rope_parameters'
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                            "short_factor": [1.0, 1.3, 1.7, 2.2, 2.9, 3.4, 4.1, 5.0], "long_factor": [2.0] * 8},
+        **PHI3_TOKENS,
+    }),
     "phi4_partial_tied": (Phi3Config, Phi3ForCausalLM, {  # Phi-4-mini's shape: RoPE on 3/4 of each head, tied
         "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
         **PHI3_TOKENS,

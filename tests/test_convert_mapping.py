@@ -1,6 +1,7 @@
 """The Llama-family table: every HF tensor read once, every Megatron tensor made once, fused
 layouts and TP shards exact in both directions, and clear refusals."""
 
+import math
 from collections import Counter
 from typing import Iterator, Mapping
 
@@ -142,6 +143,14 @@ def test_phi3_config_reads_window_and_partial_rotary():
     assert model_shape(older).rotary_percent == 0.5  # a config.json from before transformers 5
 
 
+def test_longrope_reads_hf_attention_factor():
+    """HF's default: sqrt(1 + ln(max / original max) / ln(original max)); Phi3Config's own
+    original_max_position_embeddings wins over rope_parameters' (the tiny case sets both)."""
+    shape = model_shape(tiny_hf_model("phi3_longrope")[1])
+    assert (shape.rope_type, shape.rope_original_max, len(shape.rope_short_factor)) == ("longrope", 32, 8)
+    assert shape.rope_attention_factor == pytest.approx((1 + math.log(64 / 32) / math.log(32)) ** 0.5, rel=1e-12)
+
+
 def test_fc1_merge_and_split_are_exact_inverses():
     gate, up = torch.randn(64, 32), torch.randn(64, 32)
     fused = merge_fc1(gate, up)
@@ -211,11 +220,11 @@ def test_unsupported_architecture_names_the_supported_ones():
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3 rope scaling without low_freq_factor"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
     ("qwen3", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
-    ("phi3_window", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                                         "original_max_position_embeddings": 32}},
-     "rope_type 'longrope' .*switches its frequencies from short_factor to long_factor"),
-    ("phi3_window", {"rope_parameters": None, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-     "rope_type 'longrope'"),
+    ("phi4_partial_tied", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                                               "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "original_max_position_embeddings": 32}},
+     "rope_type 'longrope' with partial_rotary_factor=0.75 .*: its attention factor scales the rotated dims of q and k only"),
+    ("phi3_window", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}, "original_max_position_embeddings": None},
+     "longrope rope scaling without original_max_position_embeddings or short_factor"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5: LlamaForCausalLM is mapped with RoPE over whole heads"),
     ("olmo2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
 ])

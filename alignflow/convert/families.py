@@ -7,8 +7,8 @@ Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm), Olmo2ForCa
 (post-norm layers, q/k RMSNorm over the whole projection, attention biases), Phi3ForCausalLM
 (Phi-3 and Phi-4: HF's fused qkv_proj and gate_up_proj, partial rotary, sliding window); GQA,
 tied or untied embeddings, RMSNorm, SwiGLU. Refused with a ValueError that says why: any other
-architecture or activation, other rope types (Phi-3's longrope), a partial rotary factor
-outside Phi-3, Qwen2/Qwen3 per-layer sliding windows. Each would otherwise convert into a
+architecture or activation, other rope types, longrope past original_max_position_embeddings
+positions or with a partial rotary factor (Phi-4-mini), a partial rotary factor outside Phi-3, Qwen2/Qwen3 per-layer sliding windows. Each would otherwise convert into a
 different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
@@ -19,6 +19,7 @@ global on the HF side, local to a pipeline stage on the Megatron side.
 Imports no torch, so config validation can call `model_shape`.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -68,13 +69,9 @@ ARCHITECTURES: dict[str, Family] = {
     "Phi3ForCausalLM": Family(lambda cfg: {"fused_projections": True, "sliding_window": cfg["sliding_window"]}, partial_rotary=True),
 }
 
-ROPE_TYPES = ("default", "linear", "llama3")
-# Rope types refused with why they cannot be mapped.
-ROPE_REFUSED = {
-    "longrope": "Phi-3's long-context RoPE (Phi-3-*-128k, Phi-4-mini) switches its frequencies from short_factor to "
-                "long_factor once a sequence passes original_max_position_embeddings and scales cos/sin by an "
-                "attention factor; Megatron-Core's rotary embedding computes neither",
-}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+LONGROPE_WHY = ("its attention factor scales the rotated dims of q and k only, which is not one softmax scale; "
+                "Megatron-Core's attention has no such term")
 LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -105,6 +102,9 @@ class ModelShape:
     post_norm: bool = False  # OLMo 2: RMSNorm on the attention's and the MLP's outputs, none on their inputs
     fused_projections: bool = False  # Phi-3: HF holds qkv_proj ([all q; all k; all v]) and gate_up_proj ([gate; up])
     rotary_percent: float = 1.0  # the share of each head's dims RoPE rotates (the first ones)
+    rope_short_factor: tuple[float, ...] = ()  # longrope: each rotary frequency divided by its factor
+    rope_attention_factor: float = 1.0  # longrope: HF scales cos and sin by it (so the scores by its square)
+    rope_original_max: Optional[int] = None  # longrope: past this many positions HF switches to long_factor (refused)
     sliding_window: Optional[int] = None
 
     @property
@@ -232,8 +232,6 @@ def _rope(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
     """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
     params = cfg["rope_parameters"] or {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ROPE_REFUSED:
-        raise ValueError(f"unsupported rope_type {rope_type!r} (rope_parameters): {ROPE_REFUSED[rope_type]}")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     partial = float(params.get("partial_rotary_factor", cfg["partial_rotary_factor"] or 1.0))
@@ -243,10 +241,29 @@ def _rope(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
     missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
     if missing:
         raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
+    if rope_type == "longrope" and partial != 1.0:
+        raise ValueError(f"unsupported rope_type 'longrope' with partial_rotary_factor={partial} (Phi-4-mini): {LONGROPE_WHY}")
     return {
         "rope_theta": float(params.get("rope_theta", cfg["rope_theta"])),
         "rope_type": rope_type,
         "rope_factor": float(params.get("factor", 1.0)),
         "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
         "rotary_percent": partial,
+        **(_longrope(cfg, params) if rope_type == "longrope" else {}),
     }
+
+
+def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-3's long-context RoPE as HF computes it (`_compute_longrope_parameters`) up to
+    original_max_position_embeddings positions: each frequency divided by its short_factor,
+    cos and sin scaled by the attention factor. Past it HF switches the whole sequence to
+    long_factor, which `alignflow.megatron.model` refuses at run time."""
+    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if original is None or params.get("short_factor") is None:
+        raise ValueError("longrope rope scaling without original_max_position_embeddings or short_factor in rope_parameters")
+    factor = params.get("factor") or cfg["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return {"rope_short_factor": tuple(float(f) for f in params["short_factor"]), "rope_attention_factor": float(attention),
+            "rope_original_max": int(original)}

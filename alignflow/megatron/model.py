@@ -21,6 +21,7 @@ leave a model under checkpoint names (`load_megatron_state`, `megatron_state`), 
 `alignflow.convert` produces.
 """
 
+import math
 from contextlib import nullcontext
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -61,6 +63,7 @@ ROPE_ARGS = {
     "default": lambda factor: {},
     "linear": lambda factor: {"seq_len_interpolation_factor": factor},
     "llama3": lambda factor: {},
+    "longrope": lambda factor: {},  # see `LongRoPE`
 }
 
 
@@ -81,6 +84,8 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
         add_bias_linear=False,  # the attention output's and the MLP's biases: `layer_spec`
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
+        # longrope scales cos and sin of q's and k's rotated dims (all of them) by its attention factor: the scores by its square
+        softmax_scale=None if shape.rope_attention_factor == 1.0 else shape.rope_attention_factor ** 2 / math.sqrt(shape.head_dim),
         window_size=None if shape.sliding_window is None else (shape.sliding_window - 1, 0),  # HF: i - j < window
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -273,6 +278,36 @@ def _llama3_rope(model: GPTModel, shape: ModelShape) -> None:
                                             high_freq_factor=high, original_max_position_embeddings=original)
 
 
+class LongRoPE(RotaryEmbedding):
+    """HF's longrope (Phi-3-*-128k, Phi-3.5-mini) where HF keeps its short factors: up to
+    original_max_position_embeddings positions (its attention factor is the config's
+    softmax_scale, `transformer_config`). Past them HF switches the whole sequence to long_factor
+    (and a KV-cached generation to a mix of both): refused, naming the lengths."""
+
+    original_max: int
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        if max_seq_len + offset > self.original_max:
+            raise ValueError(f"a sequence of {max_seq_len + offset} positions passes the longrope model's "
+                             f"original_max_position_embeddings={self.original_max}, past which HF switches to long_factor "
+                             "(not mapped); keep data.seq_length and prompt + generated tokens within it")
+        return super().get_emb(max_seq_len, offset)
+
+
+def _longrope(model: GPTModel, shape: ModelShape) -> None:
+    """The rotary frequencies as HF's longrope computes them with its short factors."""
+    rotary = model.rotary_pos_emb
+    dim = rotary.inv_freq.numel() * 2
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=rotary.inv_freq.device).float() / dim
+    short = torch.tensor(shape.rope_short_factor, dtype=torch.float32, device=rotary.inv_freq.device)
+    rotary.inv_freq = 1.0 / (short * shape.rope_theta ** exponents)
+    rotary.__class__, rotary.original_max = LongRoPE, shape.rope_original_max
+
+
+# HF rope types whose frequencies are set after GPTModel builds its rotary embedding.
+RESCALED_ROPE = {"llama3": _llama3_rope, "longrope": _longrope}
+
+
 def build_gpt(
     hf_config: Mapping[str, Any],
     parallel_cfg: Any,
@@ -303,8 +338,9 @@ def build_gpt(
         **ROPE_ARGS[shape.rope_type](shape.rope_factor),
     )
     chunks = [_build_chunk(common, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
-    for chunk in chunks if shape.rope_type == "llama3" else []:
-        _llama3_rope(chunk, shape)
+    rescale = RESCALED_ROPE.get(shape.rope_type)
+    for chunk in chunks if rescale else []:
+        rescale(chunk, shape)
     return chunks if vp_size else chunks[0]
 
 
