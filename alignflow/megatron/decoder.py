@@ -27,7 +27,8 @@ every rank of those groups computes the whole (short) sequence with the same wei
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
 window, Qwen2's qkv bias, Qwen3's q/k norms, OLMo 2's post-norm layers and whole-projection q/k
-norms, Phi-3's partial rotary and window, tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
+norms, Phi-3's partial rotary, window and longrope (its attention factor is the config's
+softmax scale), tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
 weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
 run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
