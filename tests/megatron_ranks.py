@@ -18,14 +18,15 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
-    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from reference_convert import hf_to_megatron
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
-from alignflow.megatron.model import build_gpt, load_megatron_state
+from alignflow.megatron.model import build_gpt, load_megatron_state, token_nll
 
 TOLERANCE = 1e-5  # fp32, max abs over all logits
 TINY = dict(
@@ -68,6 +69,18 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
         "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
         **PHI3_TOKENS,
     }),
+    # Sliding (4 tokens) and full layers alternating, head_dim != hidden / heads != query_pre_attn_scalar,
+    # soft-caps small enough to bend the scores and logits.
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0,
+    }),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {  # its own RoPE base on sliding layers, linear scaling on full ones
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    }),
 }
 
 
@@ -76,10 +89,11 @@ def tiny_hf_model(case: str, seed: int = 0, **overrides) -> tuple[torch.nn.Modul
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **extra, **overrides}, attn_implementation="eager")).eval()
+    centered = model_cls.__name__.startswith("Gemma")  # its norms scale by 1 + w
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5)
+                param.uniform_(-0.5, 0.5) if centered else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
     return model, {**model.config.to_dict(), "architectures": [model_cls.__name__]}
@@ -119,6 +133,20 @@ def max_logit_error(case: str, parallel: dict, hf_state: dict) -> Optional[float
         if logits is None:
             return None
         return (logits[..., : hf_config["vocab_size"]] - hf_model(ids).logits).abs().max().item()
+
+
+def max_logprob_error(case: str, parallel: dict, hf_state: dict) -> Optional[float]:
+    """max |our per-token log-prob - HF's log_softmax over its real vocab| through `token_nll`
+    (torch's cross entropy at TP1, Megatron's vocab-parallel one under TP) on a model whose vocab
+    Megatron pads (100 -> 128, or 256 at TP2: the second rank's whole slice is padding)."""
+    hf_model, hf_config = tiny_hf_model(case)
+    chunk = converted_chunks(hf_config, parallel, hf_state)[0]
+    ids = tokens()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        nll = token_nll(chunk, ids[:, :-1], positions[:, :-1], None, ids[:, 1:])
+        expected = hf_model(ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return (-nll - expected).abs().max().item()
 
 
 def greedy_mismatches(case: str, parallel: dict, hf_state: dict) -> int:
@@ -176,6 +204,10 @@ def main() -> int:
         error = max_logit_error(case, parallel, hf_state)
         if error is not None:
             print(f"{case} tp={args.tp} pp={args.pp} vp={args.vp}: max |logits - HF| = {error:.2e}", flush=True)
+            failed |= not error < TOLERANCE
+        if args.pp == 1:
+            error = max_logprob_error(case, parallel, hf_state)
+            print(f"{case} tp={args.tp}: max |logp - HF log_softmax over the real vocab| = {error:.2e}", flush=True)
             failed |= not error < TOLERANCE
         if args.generate:
             mismatches = greedy_mismatches(case, parallel, hf_state)

@@ -38,7 +38,7 @@ def packed_batch(rows: list[list[int]], length: int, vocab: int = 100) -> tuple[
     return batch, ids
 
 
-@pytest.mark.parametrize("case", ["llama", "mistral_window"])
+@pytest.mark.parametrize("case", ["llama", "mistral_window", "gemma2", "gemma3"])  # Gemma 2: soft-capped scores (`eager`)
 def test_packed_rows_give_hf_logits_of_each_document_alone(one_rank, case, tmp_path):
     hf_model, config = tiny_hf_model(case, max_position_embeddings=512)
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
@@ -50,8 +50,13 @@ def test_packed_rows_give_hf_logits_of_each_document_alone(one_rank, case, tmp_p
         for r, docs in enumerate(ROWS):
             starts = np.cumsum([0, *docs])
             for a, e in zip(starts, starts[1:]):
-                expected = hf_model(torch.as_tensor(ids[r][a:e])[None]).logits[0]
+                document = torch.as_tensor(ids[r][a:e])[None]
+                # Megatron's forward rotates by row position (RoPE is relative: the same scores but
+                # for the fp32 rounding of the angles, 1e-5 on Gemma's scaled activations at 300);
+                # the lean forward by position in the document.
+                positions = {"megatron": torch.arange(a, e)[None], "lean": None}
                 for name, logits in ours.items():
+                    expected = hf_model(document, position_ids=positions[name]).logits[0]
                     error = (logits[r, a:e, : config["vocab_size"]] - expected).abs().max().item()
                     assert error < TOLERANCE, f"{name}: row {r}, document {a}:{e}, max |logits - HF| {error:.2e}"
 
@@ -99,7 +104,7 @@ class LargestOutput(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("case", ["llama", "mistral_window"])
+@pytest.mark.parametrize("case", ["llama", "mistral_window", "gemma2"])
 def test_no_s_by_s_tensor_for_a_long_packed_row(one_rank, case):
     """A row of 2048 tokens packing nine documents (the longest 700): the largest tensor of a
     training step's forward and backward and of a forward-only pass, from collating the row
@@ -116,6 +121,22 @@ def test_no_s_by_s_tensor_for_a_long_packed_row(one_rank, case):
                 (nll * batch["loss_mask"]).sum().backward()
         print(f"{case}, {'training' if grad else 'forward-only'}: largest tensor {watch.largest} elements ({watch.op}), s^2 = {s * s}")
         assert watch.largest < s * s, (watch.largest, watch.op)
+
+
+def test_thd_sequences_attend_as_the_same_documents_of_a_row(one_rank):
+    """Transformer Engine's batches (a soft-capped model's core attention is ours there too):
+    THD queries [t, heads, dim] with their cu_seqlens give what the [s, b] row gives."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = build_gpt(tiny_hf_model("gemma2")[1], one_rank)
+    attention = model.decoder.layers[0].self_attention.core_attention  # a window layer, soft-capped
+    assert attention.softcap == 5.0 and attention.window_size == (3, 0)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(30, 1, n, 32, generator=generator) for n in (4, 2, 2))
+    cu_seqlens = torch.tensor([0, 7, 19, 30], dtype=torch.int32)
+    row = attention(q, k, v, None, packed_seq_params=Documents.of(cu_seqlens, 12, 30))
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=12, max_seqlen_kv=12)
+    torch.testing.assert_close(attention(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=thd), row[:, 0], rtol=0, atol=0)
 
 
 def test_on_cuda_in_bf16_the_kernel_is_torchs_varlen_attention():

@@ -19,7 +19,8 @@ from flows.cli import main
         ("sft.optim.lrr=1e-4", "sft.optim.lrr"),
         ("sft.trainer.max_steps=ten", "sft.trainer.max_steps"),
         ("data.truncation=keep_middle", "data.truncation"),
-        ("dpo.loss.loss_type=hinge", "dpo.loss.loss_type"),
+        ("dpo.loss.loss_type=[hindge]", "dpo.loss.loss_type"),
+        ("dpo.loss.loss_type=hinge", "dpo.loss.loss_type"),  # TRL's list, not one name
     ],
 )
 def test_typo_and_wrong_type_name_the_key(base_overrides, override, key):

@@ -27,7 +27,8 @@ from megatron_ranks import tiny_hf_model  # noqa: E402
 
 RANKS = Path(__file__).with_name("checkpoint_ranks.py")
 TOLERANCE = 1e-5
-STREAMED = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "olmo2_tied_bias", "phi3_window"]  # q/k norms, biases, post-norm, fused qkv_proj
+# q/k norms, biases, sandwich norms, post-norm, fused qkv_proj
+STREAMED = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "olmo2_tied_bias", "phi3_window"]
 
 
 @pytest.fixture(scope="module")

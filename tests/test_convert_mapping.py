@@ -8,6 +8,7 @@ from typing import Iterator, Mapping
 import pytest
 import torch
 from megatron_ranks import saved_state, tiny_hf_model
+from transformers import Gemma2Config, Gemma3TextConfig
 
 from alignflow.convert.layout import merge_fc1, merge_hf_qkv, merge_qkv, split_fc1, split_hf_qkv, split_qkv
 from alignflow.convert.families import model_shape
@@ -15,8 +16,8 @@ from reference_convert import (
     hf_to_megatron, megatron_to_hf, padded_vocab_size, shard, stage_layers, stage_params, unshard,
 )
 
-# GQA untied, tied, qkv bias, q/k norms, every bias, post-norm with whole q/k norms, fused qkv_proj / gate_up_proj
-CASES = ["llama", "llama_tied", "qwen2", "qwen3_tied_bias", "llama_biases", "olmo2_tied_bias", "phi4_partial_tied"]
+# GQA untied, tied, qkv bias, q/k norms, every bias, sandwich norms, post-norm with whole q/k norms, fused qkv_proj / gate_up_proj
+CASES = ["llama", "llama_tied", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "olmo2_tied_bias", "phi4_partial_tied"]
 LAYER_NAMES = [
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.weight",
@@ -210,8 +211,39 @@ def test_vocab_is_padded_to_a_multiple_of_128_times_tp():
 
 
 def test_unsupported_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                         "Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"):
         model_shape({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_gemma_sandwich_norms_map_to_the_post_norms_of_the_projections(hf):
+    """HF's post_attention_layernorm is Gemma's post-attention norm (Llama's pre-MLP one), its
+    pre_feedforward_layernorm the pre-MLP norm; weights as stored (zero-centered, no + 1)."""
+    hf_state, config = hf["gemma3"]
+    megatron = hf_to_megatron(hf_state, config, 0, 1, 0, 1)
+    layer = "decoder.layers.1."
+    for name, hf_name in [("self_attention.linear_proj.post_layernorm.weight", "post_attention_layernorm.weight"),
+                          ("mlp.linear_fc1.layer_norm_weight", "pre_feedforward_layernorm.weight"),
+                          ("mlp.linear_fc2.post_layernorm.weight", "post_feedforward_layernorm.weight"),
+                          ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+                          ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight")]:
+        assert torch.equal(megatron[layer + name], hf_state["model.layers.1." + hf_name]), name
+
+
+@pytest.mark.parametrize("config_cls,legacy", [
+    (Gemma3TextConfig, {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                        "sliding_window_pattern": 3, "num_hidden_layers": 7}),
+    (Gemma2Config, {"rope_theta": 1e4, "num_hidden_layers": 5}),
+])
+def test_gemma_configs_without_layer_types_read_as_transformers_reads_them(config_cls, legacy):
+    """A config.json of transformers 4 (no `layer_types`, no per-layer-type `rope_parameters`)
+    gives the shape of the config transformers 5 makes of it."""
+    architecture = {Gemma3TextConfig: "Gemma3ForCausalLM", Gemma2Config: "Gemma2ForCausalLM"}[config_cls]
+    written = {"architectures": [architecture], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "max_position_embeddings": 64, **legacy}
+    shape = model_shape(written)
+    assert shape == model_shape({**config_cls(**written).to_dict(), "architectures": [architecture]})
+    assert sum(shape.window_layers) < len(shape.window_layers) and any(shape.window_layers)
 
 
 @pytest.mark.parametrize("case,change,message", [
@@ -227,6 +259,16 @@ def test_unsupported_architecture_names_the_supported_ones():
      "longrope rope scaling without original_max_position_embeddings or short_factor"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5: LlamaForCausalLM is mapped with RoPE over whole heads"),
     ("olmo2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("gemma2", {"attention_bias": True}, "attention_bias=True: Gemma's attention biases are not mapped"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True: bidirectional attention"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu': Gemma2ForCausalLM maps only 'gelu_pytorch_tanh'"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"] * 2}, "layer_types=.*one of 'sliding_attention', 'full_attention'"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_type 'linear' on sliding_attention layers"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_type 'yarn'"),
+    ("gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]}, "'Gemma3ForConditionalGeneration': the multimodal Gemma 3"),
 ])
 def test_unsupported_config_fails_clearly(case, change, message):
     with pytest.raises(ValueError, match=message):

@@ -49,7 +49,7 @@ def dpo_cfg(demo_dir, tp=1, pp=1, **section) -> dict:
     return stage_cfg("dpo", demo_dir, tp, pp, **{"micro_batch_size": 2, "global_batch_size": 8, "loss": {"beta": 0.1}, **section})
 
 
-@pytest.mark.parametrize("loss_cfg", [DPOLossConfig(), DPOLossConfig(loss_type="ipo", preference_average_log_probs=True,
+@pytest.mark.parametrize("loss_cfg", [DPOLossConfig(), DPOLossConfig(loss_type=["ipo"], preference_average_log_probs=True,
                                                                                      sft_loss_weight=0.5, sft_average_log_probs=True)],
                          ids=["sigmoid", "ipo-averaged+sft"])
 def test_precomputed_reference_equals_an_online_reference(inputs, loss_cfg):

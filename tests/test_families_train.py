@@ -1,12 +1,15 @@
 """SFT and DPO on the families beyond Llama: a few steps at TP2 give TP1's losses within 1e-5
 (fp32), where the q/k norms are replicated (per head) or split with their sum of squares
-all-reduced (OLMo 2's, over the whole projection) and the biases split (fc1's) or added after
-the reduction (the attention output's, fc2's)."""
+all-reduced (OLMo 2's, over the whole projection), the biases split (fc1's) or added after the
+reduction (the attention output's, fc2's), and Gemma's post norms follow the reduction."""
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from transformers import Gemma2Config, Gemma3TextConfig
 
 from alignflow.stages import dpo, prep, ref_logprobs, sft
 from alignflow.stages import eval as eval_stage
@@ -21,7 +24,19 @@ TOLERANCE = 1e-5
 CASES = {
     "qwen3-biased": ("tiny-qwen3", {"attention_bias": True}),  # q/k norms, qkv and attention output biases, tied
     "llama-biased": ("tiny-llama", {"attention_bias": True, "mlp_bias": True}),  # every bias, fc1's gated
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
 }
+# Random Gemmas of the demo model's shape: (HF config class, config beyond that shape). A 4-token
+# window on sliding layers (documents are longer), soft-caps that bend the scores and logits.
+GEMMA = {
+    "gemma2": (Gemma2Config, {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "attn_logit_softcapping": 5.0,
+                              "final_logit_softcapping": 3.0}),
+    "gemma3": (Gemma3TextConfig, {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
+                                  "layer_types": ["sliding_attention", "full_attention"]}),
+}
+DEMO_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 # case -> `megatron_ranks.CASES` entry, for the families the demo has no model of
 RANKS_CASES = {
     "olmo2-biased": "olmo2_tied_bias",  # post-norm, whole-projection q/k norms, attention biases, tied
@@ -49,6 +64,8 @@ def inputs_of(case: str, stage: str, demo_dir: Path, data: str, root: Path) -> d
         model = convert_case(demo_dir, root / "model", RANKS_CASES[case])
     else:
         folder, changes = CASES[case]
+        if folder in GEMMA:
+            folder = gemma_source(demo_dir, root / folder, *GEMMA[folder])
         model = convert_demo(demo_dir, root / "model", folder, **changes)
     inputs = {"data": data, "model": str(model)}
     if stage == "dpo":
@@ -56,6 +73,22 @@ def inputs_of(case: str, stage: str, demo_dir: Path, data: str, root: Path) -> d
                                 "model": {"make_vocab_size_divisible_by": 128}}), inputs, str(root / "ref"))
         inputs["ref_logprobs"] = str(root / "ref")
     return inputs
+
+
+def gemma_source(demo_dir: Path, out: Path, config_cls: type, changes: dict) -> Path:
+    """A random Gemma of the demo model's shape, norms random too, saved as HF saves it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    demo = json.loads((demo_dir / "tiny-llama" / "config.json").read_text())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_cls(**{key: demo[key] for key in DEMO_SHAPE}, **changes))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5)  # Gemma scales by 1 + w
+    model.save_pretrained(out)
+    return out
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo"])

@@ -87,6 +87,6 @@ def test_virtual_pipeline_chunks_are_refused(llama):
 
 
 def test_models_outside_the_llama_family_are_refused(one_rank):
-    model = build_gpt(tiny_hf_model("llama")[1], one_rank, qk_layernorm=True)
-    with pytest.raises(NotImplementedError, match="qk_layernorm"):
+    model = build_gpt(tiny_hf_model("llama")[1], one_rank, apply_residual_connection_post_layernorm=True)
+    with pytest.raises(NotImplementedError, match="apply_residual_connection_post_layernorm"):
         generate(model, PROMPTS, Sampling(4, -1, 100), 2)

@@ -217,3 +217,40 @@ def test_grpo_lora_refers_to_its_own_frozen_base(demo_dir, trained, inputs, tmp_
     lines = metrics_lines(tmp_path / "grpo")
     assert result["steps"] == 3 and lines[0]["kl"] == 0.0 and lines[-1]["kl"] > 0
     assert json.loads((tmp_path / "grpo" / "lora.json").read_text())["base"] == model
+
+
+# ------------------------------------------------------------------ dropout, as PEFT draws it
+
+
+@pytest.mark.parametrize("path", ["self_attention.linear_qkv", "mlp.linear_fc1"])
+def test_dropout_draws_one_mask_per_projection_as_peft(one_rank, path):
+    """With adapter_dropout 0.5, a fused module's adapter output equals PEFT's own LoRA layers (q,
+    k, v / gate, up: one each, called in HF's order) on the same A, B, input and RNG state: each
+    projection draws its own dropout mask, not one shared by the fused module."""
+    from megatron_ranks import tiny_hf_model
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from alignflow.megatron import lora
+    from alignflow.megatron.model import build_gpt
+
+    _, config = tiny_hf_model("llama")
+    model = build_gpt(config, one_rank)
+    lora.attach([model], lora.LoRASettings(adapter_dim=4, alpha=8, adapter_dropout=0.5, target_modules=(path.split(".")[-1],)), seed=0)
+    adapter = model.decoder.layers[0].get_submodule(path).adapter.train()
+    parts = adapter.spec.parts
+    hf = torch.nn.ModuleDict({part: torch.nn.Linear(config["hidden_size"], adapter.lora_B[part].shape[0], bias=False) for part in parts})
+    hf = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=list(parts)), hf).train()
+    with torch.no_grad():
+        for part in parts:
+            adapter.lora_B[part].normal_()
+            hf[part].base_layer.weight.zero_()  # the adapter's term alone
+            hf[part].lora_A["default"].weight.copy_(adapter.lora_A[part])
+            hf[part].lora_B["default"].weight.copy_(adapter.lora_B[part])
+        x = torch.randn(7, 1, config["hidden_size"])
+        torch.manual_seed(2)
+        ours = adapter(x)
+        torch.manual_seed(2)
+        theirs = lora.fuse_last_dim(adapter.spec, [hf[part](x) for part in parts], adapter.config)
+        torch.manual_seed(2)
+        assert not torch.allclose(adapter(x), adapter(x), atol=1e-3)  # dropout is really on
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)

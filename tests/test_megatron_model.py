@@ -5,12 +5,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, parallel_cfg, saved_state, tiny_hf_model, tokens
+from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, max_logprob_error, parallel_cfg, saved_state, tiny_hf_model, tokens
 
 from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
@@ -22,13 +23,47 @@ from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
 # every family trait over TP and PP (OLMo 2's whole-projection q/k norms all-reduced over TP, Phi-4-mini's partial rotary, longrope)
-TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "olmo2_tied_bias",
-                  "phi4_partial_tied", "phi3_longrope"]
+TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "gemma2", "gemma3",
+                  "olmo2_tied_bias", "phi4_partial_tied", "phi3_longrope"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_rank_logits_match_hf(one_rank, case, tmp_path):
     assert max_logit_error(case, one_rank, saved_state(tiny_hf_model(case)[0], tmp_path)) < TOLERANCE
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3_tied_bias"])
+def test_one_rank_token_logprobs_are_hfs_over_the_real_vocab(one_rank, case, tmp_path):
+    """Per-token log-probs (`token_nll`) equal HF's log_softmax over its 100 tokens, not over
+    Megatron's 128 padded rows (which generation never samples)."""
+    assert max_logprob_error(case, one_rank, saved_state(tiny_hf_model(case)[0], tmp_path)) < TOLERANCE
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grpo_importance_weight_is_1_before_any_update_on_a_padded_vocab(one_rank, temperature, tmp_path):
+    """GRPO's importance weight exp(training logp - generation logp) is 1 when the policy has not
+    moved: generation samples over the real 100 tokens, and GRPO's training forward (Megatron's
+    vocab-parallel cross entropy at the generation temperature) now normalises over them too,
+    not over the 128 padded rows (weights below 1 before)."""
+    from alignflow.generation import Sampling, generate
+    from alignflow.stages.grpo import tempered_forward
+
+    hf_model, config = tiny_hf_model("llama")
+    model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
+    prompts = tokens(batch=4, seq=6).tolist()
+    torch.manual_seed(0)
+    sampling = Sampling(max_new_tokens=8, eos_id=config["vocab_size"], vocab_size=config["vocab_size"], temperature=temperature)
+    rows = []
+    for prompt, completion in zip(prompts, generate([model], prompts, sampling, batch_size=4, seed=3)):
+        ids = np.array(prompt + completion.tokens)
+        mask = np.r_[np.zeros(len(prompt)), np.ones(len(completion.tokens))]
+        rows.append(((ids, mask, np.array([0, len(ids)])), completion.sampling_logps))
+    batch = vars(packed_rows([row for row, _ in rows], length=14, pad_id=0))
+    with torch.no_grad():
+        training = -tempered_forward(temperature)(model, batch)
+    for i, (_, generation_logps) in enumerate(rows):
+        picked = training[i, 5 : 5 + len(generation_logps)]
+        torch.testing.assert_close(picked.exp() / torch.tensor(generation_logps).exp(), torch.ones(len(generation_logps)), atol=1e-5, rtol=1e-5)
 
 
 def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank, tmp_path):
@@ -42,9 +77,8 @@ def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank
     with torch.no_grad():
         per_token = sft_forward(model, batch)[0]
         for a, e in zip(cu, cu[1:]):
-            logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
-            padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
-            expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
+            logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]  # the real vocab (100; Megatron's is padded to 128)
+            expected = F.cross_entropy(logits, torch.as_tensor(ids[a + 1 : e]), reduction="none")
             torch.testing.assert_close(per_token[a : e - 1], expected, atol=1e-5, rtol=1e-5)
         leaked = sft_forward(model, dict(batch, cu_seqlens=torch.tensor([0, 32]), max_seqlen=32))[0]  # the window alone, as before
         assert not torch.allclose(leaked[cu[1] : cu[1] + 3], per_token[cu[1] : cu[1] + 3], atol=1e-3)
@@ -68,8 +102,7 @@ def test_lean_forward_matches_hf_on_each_document_of_a_packed_row(one_rank, case
     for a, e in zip(cu, cu[1:]):
         with torch.no_grad():
             logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
-        padded = F.pad(logits, (0, 128 - config["vocab_size"]))  # Megatron's padded vocab rows are zero
-        expected = F.cross_entropy(padded, torch.as_tensor(ids[a + 1 : e]), reduction="none")
+        expected = F.cross_entropy(logits, torch.as_tensor(ids[a + 1 : e]), reduction="none")  # over the real vocab
         torch.testing.assert_close(per_document[a : e - 1], expected, atol=1e-5, rtol=1e-5)
     gradients = []
     for forward in (lean, model):
@@ -177,4 +210,28 @@ def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     cases = len(TWO_RANK_CASES)
     assert run.stdout.count("max |logits - HF|") == cases * (2 if "--tp" in layout else 1)  # each last-stage rank, every model
+    assert run.stdout.count("max |logp - HF log_softmax over the real vocab|") == (2 * cases if "--tp" in layout else 0)
     assert run.stdout.count("0 greedy completions differ") == (2 * cases if generate else 0)  # every rank, every model
+
+
+def test_gemma_norm_and_embedding_scale_round_as_hfs_in_bf16():
+    """Gemma's (1 + w) norm in fp32 cast back, and sqrt(hidden) cast to bf16 before it scales
+    the embeddings (sqrt(3072) = 55.43 becomes 55.5), bit for bit as HF's modules."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2TextScaledWordEmbedding
+
+    from alignflow.megatron.gemma import GemmaRMSNorm, embedding_scale
+
+    hidden, generator = 3072, torch.Generator().manual_seed(0)
+    hf_norm = Gemma2RMSNorm(hidden, eps=1e-6)
+    hf_embedding = Gemma2TextScaledWordEmbedding(10, hidden, 0, embed_scale=hidden ** 0.5)
+    ours = GemmaRMSNorm(SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False), hidden, eps=1e-6)
+    with torch.no_grad():
+        for weight in (hf_norm.weight, hf_embedding.weight):
+            weight.normal_(0.0, 0.5, generator=generator)
+        ours.weight.copy_(hf_norm.weight)
+    hf_norm, hf_embedding, ours = hf_norm.to(torch.bfloat16), hf_embedding.to(torch.bfloat16), ours.to(torch.bfloat16)
+    x = torch.randn(5, hidden, generator=generator).to(torch.bfloat16)
+    assert torch.equal(ours(x), hf_norm(x))
+    ids = torch.tensor([1, 7, 3])
+    embedded = F.embedding(ids, hf_embedding.weight)
+    assert embedding_scale(hidden, embedded).item() == 55.5 and torch.equal(embedded * embedding_scale(hidden, embedded), hf_embedding(ids))

@@ -50,7 +50,7 @@ def prep_demo(demo_dir: Path, out: Path, prompts: bool = False) -> Path:
 
 def convert_demo(demo_dir: Path, out: Path, folder: str = "tiny-llama", **hf_overrides) -> Path:
     """A demo model (`folder`: tiny-llama, hidden 64, 2 layers, 4 heads, 2 kv heads, or another
-    of `alignflow.demo.MODELS`) as a model stage output; with `hf_overrides` (num_hidden_layers,
+    of `alignflow.demo.MODELS`, or an HF folder's absolute path) as a model stage output; with `hf_overrides` (num_hidden_layers,
     tie_word_embeddings, attention_bias...), a random HF model of its shape with those changes
     (biases random too, so their mapping matters)."""
     from alignflow.stages import convert

@@ -87,8 +87,33 @@ class RecomputeMethod(StrEnum):
 
 
 class DPOLoss(StrEnum):
+    """The DPO family (`alignflow.losses.preference`): TRL 1.16 DPOTrainer's `loss_type` names, conservative
+    DPO, and the reference-free losses of TRL's CPOTrainer (cpo, simpo) and ORPOTrainer (orpo)."""
+
     sigmoid = "sigmoid"
+    sigmoid_norm = "sigmoid_norm"
+    hinge = "hinge"
     ipo = "ipo"
+    exo_pair = "exo_pair"
+    nca_pair = "nca_pair"
+    robust = "robust"
+    bco_pair = "bco_pair"
+    sppo_hard = "sppo_hard"
+    aot = "aot"
+    aot_unpaired = "aot_unpaired"
+    apo_zero = "apo_zero"
+    apo_down = "apo_down"
+    discopop = "discopop"
+    sft = "sft"
+    cdpo = "cdpo"
+    cpo = "cpo"
+    simpo = "simpo"
+    orpo = "orpo"
+
+
+# What the compose-time checks and the losses both need to know of a DPO loss type.
+DPO_SMOOTHED = frozenset({DPOLoss.cdpo, DPOLoss.robust, DPOLoss.exo_pair, DPOLoss.aot, DPOLoss.aot_unpaired, DPOLoss.cpo, DPOLoss.simpo})
+DPO_REFERENCE_FREE = frozenset({DPOLoss.cpo, DPOLoss.simpo, DPOLoss.orpo})
 
 
 class KLType(StrEnum):
@@ -403,14 +428,19 @@ class DistillationConfig(TrainStageBase):
 
 @dataclass
 class DPOLossConfig:
-    """The DPO family's loss (`alignflow.losses.preference`), NeMo-RL's names."""
+    """The DPO family's loss (`alignflow.losses.preference`): TRL 1.16's `loss_type` list with
+    `loss_weights`, `label_smoothing`, `discopop_tau`, CPOTrainer's `simpo_gamma`; NeMo-RL's SFT term
+    and averaging names."""
 
-    loss_type: DPOLoss = DPOLoss.sigmoid
+    loss_type: List[DPOLoss] = field(default_factory=lambda: [DPOLoss.sigmoid])
+    loss_weights: Optional[List[float]] = None  # one per loss_type; None: all 1 (TRL)
     beta: float = 0.1  # reference_policy_kl_penalty in NeMo-RL, ref_policy_kl_penalty in NeMo Customizer
-    label_smoothing: float = 0.0  # conservative DPO
+    label_smoothing: float = 0.0  # cdpo, robust, exo_pair (> 0), aot, aot_unpaired, cpo, simpo only
+    discopop_tau: float = 0.05
+    simpo_gamma: float = 0.5
     sft_loss_weight: float = 0.0
     preference_loss_weight: float = 1.0
-    preference_average_log_probs: bool = False
+    preference_average_log_probs: Optional[bool] = None  # None: per loss type as TRL (means for ipo, sigmoid_norm, simpo, orpo)
     sft_average_log_probs: bool = False
 
 

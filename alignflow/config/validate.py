@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from alignflow.config.destinations import destination_problems
-from alignflow.config.schema import FinetuningType, LauncherName, RecomputeGranularity, RecomputeMethod
+from alignflow.config.schema import DPO_REFERENCE_FREE, DPO_SMOOTHED, DPOLoss, FinetuningType, LauncherName, RecomputeGranularity, RecomputeMethod
 from alignflow.config.slices import secret_problems
 from alignflow.convert import lora as lora_targets
 from alignflow.convert.families import ModelShape, model_shape
@@ -131,10 +131,7 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
     if "finetuning_type" in section and section.finetuning_type != FinetuningType.all_weights:
         problems += _check_lora(key, section, shape)
     if kind == "dpo":
-        if section.loss.beta <= 0:
-            problems.append(f"{key}.loss.beta: must be > 0, got {section.loss.beta}")
-        if not 0 <= section.loss.label_smoothing < 0.5:
-            problems.append(f"{key}.loss.label_smoothing: must be in [0, 0.5), got {section.loss.label_smoothing}")
+        problems += _check_dpo_loss(f"{key}.loss", section.loss)
     if kind == "grpo":
         problems += _check_grpo(key, section)
     if shape is not None and shape.rope_original_max is not None and "data" in stage.inputs:
@@ -148,6 +145,29 @@ def _check_longrope(seq_length: int, original_max: int) -> list[str]:
         return []
     return [f"data.seq_length: {seq_length} passes the model's original_max_position_embeddings={original_max} (model.source: "
             "longrope), past which HF switches its RoPE to long_factor; that switch is not mapped"]
+
+
+def _check_dpo_loss(key: str, loss: DictConfig) -> list[str]:
+    types, problems = [DPOLoss(name) for name in loss.loss_type], []
+    if loss.beta <= 0:
+        problems.append(f"{key}.beta: must be > 0, got {loss.beta}")
+    if not types:
+        problems.append(f"{key}.loss_type: needs at least one loss type")
+    if loss.loss_weights is not None and len(loss.loss_weights) != len(types):
+        problems.append(f"{key}.loss_weights: {len(loss.loss_weights)} weights for {len(types)} loss types (one each, as TRL)")
+    if not 0 <= loss.label_smoothing < 0.5:
+        problems.append(f"{key}.label_smoothing: must be in [0, 0.5), got {loss.label_smoothing}")
+    elif loss.label_smoothing > 0 and not DPO_SMOOTHED.intersection(types):
+        problems.append(f"{key}.label_smoothing: none of {[t.value for t in types]} uses it (TRL 1.16 ignores it there); "
+                        f"conservative DPO is loss_type [cdpo]; label smoothing enters {sorted(t.value for t in DPO_SMOOTHED)}")
+    if DPOLoss.exo_pair in types and loss.label_smoothing == 0:
+        problems.append(f"{key}.label_smoothing: exo_pair needs it > 0 (the EXO paper uses 1e-3)")
+    if DPO_REFERENCE_FREE.intersection(types) and set(types) - DPO_REFERENCE_FREE - {DPOLoss.sft}:
+        problems.append(f"{key}.loss_type: {[t.value for t in types]} mixes reference-free losses "
+                        f"({sorted(t.value for t in DPO_REFERENCE_FREE)}) with ones against the reference")
+    if loss.discopop_tau <= 0:
+        problems.append(f"{key}.discopop_tau: must be > 0, got {loss.discopop_tau}")
+    return problems
 
 
 def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, shape: ModelShape | None) -> list[str]:
@@ -281,11 +301,20 @@ def _check_lora(stage: str, section: DictConfig, shape: ModelShape | None) -> li
                         "output would not carry its adapters' gradients); use selective or none")
     patterns = list(lora.target_modules)
     problems += lora_targets.target_problems(f"{key}.target_modules", patterns, shape.num_layers if shape else None)
+    if shape is not None and shape.gemma_norms and not problems:
+        problems += _post_normed_targets(f"{key}.target_modules", patterns, shape)
     par = section.parallel
     if shape is not None and not problems and shape.num_layers % (par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)) == 0:
         problems += lora_targets.stage_problems(f"{key}.target_modules", patterns, shape.num_layers, par.pipeline_model_parallel_size,
                                                 par.virtual_pipeline_model_parallel_size)
     return problems
+
+
+def _post_normed_targets(key: str, patterns: list[str], shape: ModelShape) -> list[str]:
+    """Gemma's attention output and fc2 are followed by their post-norm inside the module, which LoRA's layers do not apply."""
+    chosen = sorted({path for _, path in lora_targets.select(patterns, shape.num_layers)} & {"self_attention.linear_proj", "mlp.linear_fc2"})
+    return [f"{key}: LoRA on {', '.join(chosen)} is not supported for {shape.architecture} (its post-attention / post-MLP "
+            "norm sits in that module); target linear_qkv and linear_fc1 (q_proj, k_proj, v_proj, gate_proj, up_proj)"] if chosen else []
 
 
 def _check_grpo(key: str, section: DictConfig) -> list[str]:

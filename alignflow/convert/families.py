@@ -5,11 +5,15 @@ Supported: LlamaForCausalLM (with attention / MLP biases, RoPE default, linear, 
 scaling with any constants), MistralForCausalLM (sliding window on all layers),
 Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm), Olmo2ForCausalLM
 (post-norm layers, q/k RMSNorm over the whole projection, attention biases), Phi3ForCausalLM
-(Phi-3 and Phi-4: HF's fused qkv_proj and gate_up_proj, partial rotary, sliding window); GQA,
-tied or untied embeddings, RMSNorm, SwiGLU. Refused with a ValueError that says why: any other
-architecture or activation, other rope types, longrope past original_max_position_embeddings
-positions or with a partial rotary factor (Phi-4-mini), a partial rotary factor outside Phi-3, Qwen2/Qwen3 per-layer sliding windows. Each would otherwise convert into a
-different model.
+(Phi-3 and Phi-4: HF's fused qkv_proj and gate_up_proj, partial rotary, sliding window,
+longrope within its original positions); GQA, tied or untied embeddings, RMSNorm, SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x * (1 + w)
+(weights stored as HF holds them), sandwich norms, GeGLU (tanh), embeddings scaled by
+sqrt(hidden), query_pre_attn_scalar, attention and final logit soft-capping, sliding-window
+layers by `layer_types`, Gemma 3's per-head q/k norms and its own RoPE base on sliding layers.
+Refused with a ValueError that says why: any other architecture (Gemma3ForConditionalGeneration
+by name) or activation, other rope types, a partial rotary factor outside Phi-3, longrope with
+one (Phi-4-mini), Qwen2/Qwen3 per-layer sliding windows, Gemma's attention biases and
+bidirectional attention. Each would otherwise convert into a different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;
@@ -20,7 +24,8 @@ Imports no torch, so config validation can call `model_shape`.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping, Optional
 
 # HF's defaults for keys an older or hand-written config.json may omit.
@@ -42,6 +47,77 @@ HF_DEFAULTS: dict[str, Any] = {
 }
 
 NO_LAYER_WINDOWS = ("use_sliding_window", True, "per-layer sliding windows (use_sliding_window) are not mapped")
+GEMMA_REFUSED = (
+    ("attention_bias", True, "Gemma's attention biases are not mapped (no released Gemma has them)"),
+    ("use_bidirectional_attention", True, "bidirectional attention (an encoder's) is not mapped: alignflow trains causal models"),
+)
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
+GELU_TANH = "gelu_pytorch_tanh"  # GeGLU with torch's tanh approximation of GELU
+
+ROPE_TYPES = ("default", "linear", "llama3")
+PHI3_ROPE_TYPES = ("default", "longrope")  # Phi3Config's
+LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LONGROPE_WHY = ("its attention factor scales the rotated dims of q and k only, which is not one softmax scale; "
+                "Megatron-Core's attention has no such term")
+
+
+def _rope(cfg: Mapping[str, Any], rope_types: tuple[str, ...] = ROPE_TYPES, partial_rotary: bool = False) -> dict[str, Any]:
+    """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` +
+    `rope_scaling`; a partial rotary factor only where the family's RoPE honours it (Phi-3)."""
+    params = cfg["rope_parameters"] or {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in rope_types:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(rope_types)}")
+    partial_factor = float(params.get("partial_rotary_factor", cfg["partial_rotary_factor"] or 1.0))
+    if partial_factor != 1.0 and not partial_rotary:
+        raise ValueError(f"unsupported HF config partial_rotary_factor={partial_factor}: {cfg['architectures'][0]} is mapped with "
+                         "RoPE over whole heads")
+    missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
+    if missing:
+        raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
+    if rope_type == "longrope" and partial_factor != 1.0:
+        raise ValueError(f"unsupported rope_type 'longrope' with partial_rotary_factor={partial_factor} (Phi-4-mini): {LONGROPE_WHY}")
+    return {
+        "rope_theta": float(params.get("rope_theta", cfg["rope_theta"])),
+        "rope_type": rope_type,
+        "rope_factor": float(params.get("factor", 1.0)),
+        "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
+        "rotary_percent": partial_factor,
+        **(_longrope(cfg, params) if rope_type == "longrope" else {}),
+    }
+
+
+def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-3's long-context RoPE as HF computes it (`_compute_longrope_parameters`) up to
+    original_max_position_embeddings positions: each frequency divided by its short_factor,
+    cos and sin scaled by the attention factor (so the scores by its square: the softmax
+    scale). Past them HF switches the whole sequence to long_factor: refused at compose
+    (`data.seq_length`) and at run time (`alignflow.megatron.model.LongRoPE`)."""
+    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if original is None or params.get("short_factor") is None:
+        raise ValueError("longrope rope scaling without original_max_position_embeddings or short_factor in rope_parameters")
+    factor = params.get("factor") or cfg["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    head_dim = cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {"rope_short_factor": tuple(float(f) for f in params["short_factor"]), "rope_original_max": int(original),
+            "softmax_scale": attention ** 2 / math.sqrt(head_dim)}
+
+
+def _layer_type_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's two RoPEs: `rope_parameters` per layer type (transformers >= 5), or the global
+    `rope_theta` + `rope_scaling` and the sliding layers' `rope_local_base_freq`. The sliding
+    layers' must be unscaled."""
+    params = cfg["rope_parameters"] or {}
+    if FULL not in params:  # an older config.json, read as Gemma3TextConfig.convert_rope_params_to_dict does
+        params = {FULL: {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})},
+                  SLIDING: {"rope_theta": cfg["rope_local_base_freq"], "rope_type": "default"}}
+    local = params[SLIDING]
+    local_type = local.get("rope_type", local.get("type", "default"))
+    if local_type != "default":
+        raise ValueError(f"unsupported rope_type {local_type!r} on sliding_attention layers; only 'default' is mapped there")
+    return {**_rope({**cfg, "rope_parameters": params[FULL]}), "local_rope_theta": float(local["rope_theta"])}
 
 
 @dataclass(frozen=True)
@@ -52,12 +128,41 @@ class Family:
     flags: Callable[[Mapping[str, Any]], dict[str, Any]]
     refused: tuple[tuple[str, Any, str], ...] = ()
     activation: str = "silu"  # SwiGLU: Megatron's gated_linear_unit with F.silu
-    partial_rotary: bool = False  # HF's RoPE honours partial_rotary_factor (rotates the first dims of each head)
+    activation_key: str = "hidden_act"  # the config key HF's modeling code reads it from
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # the family's HF defaults beyond HF_DEFAULTS
+    rope: Callable[[Mapping[str, Any]], dict[str, Any]] = _rope  # ModelShape's rope fields
 
 
 def _llama(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "mlp_bias": cfg["mlp_bias"]}
 
+
+def _gemma(cfg: Mapping[str, Any], every: int) -> dict[str, Any]:
+    """Gemma 2 and 3 (HF's Gemma2/Gemma3TextConfig): a sliding window on the layers `layer_types`
+    names (else, as HF derives it, every layer but each `every`-th)."""
+    layer_types = cfg["layer_types"] or [FULL if (i + 1) % every == 0 else SLIDING for i in range(cfg["num_hidden_layers"])]
+    unknown = sorted(set(layer_types) - {SLIDING, FULL})
+    if unknown or len(layer_types) != cfg["num_hidden_layers"]:
+        raise ValueError(f"unsupported HF config layer_types={layer_types!r}: one of {SLIDING!r}, {FULL!r} per layer is mapped")
+    return {
+        "gemma_norms": True,
+        "embedding_scale": True,
+        "softmax_scale": cfg["query_pre_attn_scalar"] ** -0.5,
+        "attn_softcap": cfg["attn_logit_softcapping"],
+        "logit_softcap": cfg["final_logit_softcapping"],
+        "sliding_window": cfg["sliding_window"],
+        "window_layers": tuple(t == SLIDING for t in layer_types),
+    }
+
+
+GEMMA2_DEFAULTS = {  # Gemma2Config's
+    "head_dim": 256, "hidden_activation": GELU_TANH, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "layer_types": None, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+}
+GEMMA3_DEFAULTS = {  # Gemma3TextConfig's
+    **GEMMA2_DEFAULTS, "final_logit_softcapping": None, "attn_logit_softcapping": None, "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+}
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": Family(_llama),
@@ -66,13 +171,18 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(lambda cfg: {**_llama(cfg), "qk_norm": True}, refused=(NO_LAYER_WINDOWS,)),
     "Olmo2ForCausalLM": Family(lambda cfg: {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "qk_norm": True,
                                             "qk_norm_whole": True, "post_norm": True}),
-    "Phi3ForCausalLM": Family(lambda cfg: {"fused_projections": True, "sliding_window": cfg["sliding_window"]}, partial_rotary=True),
+    "Phi3ForCausalLM": Family(lambda cfg: {"fused_projections": True, "sliding_window": cfg["sliding_window"]},
+                              rope=partial(_rope, rope_types=PHI3_ROPE_TYPES, partial_rotary=True)),
+    "Gemma2ForCausalLM": Family(lambda cfg: _gemma(cfg, every=2), GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA2_DEFAULTS),
+    "Gemma3ForCausalLM": Family(lambda cfg: {**_gemma(cfg, every=cfg["sliding_window_pattern"]), "qk_norm": True},
+                                GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA3_DEFAULTS, _layer_type_rope),
 }
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-LONGROPE_WHY = ("its attention factor scales the rotated dims of q and k only, which is not one softmax scale; "
-                "Megatron-Core's attention has no such term")
-LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Architectures refused by name, with why (the generic refusal lists the supported ones).
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (a SigLIP vision tower beside the text model, "
+    "its config under text_config) is not mapped; convert a Gemma3ForCausalLM text checkpoint",
+}
 
 
 @dataclass(frozen=True)
@@ -97,23 +207,33 @@ class ModelShape:
     qkv_bias: bool = False
     proj_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm of q and of k, before RoPE: over each head (Qwen3), or
+    qk_norm: bool = False  # RMSNorm of q and of k, before RoPE: over each head (Qwen3, Gemma 3), or
     qk_norm_whole: bool = False  # over the whole projection, all heads at once (OLMo 2)
     post_norm: bool = False  # OLMo 2: RMSNorm on the attention's and the MLP's outputs, none on their inputs
     fused_projections: bool = False  # Phi-3: HF holds qkv_proj ([all q; all k; all v]) and gate_up_proj ([gate; up])
     rotary_percent: float = 1.0  # the share of each head's dims RoPE rotates (the first ones)
     rope_short_factor: tuple[float, ...] = ()  # longrope: each rotary frequency divided by its factor
-    rope_attention_factor: float = 1.0  # longrope: HF scales cos and sin by it (so the scores by its square)
     rope_original_max: Optional[int] = None  # longrope: past this many positions HF switches to long_factor (refused)
     sliding_window: Optional[int] = None
+    window_layers: tuple[bool, ...] = ()  # which layers have the window (empty: all, where there is one)
+    local_rope_theta: Optional[float] = None  # RoPE base of the window layers where it differs (Gemma 3)
+    gemma_norms: bool = False  # RMSNorm x * (1 + w) in fp32, and post-attention / post-MLP norms (sandwich)
+    embedding_scale: bool = False  # embeddings times sqrt(hidden_size) in the weights' dtype
+    softmax_scale: Optional[float] = None  # of the attention scores; None: head_dim ** -0.5
+    attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the softmax
+    logit_softcap: Optional[float] = None  # the same on the output logits
 
     @property
     def untied_embeddings(self) -> bool:
         return not self.tied_embeddings
 
     @property
-    def pre_norm(self) -> bool:
+    def input_norms(self) -> bool:
         return not self.post_norm
+
+    @property
+    def pre_norms_only(self) -> bool:
+        return not self.gemma_norms and not self.post_norm
 
     @property
     def separate_projections(self) -> bool:
@@ -149,7 +269,7 @@ _MEG = "decoder.layers.{layer}."
 
 TABLE: tuple[Param, ...] = (
     Param("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-    Param(_MEG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",), when="pre_norm"),
+    Param(_MEG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",), when="input_norms"),
     Param(
         _MEG + "self_attention.linear_qkv.weight",
         (_HF + "self_attn.q_proj.weight", _HF + "self_attn.k_proj.weight", _HF + "self_attn.v_proj.weight"),
@@ -167,13 +287,16 @@ TABLE: tuple[Param, ...] = (
     Param(_MEG + "self_attention.k_layernorm.weight", (_HF + "self_attn.k_norm.weight",), when="qk_norm"),
     Param(_MEG + "self_attention.linear_proj.weight", (_HF + "self_attn.o_proj.weight",)),
     Param(_MEG + "self_attention.linear_proj.bias", (_HF + "self_attn.o_proj.bias",), when="proj_bias"),
+    Param(_MEG + "self_attention.linear_proj.post_layernorm.weight", (_HF + "post_attention_layernorm.weight",), when="gemma_norms"),
     Param(_MEG + "post_self_attn_layernorm.weight", (_HF + "post_attention_layernorm.weight",), when="post_norm"),
-    Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), when="pre_norm"),
+    Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), when="pre_norms_only"),
+    Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "pre_feedforward_layernorm.weight",), when="gemma_norms"),
     Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1", when="separate_projections"),
     Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_up_proj.weight",), when="fused_projections"),  # [gate; up] as Megatron's
     Param(_MEG + "mlp.linear_fc1.bias", (_HF + "mlp.gate_proj.bias", _HF + "mlp.up_proj.bias"), fuse="fc1", when="mlp_bias"),
     Param(_MEG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",)),
     Param(_MEG + "mlp.linear_fc2.bias", (_HF + "mlp.down_proj.bias",), when="mlp_bias"),
+    Param(_MEG + "mlp.linear_fc2.post_layernorm.weight", (_HF + "post_feedforward_layernorm.weight",), when="gemma_norms"),
     Param(_MEG + "post_mlp_layernorm.weight", (_HF + "post_feedforward_layernorm.weight",), when="post_norm"),
     Param("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Param("output_layer.weight", ("lm_head.weight",), when="untied_embeddings"),
@@ -191,9 +314,9 @@ def params_for(shape: ModelShape) -> tuple[Param, ...]:
 
 def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
     """Read an HF config dict (config.json); raise ValueError for anything not supported."""
-    cfg = {**HF_DEFAULTS, **hf_config}
-    architecture = _architecture(cfg)
+    architecture = _architecture(hf_config)
     family = ARCHITECTURES[architecture]
+    cfg = {**HF_DEFAULTS, **family.defaults, **hf_config}
     _refuse_unsupported(cfg, family)
     heads = cfg["num_attention_heads"]
     return ModelShape(
@@ -208,13 +331,15 @@ def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
         max_position_embeddings=cfg["max_position_embeddings"],
         norm_eps=cfg["rms_norm_eps"],
         tied_embeddings=bool(cfg["tie_word_embeddings"]),
-        **_rope(cfg, family),
+        **family.rope(cfg),
         **family.flags(cfg),
     )
 
 
 def _architecture(cfg: Mapping[str, Any]) -> str:
-    architecture = (cfg["architectures"] or [None])[0]
+    architecture = (cfg.get("architectures") or [None])[0]
+    if architecture in REFUSED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}: {REFUSED_ARCHITECTURES[architecture]}")
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
     return architecture
@@ -224,46 +349,7 @@ def _refuse_unsupported(cfg: Mapping[str, Any], family: Family) -> None:
     for key, refused, why in family.refused:
         if cfg.get(key) == refused:
             raise ValueError(f"unsupported HF config {key}={refused!r}: {why}")
-    if cfg["hidden_act"] != family.activation:
-        raise ValueError(f"unsupported HF config hidden_act={cfg['hidden_act']!r}: {cfg['architectures'][0]} maps only {family.activation!r}")
+    activation = cfg[family.activation_key]
+    if activation != family.activation:
+        raise ValueError(f"unsupported HF config {family.activation_key}={activation!r}: {cfg['architectures'][0]} maps only {family.activation!r}")
 
-
-def _rope(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
-    """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
-    params = cfg["rope_parameters"] or {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    partial = float(params.get("partial_rotary_factor", cfg["partial_rotary_factor"] or 1.0))
-    if partial != 1.0 and not family.partial_rotary:
-        raise ValueError(f"unsupported HF config partial_rotary_factor={partial}: {cfg['architectures'][0]} is mapped with RoPE "
-                         "over whole heads")
-    missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
-    if missing:
-        raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
-    if rope_type == "longrope" and partial != 1.0:
-        raise ValueError(f"unsupported rope_type 'longrope' with partial_rotary_factor={partial} (Phi-4-mini): {LONGROPE_WHY}")
-    return {
-        "rope_theta": float(params.get("rope_theta", cfg["rope_theta"])),
-        "rope_type": rope_type,
-        "rope_factor": float(params.get("factor", 1.0)),
-        "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
-        "rotary_percent": partial,
-        **(_longrope(cfg, params) if rope_type == "longrope" else {}),
-    }
-
-
-def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-    """Phi-3's long-context RoPE as HF computes it (`_compute_longrope_parameters`) up to
-    original_max_position_embeddings positions: each frequency divided by its short_factor,
-    cos and sin scaled by the attention factor. Past it HF switches the whole sequence to
-    long_factor, which `alignflow.megatron.model` refuses at run time."""
-    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-    if original is None or params.get("short_factor") is None:
-        raise ValueError("longrope rope scaling without original_max_position_embeddings or short_factor in rope_parameters")
-    factor = params.get("factor") or cfg["max_position_embeddings"] / original
-    attention = params.get("attention_factor")
-    if attention is None:
-        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
-    return {"rope_short_factor": tuple(float(f) for f in params["short_factor"]), "rope_attention_factor": float(attention),
-            "rope_original_max": int(original)}

@@ -1,6 +1,7 @@
 """Attention of packed rows: each document of a micro batch attends causally within itself,
-narrowed by Megatron's sliding `window_size` (Mistral), in a fused kernel and without a mask
-over a row (a row of s tokens never costs an s x s tensor).
+narrowed by Megatron's sliding `window_size` (Mistral, Gemma's window layers), its scores
+soft-capped where asked (Gemma 2), in a fused kernel and without a mask over a row (a row of s
+tokens never costs an s x s tensor).
 
 `packed_attention` is the attention of every forward that is not Transformer Engine's:
 Megatron's layers (`alignflow.megatron.model.DocumentWindowAttention`), the lean forward and
@@ -20,6 +21,11 @@ installed its attention runs the same documents as THD sequences instead
   on CUDA); only a document longer than the window gets a mask, of its own length squared.
   Everywhere else: CPU, fp32 on CUDA, attention dropout (on CPU torch computes dropout
   unfused: the scores of each document group).
+- `eager`: soft-capped scores (cap * tanh(scores / cap), before the mask and the fp32
+  softmax, as HF's Gemma 2), which neither SDPA nor torch's flash kernels take: the same
+  document groups as `sdpa`, their scores [documents, heads, length, length] computed, capped,
+  masked (causal, window) and softmaxed in plain torch ops; cost and memory sum(length^2) per
+  group, never a row's s x s.
 FlexAttention with a document (and window) block mask is the third candidate, not taken:
 unfused, as it runs without torch.compile and on CPU, it computes the scores of whole rows
 [rows, heads, s, s]; compiled, it costs a compilation per new packed shape and a block mask
@@ -119,14 +125,17 @@ def _runs(starts: np.ndarray, lengths: np.ndarray) -> list[tuple[int, slice]]:
 
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Optional[tuple], scale: float,
-                     dropout: float = 0.0) -> Tensor:
+                     dropout: float = 0.0, softcap: Optional[float] = None) -> Tensor:
     """Queries [t, heads, dim] and keys, values [t, query groups, dim] of the flattened rows
     (query head h reads group h // (heads / groups), as Megatron's) -> [t, heads, dim]."""
+    if softcap is not None:
+        return _eager(q, k, v, documents, window_size, scale, dropout, softcap)
     return KERNELS[kernel(q, dropout)](q, k, v, documents, window_size, scale, dropout)
 
 
 def kernel(q: Tensor, dropout: float) -> str:
-    """`varlen` where torch's flash kernel computes the call (see the top), else `sdpa`."""
+    """`varlen` where torch's flash kernel computes the call (see the top), else `sdpa`
+    (soft-capped attention is always `eager`)."""
     flash = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
     return "varlen" if flash and dropout == 0 and {"scale", "window_size"} <= VARLEN_ARGS else "sdpa"
 
@@ -155,13 +164,31 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Op
     return out
 
 
-def _window(length: int, window_size: Optional[tuple], device: torch.device) -> Optional[Tensor]:
+def _eager(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Optional[tuple], scale: float, dropout: float,
+           softcap: float) -> Tensor:
+    heads, dim = q.shape[1:]
+    groups = k.shape[1]
+    out = torch.empty_like(q)
+    for length, gather, scatter, real in documents.groups:
+        # [documents, groups, heads per group, length, dim]: a group's heads read its keys unrepeated
+        qg = q[gather].reshape(-1, length, groups, heads // groups, dim).permute(0, 2, 3, 1, 4)
+        kg, vg = (t[gather].reshape(-1, length, groups, 1, dim).permute(0, 2, 3, 1, 4) for t in (k, v))
+        scores = torch.tanh(torch.matmul(qg, kg.transpose(-1, -2)) * scale / softcap) * softcap
+        allowed = _window(length, window_size, q.device, always=True)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+        part = torch.matmul(F.dropout(probs, dropout) if dropout else probs, vg)  # [documents, groups, per group, length, dim]
+        part = part.permute(0, 3, 1, 2, 4).reshape(-1, heads, dim)
+        out[scatter] = part if real is None else part[real]
+    return out
+
+
+def _window(length: int, window_size: Optional[tuple], device: torch.device, always: bool = False) -> Optional[Tensor]:
     """[length, length], True where query i sees key j (0 <= i - j <= window_size[0]); None where
-    causal attention alone does (no window, or documents no longer than it)."""
-    if window_size is None or length <= window_size[0] + 1:
+    causal attention alone does (no window, or documents no longer than it) unless `always`."""
+    if not always and (window_size is None or length <= window_size[0] + 1):
         return None
     distance = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)
-    return (distance >= 0) & (distance <= window_size[0])
+    return (distance >= 0) & (distance <= (length if window_size is None else window_size[0]))
 
 
 def _repeated(kv: Tensor, heads: int) -> Tensor:

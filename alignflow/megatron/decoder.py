@@ -9,15 +9,18 @@ layer's weights once per batch (no copy) and runs the same math as Megatron's la
 torch ops per layer: RMSNorm, the fused qkv per query group ([q heads of the group; k; v]),
 q/k RMSNorm per head (Qwen3) or over the whole projection (OLMo 2, its sum of squares
 all-reduced over TP), RoPE on queries and keys together (on the first dims of each head with
-a partial rotary factor, Phi-3), grouped-query attention on a preallocated cache, SwiGLU, and
-the norms before each sublayer or, post-norm (OLMo 2), on its output.
+a partial rotary factor, Phi-3), grouped-query attention on a preallocated cache, SwiGLU, the
+norms before each sublayer or, post-norm (OLMo 2), on its output.
+Gemma 2 / 3 (`alignflow.megatron.gemma`): x * (1 + w) norms in fp32, the post-attention and
+post-MLP norms, GeGLU, scaled embeddings, soft-capped scores and logits, and per layer its
+window and its RoPE (Gemma 3's sliding layers have their own base).
 
 Batches: prompts are left-padded to the longest of the batch; a padded row's positions start
 at 0 at its first real token and its padding is never attended (prefill runs each row's
 padding as a document of its own through `packed_attention`, the training forward's
 attention; decode steps mask it). Identical prompts (GRPO's group) are prefilled once and
 their cache copied to each of their rows. Decode steps attend to the cache in place, a slice of
-it under a sliding window (Mistral).
+it under a sliding window (Mistral, Gemma's window layers).
 
 Parallelism, as Megatron holds the weights: under TP each rank keeps its shards (qkv and fc1
 columns, proj and fc2 rows, its rows of the padded vocab) and all-reduces the row-parallel
@@ -26,9 +29,9 @@ outputs (2 per layer) and the embedding, and all-gathers the logits; under PP hi
 every rank of those groups computes the whole (short) sequence with the same weights.
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
-window, Qwen2's qkv bias, Qwen3's q/k norms, OLMo 2's post-norm layers and whole-projection q/k
-norms, Phi-3's partial rotary, window and longrope (its attention factor is the config's
-softmax scale), tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
+window, Qwen2's qkv bias, Qwen3's q/k norms, Gemma 2 / 3, OLMo 2's post-norm layers and
+whole-projection q/k norms, Phi-3's partial rotary and longrope (its attention factor is the
+config's softmax scale), tied embeddings, linear / llama3 RoPE scaling), on the local spec and, by the same
 weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
 run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
@@ -46,30 +49,33 @@ from torch import Tensor
 
 from alignflow.device import device as rank_device
 from alignflow.megatron.attention import Documents, packed_attention
+from alignflow.megatron.gemma import LayerRopeSelfAttention, LayerTypeRotaryEmbedding, embedding_scale, gelu_tanh, is_window_layer, offset_rms_norm, softcap
 from alignflow.megatron.lora import effective_weight
 from alignflow.megatron.model import ProjectionRMSNorm, packed_thd
+from alignflow.megatron.vocab_parallel import mask_padded
 
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
     "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
     "num_moe_experts": None, "multi_latent_attention": False, "rotary_interleaved": False, "fp32_residual_connection": False,
-    "apply_residual_connection_post_layernorm": False, "layernorm_zero_centered_gamma": False, "softmax_type": "vanilla",
+    "apply_residual_connection_post_layernorm": False, "softmax_type": "vanilla",
     "attention_output_gate": False, "no_rope_freq": None, "experimental_attention_variant": None,
-    "activation_func_clamp_value": None, "window_attn_skip_freq": None, "heterogeneous_block_specs": False,
+    "activation_func_clamp_value": None, "heterogeneous_block_specs": False, "apply_query_key_layer_scaling": False,
 }
+ACTIVATIONS = (F.silu, gelu_tanh)  # SwiGLU, GeGLU
 
 
 def check_supported(model) -> None:
     """Refuse a model whose forward the decoder would not reproduce."""
     if (wrong := unsupported(model)):
-        raise NotImplementedError(f"generation supports the Llama family only; this model has {wrong}")
+        raise NotImplementedError(f"generation supports the families of alignflow.convert.families only; this model has {wrong}")
 
 
 def unsupported(model) -> dict:
     """What the model has that the decoder's math does not (empty: nothing)."""
     config = model.config
     wrong = {k: getattr(config, k) for k, v in REQUIRED.items() if getattr(config, k, v) != v}
-    if config.activation_func is not F.silu:
+    if config.activation_func not in ACTIVATIONS:
         wrong["activation_func"] = config.activation_func
     if model.position_embedding_type != "rope" or model.rotary_pos_emb.inv_freq.numel() * 2 > config.kv_channels:
         wrong["position_embedding"] = f"{model.position_embedding_type} (RoPE within each head needed)"
@@ -78,7 +84,11 @@ def unsupported(model) -> dict:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    norm1: Optional[Tensor]  # None post-norm
+    """A layer's weights, and its attention window and RoPE (0: the model's, 1: the window layers' own)."""
+
+    window_size: Optional[tuple]  # Megatron's (left, 0): keys i - j <= left
+    rope: int
+    norm1: Optional[Tensor]  # None post-norm (OLMo 2)
     qkv: Tensor
     qkv_bias: Optional[Tensor]
     q_norm: Optional[Tensor]  # before RoPE: per head, or over this rank's share of the projection (`qk_norm_whole`)
@@ -90,27 +100,37 @@ class LayerWeights:
     fc1_bias: Optional[Tensor]
     fc2: Tensor
     fc2_bias: Optional[Tensor]
+    post_attention_norm: Optional[Tensor]  # Gemma's sandwich norms or OLMo 2's post-norms, after the TP reduction
+    post_mlp_norm: Optional[Tensor]
     qk_norm_whole: bool = False
-    post_norm1: Optional[Tensor] = None  # post-norm: on the attention's output (its bias added), before the residual add
-    post_norm2: Optional[Tensor] = None  # and on the MLP's
 
 
 def layer_weights(layer) -> LayerWeights:
     """A TransformerLayer's parameters (local spec: separate norms; TE: norms fused into the
     linears); a LoRA-adapted linear's weight merged with its adapter, as its forward applies it."""
-    attention, mlp = layer.self_attention, layer.mlp
+    attention, mlp, config = layer.self_attention, layer.mlp, layer.config
+    window = is_window_layer(config, layer.layer_number)
     return LayerWeights(
+        window_size=config.window_size if window else None, rope=int(window and isinstance(attention, LayerRopeSelfAttention)),
         norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=effective_weight(attention.linear_qkv),
         qkv_bias=_bias(attention.linear_qkv), q_norm=_qk_norm(attention.q_layernorm), k_norm=_qk_norm(attention.k_layernorm),
         proj=effective_weight(attention.linear_proj), proj_bias=_bias(attention.linear_proj),
         norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
         fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2),
-        qk_norm_whole=isinstance(attention.q_layernorm, ProjectionRMSNorm),
-        post_norm1=_qk_norm(getattr(layer, "post_self_attn_layernorm", None)), post_norm2=_qk_norm(getattr(layer, "post_mlp_layernorm", None)))
+        post_attention_norm=_post_norm(attention.linear_proj, getattr(layer, "post_self_attn_layernorm", None)),
+        post_mlp_norm=_post_norm(mlp.linear_fc2, getattr(layer, "post_mlp_layernorm", None)),
+        qk_norm_whole=isinstance(attention.q_layernorm, ProjectionRMSNorm))
+
+
+def _post_norm(linear, layer_norm) -> Optional[Tensor]:
+    """Gemma's sandwich norm (on the linear) or OLMo 2's post-norm (`PostNormTransformerLayer`'s)."""
+    norm = getattr(linear, "post_layernorm", None)
+    norm = layer_norm if norm is None else norm
+    return None if norm is None else norm.weight
 
 
 def _qk_norm(norm) -> Optional[Tensor]:
-    return getattr(norm, "weight", None)  # None or Megatron's IdentityOp without the norm
+    return getattr(norm, "weight", None)  # None or Megatron's IdentityOp without q/k norms
 
 
 def _bias(linear) -> Optional[Tensor]:
@@ -132,15 +152,16 @@ class Decoder:
 
     def __init__(self, model, pad: list[int], max_length: int):
         check_supported(model)
-        config, device = model.config, rank_device()
+        config, device, shape = model.config, rank_device(), model.hf_shape
         self.model, self.eps, self.hidden = model, config.layernorm_epsilon, config.hidden_size
+        self.norm = offset_rms_norm if config.layernorm_zero_centered_gamma else _rms_norm
+        self.activation, self.embedding_scale = config.activation_func, shape.embedding_scale
+        self.attn_softcap, self.logit_softcap = shape.attn_softcap, shape.logit_softcap
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.groups, self.per_group = config.num_query_groups // self.tp, config.num_attention_heads // config.num_query_groups
         self.head_dim, self.dtype = config.kv_channels, config.params_dtype
         self.scale = config.softmax_scale or self.head_dim ** -0.5
-        self.window_size = config.window_size  # Megatron's (left, 0): keys i - j <= left
-        self.window = None if config.window_size is None else config.window_size[0] + 1  # keys i - j < window
         self.layers = [layer_weights(layer) for layer in model.decoder.layers]
         self.embedding = model.embedding.word_embeddings if model.pre_process else None
         if model.post_process:
@@ -149,11 +170,13 @@ class Decoder:
         cache = (len(pad), self.groups, max_length, self.head_dim)
         self.keys = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
         self.values = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
-        angles = model.rotary_pos_emb.get_emb(max_length)[:, 0, 0].to(device)  # [max_length, rotated dims], fp32
-        self.rotary_dim = angles.shape[-1]  # the first dims of each head, all of it unless partial
-        self.cos_table, self.sin_table = angles.cos().to(self.dtype), _signed_sin(angles).to(self.dtype)
+        rope = model.rotary_pos_emb
+        ropes = [rope, rope.local] if isinstance(rope, LayerTypeRotaryEmbedding) else [rope]  # LayerWeights.rope indexes them
+        angles = [r.get_emb(max_length)[:, 0, 0].to(device) for r in ropes]  # [max_length, head_dim], fp32
+        self.cos_tables, self.sin_tables = [a.cos().to(self.dtype) for a in angles], [_signed_sin(a).to(self.dtype) for a in angles]
+        self.rotary_dim = angles[0].shape[-1]  # the first dims of each head, all of it unless partial
         pads = torch.tensor(pad, dtype=torch.long, device=device)
-        self.cos, self.sin = self._rope(pads, max_length)  # [b, max_length, 1, 1, d] per row
+        self.ropes = self._rope(pads, max_length)  # (cos, sin) [b, max_length, 1, 1, d] per row, per RoPE
         padding = (torch.arange(max_length, device=device) < pads[:, None])[:, None, None]  # [b, 1, 1, L]
         self.padding_bias = (torch.zeros(padding.shape, dtype=self.dtype, device=device).masked_fill(padding, float("-inf"))
                              if any(pad) else None)  # added to the scores of decode steps
@@ -163,79 +186,85 @@ class Decoder:
         """Run the distinct prompts [u, s] (left-padded by `pad` [u]) and cache prompt rows[i] in
         row i of the batch; the logits [b, vocab] of each batch row's last prompt token."""
         u, s = prompts.shape
-        cos, sin = self._rope(torch.tensor(pad, dtype=torch.long, device=prompts.device), s)
+        ropes = self._rope(torch.tensor(pad, dtype=torch.long, device=prompts.device), s)
         cu_seqlens = _padded_rows(pad, s)
         documents = Documents.of(torch.tensor(cu_seqlens, dtype=torch.int32, device=prompts.device), s, s, cu_seqlens)
 
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attend(i: int, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             self.keys[i][:, :, :s] = k[rows].transpose(1, 2)
             self.values[i][:, :, :s] = v[rows].transpose(1, 2)
             g, d = self.groups, self.head_dim
             out = packed_attention(q.reshape(u * s, g * self.per_group, d), k.reshape(u * s, g, d), v.reshape(u * s, g, d), documents,
-                                   self.window_size, self.scale)
+                                   w.window_size, self.scale, softcap=self.attn_softcap)
             return out.view(u, s, -1)
 
-        logits = self._forward(prompts, cos, sin, attend)
+        logits = self._forward(prompts, ropes, attend)
         self.length = s
         return None if logits is None else logits[rows]
 
     def decode(self, tokens: Tensor) -> Optional[Tensor]:
         """Run one new token per row [b] at the next position."""
         t, b = self.length, len(tokens)
-        low = 0 if self.window is None else max(0, t + 1 - self.window)
-        bias = None if self.padding_bias is None else self.padding_bias[:, :, :, low : t + 1]
 
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attend(i: int, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             # The heads of a query group as the rows of one product with the group's keys: no
             # repeated keys, and at one query position a plain matmul beats SDPA's kernel.
+            low = 0 if w.window_size is None else max(0, t - w.window_size[0])  # keys t - j <= left
             keys, values = self.keys[i], self.values[i]
             keys[:, :, t] = k[:, 0]
             values[:, :, t] = v[:, 0]
             scores = torch.matmul(q[:, 0], keys[:, :, low : t + 1].transpose(-1, -2)) * self.scale  # [b, g, per, keys]
-            if bias is not None:
-                scores = scores + bias
+            if self.attn_softcap is not None:
+                scores = softcap(scores, self.attn_softcap)
+            if self.padding_bias is not None:
+                scores = scores + self.padding_bias[:, :, :, low : t + 1]
             probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax, as Megatron and HF
             return torch.matmul(probs, values[:, :, low : t + 1]).view(b, 1, -1)
 
-        logits = self._forward(tokens[:, None], self.cos[:, t : t + 1], self.sin[:, t : t + 1], attend)
+        logits = self._forward(tokens[:, None], [(cos[:, t : t + 1], sin[:, t : t + 1]) for cos, sin in self.ropes], attend)
         self.length = t + 1
         return logits
 
-    def _rope(self, pad: Tensor, length: int) -> tuple[Tensor, Tensor]:
-        positions = (torch.arange(length, device=pad.device) - pad[:, None]).clamp(min=0)
-        return self.cos_table[positions][:, :, None, None], self.sin_table[positions][:, :, None, None]
+    def _rope(self, pad: Tensor, length: int) -> list[tuple[Tensor, Tensor]]:
+        return self.rope_at((torch.arange(length, device=pad.device) - pad[:, None]).clamp(min=0))
 
-    def _forward(self, tokens: Tensor, cos: Tensor, sin: Tensor, attend: Callable) -> Optional[Tensor]:
+    def rope_at(self, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """(cos, sin) [b, s, 1, 1, d] at `positions` [b, s], of each RoPE."""
+        return [(cos[positions][:, :, None, None], sin[positions][:, :, None, None]) for cos, sin in zip(self.cos_tables, self.sin_tables)]
+
+    def _forward(self, tokens: Tensor, ropes: list, attend: Callable) -> Optional[Tensor]:
         x = self._embed(tokens) if self.embedding is not None else self._receive(tokens.shape)
         for i, weights in enumerate(self.layers):
-            x = self._layer(x, i, weights, cos, sin, attend)
+            x = self._layer(x, i, weights, ropes, attend)
         if not self.model.post_process:
             dist.send(x.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
         return self._logits(x[:, -1])
 
-    def _layer(self, x: Tensor, i: int, w: LayerWeights, cos: Tensor, sin: Tensor, attend: Callable) -> Tensor:
+    def _layer(self, x: Tensor, i: int, w: LayerWeights, ropes: list, attend: Callable) -> Tensor:
         b, s, _ = x.shape
         g, per, d, r = self.groups, self.per_group, self.head_dim, self.rotary_dim
-        qkv = F.linear(self._norm(x, w.norm1), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
+        qkv = F.linear(self._normed(x, w.norm1), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
         qk = qkv[..., : per + 1, :]  # each group's queries and key, rotated together
         if w.q_norm is not None:
             qk = torch.cat([self._qk_norm(qk[..., :per, :], w.q_norm, w.qk_norm_whole), self._qk_norm(qk[..., per:, :], w.k_norm, w.qk_norm_whole)], -2)
+        cos, sin = ropes[w.rope]
         rotated = qk[..., :r] * cos + qk[..., :r].roll(r // 2, -1) * sin  # x cos + rotate_half(x) sin
         qk = rotated if r == d else torch.cat([rotated, qk[..., r:]], -1)
-        out = attend(i, qk[..., :per, :], qk[..., per, :], qkv[..., per + 1, :])  # [b, s, heads * d]
-        x = x + self._norm(_biased(self._reduce(F.linear(out, w.proj)), w.proj_bias), w.post_norm1)
-        gate, up = F.linear(self._norm(x, w.norm2), w.fc1, w.fc1_bias).chunk(2, -1)
-        return x + self._norm(_biased(self._reduce(F.linear(F.silu(gate) * up, w.fc2)), w.fc2_bias), w.post_norm2)
+        out = attend(i, w, qk[..., :per, :], qk[..., per, :], qkv[..., per + 1, :])  # [b, s, heads * d]
+        x = x + self._normed(_biased(self._reduce(F.linear(out, w.proj)), w.proj_bias), w.post_attention_norm)
+        gate, up = F.linear(self._normed(x, w.norm2), w.fc1, w.fc1_bias).chunk(2, -1)
+        return x + self._normed(_biased(self._reduce(F.linear(self.activation(gate) * up, w.fc2)), w.fc2_bias), w.post_mlp_norm)
 
-    def _norm(self, x: Tensor, weight: Optional[Tensor]) -> Tensor:
-        return x if weight is None else F.rms_norm(x, (self.hidden,), weight, self.eps)
+    def _normed(self, x: Tensor, weight: Optional[Tensor]) -> Tensor:
+        """x through a norm of the layer, or x itself where the layer has none there."""
+        return x if weight is None else self.norm(x, weight, self.eps)
 
     def _qk_norm(self, heads: Tensor, weight: Tensor, whole: bool) -> Tensor:
         """RMSNorm of q's heads [b, s, g, per, d] (k's [b, s, g, 1, d]) per head, or `whole`
         over all heads of the token (every TP rank's: `ProjectionRMSNorm`)."""
         if not whole:
-            return F.rms_norm(heads, (heads.shape[-1],), weight, self.eps)
+            return self.norm(heads, weight, self.eps)
         flat = heads.flatten(-3)  # this rank's heads in order: its share of the q (k) projection
         squares = self._reduce(flat.float().square().sum(-1, keepdim=True))
         normed = flat.float() * torch.rsqrt(squares / (flat.shape[-1] * self.tp) + self.eps)
@@ -244,18 +273,25 @@ class Decoder:
     def _embed(self, tokens: Tensor) -> Tensor:
         embedding = self.embedding  # vocab-parallel: this rank's rows of the padded vocab
         if self.tp == 1:
-            return F.embedding(tokens, embedding.weight)
-        local = tokens - embedding.vocab_start_index
-        outside = (local < 0) | (local >= embedding.weight.shape[0])
-        return self._reduce(F.embedding(local.masked_fill(outside, 0), embedding.weight).masked_fill(outside[..., None], 0))
+            x = F.embedding(tokens, embedding.weight)
+        else:
+            local = tokens - embedding.vocab_start_index
+            outside = (local < 0) | (local >= embedding.weight.shape[0])
+            x = self._reduce(F.embedding(local.masked_fill(outside, 0), embedding.weight).masked_fill(outside[..., None], 0))
+        return x * embedding_scale(self.hidden, x) if self.embedding_scale else x
 
     def _receive(self, shape: torch.Size) -> Tensor:
         hidden = torch.empty(*shape, self.hidden, dtype=self.model.config.pipeline_dtype, device=self.device)
         dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         return hidden
 
+    def head(self, x: Tensor) -> Tensor:
+        """The output layer's logits (this rank's vocab rows) of final hidden states."""
+        logits = F.linear(self.norm(x, self.final_norm, self.eps), self.output)
+        return logits if self.logit_softcap is None else softcap(logits, self.logit_softcap)
+
     def _logits(self, last: Tensor) -> Tensor:
-        logits = F.linear(F.rms_norm(last, (self.hidden,), self.final_norm, self.eps), self.output)
+        logits = self.head(last)
         if self.tp == 1:
             return logits
         gathered = torch.empty(self.tp * logits.shape[0], logits.shape[1], dtype=logits.dtype, device=logits.device)
@@ -266,6 +302,10 @@ class Decoder:
         if self.tp > 1:
             dist.all_reduce(partial, group=self.tp_group)
         return partial
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def _biased(reduced: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -331,17 +371,17 @@ class LeanForward:
         b, s = tokens.shape
         documents = packed_seq_params if packed_seq_params is not None else Documents.rows(b, s, tokens.device)
 
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [b, s, groups, per group, d], k, v [b, s, groups, d]
+        def attend(i: int, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [b, s, groups, per group, d], k, v [b, s, groups, d]
             g, dim = d.groups, d.head_dim
             out = packed_attention(q.reshape(b * s, g * d.per_group, dim), k.reshape(b * s, g, dim), v.reshape(b * s, g, dim), documents,
-                                   d.window_size, d.scale)
+                                   w.window_size, d.scale, softcap=d.attn_softcap)
             return out.view(b, s, -1)
 
-        cos, sin = d.cos_table[position_ids][:, :, None, None], d.sin_table[position_ids][:, :, None, None]
+        ropes = d.rope_at(position_ids)
         # With gradients, a LoRA layer's merged weight is computed again for each micro batch:
         # each backward frees the graph it was computed in.
         layers = [layer_weights(layer) for layer in d.model.decoder.layers] if torch.is_grad_enabled() else d.layers
         x = d._embed(tokens)
         for i, weights in enumerate(layers):
-            x = d._layer(x, i, weights, cos, sin, attend)
-        return F.linear(F.rms_norm(x, (d.hidden,), d.final_norm, d.eps), d.output)
+            x = d._layer(x, i, weights, ropes, attend)
+        return mask_padded(d.head(x), d.model.real_vocab_size)

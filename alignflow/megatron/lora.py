@@ -1,8 +1,8 @@
 """LoRA adapters on Megatron-Core's tensor-parallel linear layers, correct at any TP and PP.
 
 Each adapted HF projection (`alignflow.convert.lora`: q, k, v of `linear_qkv`, gate and up of
-`linear_fc1`, `linear_proj`, `linear_fc2`) gets its own A [r, in] and B [out, r], and the layer
-adds (alpha / r) B A dropout(x) to its output, as HF PEFT does; the parts' outputs are fused
+`linear_fc1`, `linear_proj`, `linear_fc2`) gets its own A [r, in], B [out, r] and dropout mask,
+and the layer adds (alpha / r) B A dropout(x) to its output, as HF PEFT does; the parts' outputs are fused
 in the module's layout (per query group for qkv, [gate; up] for fc1), so the adapter is a
 PEFT adapter exactly, matrix for matrix. Under TP:
 - column-parallel (`linear_qkv`, `linear_fc1`: output dim sharded): A is replicated, B sharded
@@ -106,23 +106,26 @@ class Adapter(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(alpha / r) B A dropout(x) of every part, fused in the layer's output layout (this rank's
-        columns). A row-parallel layer's input is this rank's shard: its dropout draws from
-        Megatron's model-parallel RNG (distinct per TP rank); a replicated input's from the
-        default one, the same on every TP rank, so the ranks' A x agree."""
-        if self.spec.parallel == "row" and isinstance(self.dropout, nn.Dropout):
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                x = self.dropout(x)
-        else:
-            x = self.dropout(x)
+        columns). Each part draws its own dropout mask, in the order of its HF projections (q, k, v;
+        gate, up), as PEFT's separate layers do. A row-parallel layer's input is this rank's shard:
+        its dropout draws from Megatron's model-parallel RNG (distinct per TP rank); a replicated
+        input's from the default one, the same on every TP rank, so the ranks' A x agree."""
         outs = []
         for part in self.spec.parts:
             if part not in self.lora_A:  # e.g. only q_proj of linear_qkv is targeted
                 outs.append(x.new_zeros(*x.shape[:-1], self.rows[part]))
                 continue
-            h = F.linear(x, self.lora_A[part])
+            h = F.linear(self._dropped(x), self.lora_A[part])
             h = copy_to_tensor_model_parallel_region(h) if self.spec.parallel == "column" else reduce_from_tensor_model_parallel_region(h)
             outs.append(F.linear(h, self.lora_B[part]) * self.scaling)
         return fuse_last_dim(self.spec, outs, self.config)
+
+    def _dropped(self, x: Tensor) -> Tensor:
+        """x through a fresh dropout mask, drawn from the RNG `forward` says."""
+        if self.spec.parallel == "row" and isinstance(self.dropout, nn.Dropout):
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self.dropout(x)
+        return self.dropout(x)
 
     def delta_weight(self) -> Tensor:
         """The update of this rank's shard of the weight, (alpha / r) B A, in the weight's layout (fp32)."""

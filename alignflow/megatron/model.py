@@ -1,11 +1,13 @@
 """Build a Megatron-Core GPTModel from an HF Llama-family config; move states in and out of it.
 
-Supported: what `alignflow.convert.families` supports (Llama, Mistral, Qwen2, Qwen3, OLMo 2,
-Phi-3: GQA, tied or untied embeddings, qkv / attention output / MLP biases, per-head q/k
-RMSNorm, SwiGLU, RoPE with linear or llama3 scaling or over part of each head, sliding
-windows), under TP, PP (with virtual chunks) and, with Transformer Engine, CP. Two pieces
-Megatron-Core lacks are alignflow's own (OLMo 2): `PostNormTransformerLayer` and
-`ProjectionRMSNorm`.
+Supported: what `alignflow.convert.families` supports (Llama, Mistral, Qwen2, Qwen3: GQA,
+tied or untied embeddings, qkv / attention output / MLP biases, per-head q/k RMSNorm, SwiGLU,
+RoPE with linear or llama3 scaling, Mistral's sliding window; Gemma 2 / 3 with the pieces of
+`alignflow.megatron.gemma` and per-layer windows; OLMo 2's post-norm layers and
+whole-projection q/k norms, `PostNormTransformerLayer` and `ProjectionRMSNorm`, pieces
+Megatron-Core lacks; Phi-3's partial rotary and longrope, `LongRoPE`), under TP, PP (with
+virtual chunks) and, with Transformer Engine, CP (not with attention soft-capping: its
+attention is ours).
 Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local
 modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
 
@@ -21,21 +23,21 @@ leave a model under checkpoint names (`load_megatron_state`, `megatron_state`), 
 `alignflow.convert` produces.
 """
 
-import math
 from contextlib import nullcontext
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -46,8 +48,10 @@ from torch.distributed.nn.functional import all_reduce
 from alignflow.convert.families import ModelShape, model_shape
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
 from alignflow.device import device
+from alignflow.megatron import gemma
 from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.runtime import parallel_sizes
+from alignflow.megatron.vocab_parallel import masking_hook
 
 # TransformerConfig settings where CUDA is absent.
 CPU_SETTINGS = {
@@ -78,15 +82,16 @@ def transformer_config(shape: ModelShape, parallel_cfg: Any, *, params_dtype: to
         num_query_groups=shape.num_query_groups,
         kv_channels=shape.head_dim,
         normalization="RMSNorm",
+        layernorm_zero_centered_gamma=shape.gemma_norms,  # TE's norms read it; the local spec's are GemmaRMSNorm
         layernorm_epsilon=shape.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=gemma.gelu_tanh if shape.gemma_norms else F.silu,
         add_bias_linear=False,  # the attention output's and the MLP's biases: `layer_spec`
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
-        # longrope scales cos and sin of q's and k's rotated dims (all of them) by its attention factor: the scores by its square
-        softmax_scale=None if shape.rope_attention_factor == 1.0 else shape.rope_attention_factor ** 2 / math.sqrt(shape.head_dim),
         window_size=None if shape.sliding_window is None else (shape.sliding_window - 1, 0),  # HF: i - j < window
+        window_attn_skip_freq=[int(w) for w in shape.window_layers] or None,  # 1: the layer has the window
+        softmax_scale=shape.softmax_scale,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=par["tensor_model_parallel_size"],
@@ -118,21 +123,36 @@ class DocumentWindowAttention(DotProductAttention):
 
     Megatron's own path (scores, softmax, dropout, a mask) never runs: its softmax would swap
     a given mask for the window mask, so the documents of a packed row saw each other, and
-    its mask costs rows x s x s."""
+    its mask costs rows x s x s.
+
+    Per layer: the window where the layer has one (`window_attn_skip_freq`, Gemma), and the
+    scores soft-capped by `softcap` (Gemma 2: `layer_spec` sets it). Under Transformer Engine
+    (soft-capped models only) the documents come as THD sequences [t, heads, dim]."""
+
+    softcap: Optional[float] = None
+
+    def __init__(self, config: TransformerConfig, layer_number: int, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        self.window_size = config.window_size if gemma.is_window_layer(config, self.layer_number) else None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], *args,
                 packed_seq_params: Optional[PackedSeqParams] = None, **kwargs):
         """[s, b, heads (query groups for key, value), dim] -> [s, b, heads * dim]."""
         if attention_mask is not None:
             raise ValueError("DocumentWindowAttention takes documents (packed_seq_params), not a mask")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":  # TE's batches: [t, heads, dim]
+            documents = Documents.of(packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q, query.shape[0])
+            return self._attend(query, key, value, documents).flatten(1)
         s, b, heads, dim = query.shape
         documents = packed_seq_params if packed_seq_params is not None else Documents.rows(b, s, query.device)
         flat = [t.transpose(0, 1).reshape(b * s, t.shape[2], dim) for t in (query, key, value)]
+        return self._attend(*flat, documents).view(b, s, heads * dim).transpose(0, 1)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, documents: Documents) -> Tensor:
         dropout = self.attention_dropout.p if self.training else 0.0
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 and not self.config.sequence_parallel else nullcontext()
         with rng:
-            out = packed_attention(*flat, documents, self.config.window_size, self.softmax_scale, dropout)
-        return out.view(b, s, heads * dim).transpose(0, 1)
+            return packed_attention(q, k, v, documents, self.window_size, self.softmax_scale, dropout, self.softcap)
 
 
 class ProjectionRMSNorm(torch.nn.Module):
@@ -195,7 +215,8 @@ def _normed_first(bda: Callable, norm: torch.nn.Module) -> Callable:
 
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
     """Per-token cross entropy [b, s] from a GPTModel chunk on the last pipeline stage (its
-    hidden states elsewhere; the logits when `labels` is None). At TP=1 torch's fused cross_entropy on the logits: Megatron's
+    hidden states elsewhere; the logits when `labels` is None), over the real vocab (the output
+    layer masks the padded rows). At TP=1 torch's fused cross_entropy on the logits: Megatron's
     vocab-parallel cross entropy gives the same numbers through a custom autograd function of
     a dozen small ops, which on small models costs as much as the layers (a quarter of a
     reference pass). Under TP the vocabulary is split over ranks: Megatron's."""
@@ -226,22 +247,51 @@ def document_params(batch: dict) -> PackedSeqParams:
 def layer_spec(shape: ModelShape) -> ModuleSpec:
     """Transformer Engine's fused layers where importable (GPU clusters), else Megatron's own;
     the attention output and the MLP biased as the HF model is (Megatron's `add_bias_linear`
-    sets both together, HF's attention_bias and mlp_bias apart); OLMo 2's post-norm layer and
-    whole-projection q/k norms."""
+    sets both together, HF's attention_bias and mlp_bias apart); Gemma's pieces where the
+    shape has them (see `alignflow.megatron.gemma`)."""
     if packed_thd():
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = DocumentWindowAttention
-    if shape.post_norm:
-        spec = _post_norm(spec)
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     attention.linear_proj = _biased(attention.linear_proj, shape.proj_bias)
     mlp.linear_fc1, mlp.linear_fc2 = _biased(mlp.linear_fc1, shape.mlp_bias), _biased(mlp.linear_fc2, shape.mlp_bias)
+    if shape.attn_softcap is not None:  # neither TE's attention nor SDPA soft-caps: ours, THD batches included
+        attention.core_attention = type("SoftcappedAttention", (DocumentWindowAttention,), {"softcap": shape.attn_softcap})
+    if shape.local_rope_theta is not None:
+        spec.submodules.self_attention.module = gemma.LayerRopeSelfAttention
+    if shape.gemma_norms:
+        _gemma_norms(spec, shape)
     if shape.qk_norm_whole:
         attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "query"})
         attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "key"})
-    return spec
+    return _post_norm(spec) if shape.post_norm else spec
+
+
+def _gemma_norms(spec: ModuleSpec, shape: ModelShape) -> None:
+    """x * (1 + w) norms (the local spec's own: GemmaRMSNorm; TE's take the config's
+    zero-centered gamma) and the sandwich's post-attention and post-MLP norms."""
+    layer = spec.submodules
+    attention, mlp = layer.self_attention.submodules, layer.mlp.submodules
+    norm = gemma.GemmaRMSNorm
+    if packed_thd():
+        from megatron.core.extensions.transformer_engine import TENorm as norm
+    else:
+        layer.input_layernorm = layer.pre_mlp_layernorm = norm
+        if shape.qk_norm:
+            attention.q_layernorm = attention.k_layernorm = norm
+    attention.linear_proj = gemma.post_normed(attention.linear_proj, norm)
+    mlp.linear_fc2 = gemma.post_normed(mlp.linear_fc2, norm)
+
+
+def block_spec(shape: ModelShape, config: TransformerConfig, vp_stage: Optional[int]) -> Union[ModuleSpec, TransformerBlockSubmodules]:
+    """The decoder's spec: `layer_spec`, with Gemma's final norm on the local spec (Megatron
+    builds the final norm of a layer spec with its default norm, torch's RMSNorm there)."""
+    spec = layer_spec(shape)
+    if not shape.gemma_norms or packed_thd():
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=gemma.GemmaRMSNorm)
 
 
 def _post_norm(spec: ModuleSpec) -> ModuleSpec:
@@ -327,7 +377,6 @@ def build_gpt(
     vp_size = config.virtual_pipeline_model_parallel_size
     common = dict(
         config=config,
-        transformer_layer_spec=layer_spec(shape),
         vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by),
         max_sequence_length=shape.max_position_embeddings,
         parallel_output=parallel_output,
@@ -337,18 +386,27 @@ def build_gpt(
         rotary_percent=shape.rotary_percent,  # the first dims of each head, as HF's partial_rotary_factor
         **ROPE_ARGS[shape.rope_type](shape.rope_factor),
     )
-    chunks = [_build_chunk(common, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
-    rescale = RESCALED_ROPE.get(shape.rope_type)
-    for chunk in chunks if rescale else []:
-        rescale(chunk, shape)
+    chunks = [_build_chunk(common, shape, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
     return chunks if vp_size else chunks[0]
 
 
-def _build_chunk(common: dict, vp_stage: Optional[int], vp_size: Optional[int]) -> GPTModel:
+def _build_chunk(common: dict, shape: ModelShape, vp_stage: Optional[int], vp_size: Optional[int]) -> GPTModel:
+    """One chunk; it keeps the HF shape it was built from (`hf_shape`: the lean forward reads
+    what Megatron's modules do not say, Gemma's embedding scale and soft-caps). On the last
+    stage its logits of the padded vocab rows are masked (-inf, after any soft-cap), so every
+    log-prob and loss is over the real vocabulary, as HF's and generation's."""
     pre, post = stage_ends(
         parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(), vp_stage, vp_size
     )
-    model = GPTModel(pre_process=pre, post_process=post, vp_stage=vp_stage, **common)
+    model = GPTModel(pre_process=pre, post_process=post, vp_stage=vp_stage,
+                     transformer_layer_spec=block_spec(shape, common["config"], vp_stage), **common)
+    model.hf_shape = shape
+    gemma.install(model, shape)
+    if shape.rope_type in RESCALED_ROPE:
+        RESCALED_ROPE[shape.rope_type](model, shape)
+    model.real_vocab_size = shape.vocab_size
+    if post:
+        model.output_layer.register_forward_hook(masking_hook(shape.vocab_size))
     # Every weight in params_dtype: the local spec builds its norms in fp32 whatever it says
     # (Megatron-LM's Float16Module casts them too; its optimizers expect one dtype).
     return model.to(device=device(), dtype=common["config"].params_dtype)

@@ -8,9 +8,10 @@ its slice of the (padded) vocab, [..., V / TP]; these functions give what a full
   teacher's), best first.
 
 The softmax runs over the model's `vocab_size` (its HF config's, as HF computes it): the rows
-Megatron pads the output layer with (zeros, so logit 0) are masked out. Megatron's fused
-vocab-parallel cross entropy, which the SFT loss uses, keeps them; with an unpadded vocab (the
-demo's) the two agree. Logits are taken in fp32.
+Megatron pads the output layer with (zeros, so logit 0) are masked out (`mask_padded`), here and
+in every model's output layer (`alignflow.megatron.model.build_gpt`), so Megatron's
+vocab-parallel cross entropy and torch's see the real vocabulary too, as generation samples it.
+Logits are taken in fp32.
 """
 
 import torch
@@ -20,15 +21,31 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from torch import Tensor
 
 
+def mask_padded(logits: Tensor, vocab_size: int, start: int = 0) -> Tensor:
+    """Logits [..., width] of the vocab rows start.. with the padded ones (id >= vocab_size) at
+    -inf: outside every softmax, with no gradient."""
+    width = logits.shape[-1]
+    if start + width <= vocab_size:
+        return logits
+    return logits.masked_fill(torch.arange(start, start + width, device=logits.device) >= vocab_size, float("-inf"))
+
+
 def _local(logits: Tensor, vocab_size: int) -> tuple[Tensor, int]:
     """This rank's logits in fp32 with padded vocab rows at -inf, and the id of its first row."""
-    width = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * width
-    logits = logits.float()
-    if start + width > vocab_size:
-        padded = torch.arange(start, start + width, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padded, float("-inf"))
-    return logits, start
+    start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    return mask_padded(logits.float(), vocab_size, start), start
+
+
+def masking_hook(vocab_size: int):
+    """A forward hook for a (column-parallel) output layer: its logits with the padded vocab rows
+    masked, whether this rank's slice [..., V / TP] or gathered [..., V]."""
+    def hook(layer, args, output: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+        logits, bias = output
+        width = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * width if width == layer.output_size_per_partition else 0
+        return mask_padded(logits, vocab_size, start), bias
+
+    return hook
 
 
 def log_normalizer(logits: Tensor) -> Tensor:

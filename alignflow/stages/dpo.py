@@ -1,13 +1,15 @@
 """The dpo stage: DPO-family training from precomputed reference log-probs.
 
-Supported: the losses of `alignflow.losses.preference` (sigmoid DPO with `beta`, IPO,
-conservative DPO via `label_smoothing`), `sft_loss_weight`, `preference_loss_weight`,
-`preference_average_log_probs` and `sft_average_log_probs`, on the training engine of
+Supported: the losses of `alignflow.losses.preference` (TRL 1.16's DPO `loss_type` list with
+`loss_weights`, conservative DPO `cdpo`, the reference-free cpo, simpo and orpo), NeMo-RL's
+`sft_loss_weight`, `preference_loss_weight`, `preference_average_log_probs` and
+`sft_average_log_probs`, on the training engine of
 `alignflow.train` (TP/PP/DP, checkpoints and exact resume, as SFT). The reference model never
 runs here: `inputs["ref_logprobs"]` holds its per-pair log-prob sums and token counts,
 computed once by the ref_logprobs stage and joined on sample_id. With LoRA (`finetuning_type`
 lora / lora_merged) the policy is the input model's frozen base plus adapters; reference
 log-probs computed on that same input model are the base's, so no second copy is needed.
+The reference-free losses still take the ref_logprobs input (read, then unused).
 The chosen and rejected
 sequences of a pair share a packed row (`alignflow.train.datasets.PreferencePairs`: pairs
 packed into rows, no padding to the data set's longest), so a pair's loss is computed where
@@ -22,7 +24,7 @@ import torch
 
 from alignflow.config.schema import DPOLossConfig
 from alignflow.data.prepared import SIDES, Prepared
-from alignflow.losses.preference import PreferenceLoss, preference_loss
+from alignflow.losses.preference import PairLogps, PreferenceLoss, preference_loss
 from alignflow.stages.sft import sft_forward
 from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
 from alignflow.train.engine import LossTerms, Objective, finish, training
@@ -45,13 +47,11 @@ def pair_loss(cfg: DPOLossConfig, per_token: torch.Tensor, batch: dict) -> Prefe
     """The preference loss of a micro batch of packed pairs from per-token NLL."""
     n = batch["pairs"]
     sums = sequence_sums(-per_token.float() * batch["loss_mask"], batch)  # chosen, then rejected
-    tokens = sequence_sums(batch["loss_mask"].float(), batch).clamp(min=1)
-    policy = sums / tokens if cfg.preference_average_log_probs else sums
+    tokens = sequence_sums(batch["loss_mask"].float(), batch)
     ref = {side: batch[f"ref_{side}_logp"].to(sums.dtype) for side in SIDES}
-    if cfg.preference_average_log_probs:
-        ref = {side: ref[side] / batch[f"ref_{side}_tokens"].clamp(min=1).to(sums.dtype) for side in ref}
-    chosen_nll = -(sums[:n] / tokens[:n] if cfg.sft_average_log_probs else sums[:n])
-    return preference_loss(cfg, policy[:n], policy[n:], ref["chosen"], ref["rejected"], chosen_nll)
+    logps = PairLogps(policy_chosen=sums[:n], policy_rejected=sums[n:], ref_chosen=ref["chosen"], ref_rejected=ref["rejected"],
+                      chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
+    return preference_loss(cfg, logps)
 
 
 def load_data(data: Prepared, reference_uri: str) -> Supervised:
