@@ -149,7 +149,8 @@ def test_longrope_reads_hf_attention_factor():
     original_max_position_embeddings wins over rope_parameters' (the tiny case sets both)."""
     shape = model_shape(tiny_hf_model("phi3_longrope")[1])
     assert (shape.rope_type, shape.rope_original_max, len(shape.rope_short_factor)) == ("longrope", 32, 8)
-    assert shape.rope_attention_factor == pytest.approx((1 + math.log(64 / 32) / math.log(32)) ** 0.5, rel=1e-12)
+    attention_factor = (1 + math.log(64 / 32) / math.log(32)) ** 0.5  # it scales cos and sin: the scores by its square
+    assert shape.softmax_scale == pytest.approx(attention_factor ** 2 / 16 ** 0.5, rel=1e-12)
 
 
 def test_fc1_merge_and_split_are_exact_inverses():

@@ -169,13 +169,13 @@ ARCHITECTURES: dict[str, Family] = {
     "MistralForCausalLM": Family(lambda cfg: {"sliding_window": cfg["sliding_window"]}),
     "Qwen2ForCausalLM": Family(lambda cfg: {"qkv_bias": True}, refused=(NO_LAYER_WINDOWS,)),
     "Qwen3ForCausalLM": Family(lambda cfg: {**_llama(cfg), "qk_norm": True}, refused=(NO_LAYER_WINDOWS,)),
+    "Gemma2ForCausalLM": Family(lambda cfg: _gemma(cfg, every=2), GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA2_DEFAULTS),
+    "Gemma3ForCausalLM": Family(lambda cfg: {**_gemma(cfg, every=cfg["sliding_window_pattern"]), "qk_norm": True},
+                                GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA3_DEFAULTS, _layer_type_rope),
     "Olmo2ForCausalLM": Family(lambda cfg: {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "qk_norm": True,
                                             "qk_norm_whole": True, "post_norm": True}),
     "Phi3ForCausalLM": Family(lambda cfg: {"fused_projections": True, "sliding_window": cfg["sliding_window"]},
                               rope=partial(_rope, rope_types=PHI3_ROPE_TYPES, partial_rotary=True)),
-    "Gemma2ForCausalLM": Family(lambda cfg: _gemma(cfg, every=2), GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA2_DEFAULTS),
-    "Gemma3ForCausalLM": Family(lambda cfg: {**_gemma(cfg, every=cfg["sliding_window_pattern"]), "qk_norm": True},
-                                GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA3_DEFAULTS, _layer_type_rope),
 }
 
 # Architectures refused by name, with why (the generic refusal lists the supported ones).
