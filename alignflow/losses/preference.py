@@ -75,7 +75,7 @@ def _smoothed(logits: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _exo_pair(x: PairLogps, cfg: DPOLossConfig) -> torch.Tensor:
-    z, eps = cfg.beta * (x.chosen - x.rejected), torch.tensor(cfg.label_smoothing, dtype=x.chosen.dtype)
+    z, eps = cfg.beta * (x.chosen - x.rejected), torch.tensor(cfg.label_smoothing, dtype=x.chosen.dtype, device=x.chosen.device)
     return torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-eps)) + torch.sigmoid(-z) * (F.logsigmoid(-z) - torch.log(eps))
 
 

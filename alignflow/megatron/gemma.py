@@ -26,6 +26,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from alignflow.convert.families import ModelShape
+from alignflow.device import device
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -50,7 +51,7 @@ class GemmaRMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device()))
         self.weight.sequence_parallel = config.sequence_parallel  # replicated: grads summed over TP under SP
 
     def forward(self, x: Tensor) -> Tensor:
@@ -120,5 +121,5 @@ def _scale_embedding(module, args, out: Tensor) -> Tensor:
 
 def embedding_scale(hidden_size: int, like: Tensor) -> Tensor:
     """HF's Gemma2/Gemma3TextScaledWordEmbedding's scale: sqrt(hidden) in fp32, cast to the embeddings' dtype."""
-    return torch.tensor(hidden_size ** 0.5).to(dtype=like.dtype, device=like.device)
+    return torch.tensor(hidden_size ** 0.5, device=like.device).to(dtype=like.dtype)
 
