@@ -19,8 +19,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import (
     Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-    Qwen3MoeConfig, Qwen3MoeForCausalLM,
+    MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 )
 
 from reference_convert import hf_to_megatron
@@ -34,6 +34,7 @@ TINY = dict(
     num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
     initializer_range=0.1,  # large enough that attention is peaked: a layout error shows in the logits
 )
+PHI3_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # Phi3Config's defaults (32000) lie outside vocab 100
 
 # case -> (config class, model class, what differs from TINY)
 CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
@@ -55,6 +56,19 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "llama_attention_bias": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head_dim != hidden / heads, as Qwen3's real sizes
     "qwen3_tied_bias": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),  # post-norm, q/k norms over the whole projection
+    "olmo2_tied_bias": (Olmo2Config, Olmo2ForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
+    "phi3_window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 4, **PHI3_TOKENS}),  # fused qkv_proj, gate_up_proj; a window
+    "phi3_longrope": (Phi3Config, Phi3ForCausalLM, {  # Phi-3-*-128k's RoPE within original_max_position_embeddings
+        "max_position_embeddings": 64, "original_max_position_embeddings": 32,  # Phi3Config's own key wins over rope_parameters'
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                            "short_factor": [1.0, 1.3, 1.7, 2.2, 2.9, 3.4, 4.1, 5.0], "long_factor": [2.0] * 8},
+        **PHI3_TOKENS,
+    }),
+    "phi4_partial_tied": (Phi3Config, Phi3ForCausalLM, {  # Phi-4-mini's shape: RoPE on 3/4 of each head, tied
+        "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        **PHI3_TOKENS,
+    }),
     # Sliding (4 tokens) and full layers alternating, head_dim != hidden / heads != query_pre_attn_scalar,
     # soft-caps small enough to bend the scores and logits.
     "gemma2": (Gemma2Config, Gemma2ForCausalLM, {

@@ -8,7 +8,8 @@ Tensor parallel (`TP_SPLIT`, by parameter name within a layer):
   the vocab-parallel embedding and output layer (rows of the padded vocab);
 - row (dim 1): attention output projection, fc2 (their biases are added after the reduction: replicated);
 - gated (dim 0 of gate and of up separately): fc1 and its bias, so each rank computes silu(gate_r) * up_r;
-- anything else (the norms, q/k norms, the MoE router) is replicated.
+- anything else (the norms, per-head q/k norms, the MoE router) is replicated; OLMo 2's q/k
+  norms over the whole projection are column-split like the heads they normalize (`whole_qk_norms`).
 Expert parallel: EP rank r holds experts [r * E / EP, (r + 1) * E / EP), numbered locally from 0;
 within an expert, TP splits fc1 (gated) and fc2 (row) as the dense MLP's (expert TP = TP).
 """
@@ -38,6 +39,8 @@ TP_SPLIT: dict[str, str] = {
     "mlp.experts.linear_fc2.weight": ROW,
 }
 
+WHOLE_QK_NORMS = {"self_attention.q_layernorm.weight": COLUMN, "self_attention.k_layernorm.weight": COLUMN}
+
 # Non-layer parameters -> the pipeline end that holds them.
 PIPELINE_END = {
     "embedding.word_embeddings.weight": "first",
@@ -52,14 +55,15 @@ _EXPERT = re.compile(r"local_experts\.(\d+|\{expert\})\.")
 Placed = tuple[Param, Slot, Slot]
 
 
-def tp_split(name: str) -> Optional[str]:
+def tp_split(name: str, whole_qk_norms: bool = False) -> Optional[str]:
     """How TP splits a Megatron parameter (COLUMN, ROW, GATED), or None if replicated."""
-    return TP_SPLIT.get(_EXPERT.sub("", _LAYER_PREFIX.sub("", name)))
+    within = _EXPERT.sub("", _LAYER_PREFIX.sub("", name))
+    return WHOLE_QK_NORMS.get(within) if whole_qk_norms and within in WHOLE_QK_NORMS else TP_SPLIT.get(within)
 
 
-def shard(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+def shard(name: str, full: Tensor, tp_rank: int, tp_size: int, whole_qk_norms: bool = False) -> Tensor:
     """TP rank `tp_rank`'s slice of a full tensor; a slice is a copy, so saving it never writes the whole."""
-    split = tp_split(name)
+    split = tp_split(name, whole_qk_norms)
     if split is None or tp_size == 1:
         return full
     if split == GATED:
@@ -67,9 +71,9 @@ def shard(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
     return _slice(full, SPLIT_DIM[split], tp_rank, tp_size, name).clone()
 
 
-def unshard(name: str, shards: Sequence[Tensor]) -> Tensor:
+def unshard(name: str, shards: Sequence[Tensor], whole_qk_norms: bool = False) -> Tensor:
     """The full tensor from all TP ranks' slices, in rank order (inverse of `shard`)."""
-    split = tp_split(name)
+    split = tp_split(name, whole_qk_norms)
     if split is None:
         return shards[0]
     if split == GATED:
@@ -155,7 +159,7 @@ def param_to_megatron(
     full = fuse(param.fuse, [hf_state[name] for name in param.hf_names(*slot)], shape)
     if param.megatron in VOCAB_PARAMS:
         full = pad_vocab(full, padded_vocab_size(shape.vocab_size, tp_size, divisible_by))
-    return shard(param.megatron, full, tp_rank, tp_size)
+    return shard(param.megatron, full, tp_rank, tp_size, shape.qk_norm_whole)
 
 
 def hf_to_megatron(

@@ -136,11 +136,18 @@ def pickled_only(model: Path) -> None:
 
 
 def config_changed(**changes) -> Callable[[Path], None]:
-    """A change of the model's config.json."""
+    """A change of the model's config.json: `changes` over its keys."""
     def change(model: Path) -> None:
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, **changes}))
     return change
+
+
+PHI3_LONGROPE = config_changed(architectures=["Phi3ForCausalLM"], model_type="phi3", original_max_position_embeddings=256, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "original_max_position_embeddings": 256})
+PHI4_MINI_LONGROPE = config_changed(architectures=["Phi3ForCausalLM"], model_type="phi3", rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "short_factor": [1.0] * 6, "long_factor": [4.0] * 6,
+    "original_max_position_embeddings": 128})
 
 
 def an_export_marker(files_listed: list[str]) -> Callable[[Path, Path], None]:
@@ -219,6 +226,16 @@ CASES = {
     "source-pickled-weights-only": Case((*CONVERT, "model.source={W}/model"), ("model.source: {W}/model holds pickled weights only (pytorch_model.bin)",),
                                         model_copy(pickled_only)),
     "source-truncated": Case((*CONVERT, "model.source={W}/model"), ("model.source: {W}/model/model.safetensors is truncated",), model_copy(truncated)),
+    "longrope-rows-past-original-positions": Case(("model.source={W}/model", "data.seq_length=512"),
+                                                  ("data.seq_length: 512 passes the model's original_max_position_embeddings=256 "
+                                                   "(model.source: longrope)",), model_copy(PHI3_LONGROPE)),
+    "source-phi4-mini-longrope": Case((*CONVERT, "model.source={W}/model"),
+                                      ("model.source: {W}/model/config.json: unsupported rope_type 'longrope' with "
+                                       "partial_rotary_factor=0.75 (Phi-4-mini)",), model_copy(PHI4_MINI_LONGROPE)),
+    "source-partial-rotary-outside-phi3": Case((*CONVERT, "model.source={W}/model"),
+                                               ("model.source: {W}/model/config.json: unsupported HF config partial_rotary_factor=0.5: "
+                                                "LlamaForCausalLM is mapped with RoPE over whole heads",),
+                                               model_copy(config_changed(partial_rotary_factor=0.5))),
     "source-missing": Case((*CONVERT, "model.source={W}/nothing"), ("model.source: {W}/nothing/config.json does not exist",)),
     "source-multimodal-gemma3": Case((*CONVERT, "model.source={W}/model"),
                                      ("model.source: {W}/model/config.json: unsupported architecture 'Gemma3ForConditionalGeneration': "

@@ -1,6 +1,7 @@
 """The Llama-family table: every HF tensor read once, every Megatron tensor made once, fused
 layouts and TP shards exact in both directions, and clear refusals."""
 
+import math
 from collections import Counter
 from typing import Iterator, Mapping
 
@@ -9,13 +10,15 @@ import torch
 from megatron_ranks import saved_state, tiny_hf_model
 from transformers import Gemma2Config, Gemma3TextConfig
 
-from alignflow.convert.layout import merge_fc1, merge_qkv, split_fc1, split_qkv
+from alignflow.convert.layout import merge_fc1, merge_hf_qkv, merge_qkv, split_fc1, split_hf_qkv, split_qkv
 from alignflow.convert.families import model_shape
 from reference_convert import (
     hf_to_megatron, megatron_to_hf, padded_vocab_size, shard, stage_layers, stage_params, unshard,
 )
 
-CASES = ["llama", "llama_tied", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "mixtral", "qwen3_moe"]  # GQA untied, tied, qkv bias, q/k norms, every bias, sandwich norms, experts
+# GQA untied, tied, qkv bias, q/k norms, every bias, sandwich norms, post-norm with whole q/k norms, fused qkv_proj / gate_up_proj, experts
+CASES = ["llama", "llama_tied", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "olmo2_tied_bias", "phi4_partial_tied",
+         "mixtral", "qwen3_moe"]
 LAYER_NAMES = [
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.weight",
@@ -129,6 +132,56 @@ def test_qkv_merge_and_split_are_exact_inverses(heads, groups):
         assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, heads, groups, head_dim), (q, k, v)))
 
 
+@pytest.mark.parametrize("heads,groups", [(4, 2), (4, 4), (4, 1)])
+def test_phi3_fused_qkv_proj_regroups_as_separate_q_k_v_would(heads, groups):
+    """HF's qkv_proj is [all q; all k; all v] (Phi3Attention slices it so): Megatron's layout of
+    it is that of the three projections, and back."""
+    head_dim, hidden = 8, 32
+    q, k, v = (torch.randn(n * head_dim, hidden) for n in (heads, groups, groups))
+    fused = merge_hf_qkv(torch.cat([q, k, v]), heads, groups, head_dim)
+    assert torch.equal(fused, merge_qkv(q, k, v, heads, groups, head_dim))
+    assert torch.equal(split_hf_qkv(fused, heads, groups, head_dim), torch.cat([q, k, v]))
+
+
+def test_olmo2_and_phi3_names(hf):
+    olmo = set(hf_to_megatron(*hf["olmo2_tied_bias"], 0, 1, 0, 1))
+    assert "decoder.layers.0.post_self_attn_layernorm.weight" in olmo and "decoder.layers.0.post_mlp_layernorm.weight" in olmo
+    assert not any("layer_norm_weight" in name for name in olmo)  # post-norm: no norm before attention or the MLP
+    assert "decoder.layers.3.self_attention.q_layernorm.weight" in olmo and "decoder.layers.3.self_attention.linear_proj.bias" in olmo
+    hf_state, config = hf["phi4_partial_tied"]
+    phi = hf_to_megatron(hf_state, config, 0, 1, 0, 1)
+    assert torch.equal(phi["decoder.layers.1.mlp.linear_fc1.weight"], hf_state["model.layers.1.mlp.gate_up_proj.weight"])  # [gate; up] both
+    q, k, v = hf_state["model.layers.1.self_attn.qkv_proj.weight"].split([64, 32, 32])
+    assert torch.equal(phi["decoder.layers.1.self_attention.linear_qkv.weight"], merge_qkv(q, k, v, 4, 2, 16))
+
+
+def test_olmo2_whole_qk_norms_split_over_tp_with_their_heads(hf):
+    """Each TP rank normalizes its own heads: it holds their slice of the q/k norm weight."""
+    hf_state, config = hf["olmo2_tied_bias"]
+    for r in range(2):
+        mine = hf_to_megatron(hf_state, config, r, 2, 0, 1)
+        for which in ("q", "k"):
+            expected = hf_state[f"model.layers.2.self_attn.{which}_norm.weight"].chunk(2)[r]
+            assert torch.equal(mine[f"decoder.layers.2.self_attention.{which}_layernorm.weight"], expected)
+
+
+def test_phi3_config_reads_window_and_partial_rotary():
+    assert model_shape(tiny_hf_model("phi3_window")[1]).sliding_window == 4
+    shape = model_shape(tiny_hf_model("phi4_partial_tied")[1])
+    assert (shape.rotary_percent, shape.fused_projections, shape.tied_embeddings) == (0.75, True, True)
+    older = {**tiny_hf_model("phi3_window")[1], "rope_parameters": None, "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    assert model_shape(older).rotary_percent == 0.5  # a config.json from before transformers 5
+
+
+def test_longrope_reads_hf_attention_factor():
+    """HF's default: sqrt(1 + ln(max / original max) / ln(original max)); Phi3Config's own
+    original_max_position_embeddings wins over rope_parameters' (the tiny case sets both)."""
+    shape = model_shape(tiny_hf_model("phi3_longrope")[1])
+    assert (shape.rope_type, shape.rope_original_max, len(shape.rope_short_factor)) == ("longrope", 32, 8)
+    attention_factor = (1 + math.log(64 / 32) / math.log(32)) ** 0.5  # it scales cos and sin: the scores by its square
+    assert shape.softmax_scale == pytest.approx(attention_factor ** 2 / 16 ** 0.5, rel=1e-12)
+
+
 def test_fc1_merge_and_split_are_exact_inverses():
     gate, up = torch.randn(64, 32), torch.randn(64, 32)
     fused = merge_fc1(gate, up)
@@ -154,7 +207,7 @@ def test_tp_shards_concatenate_to_the_full_tensor(hf, case):
     shards = [hf_to_megatron(hf_state, config, r, 2, 0, 1) for r in range(2)]
     assert all(s.keys() == full.keys() for s in shards)
     for name, tensor in full.items():
-        gathered = unshard(name, [s[name] for s in shards])
+        gathered = unshard(name, [s[name] for s in shards], model_shape(config).qk_norm_whole)
         rows = tensor.shape[0]
         assert torch.equal(gathered[:rows], tensor), name
         assert not gathered[rows:].any(), name  # vocab: TP2 pads further, with zeros
@@ -164,7 +217,8 @@ def test_tp_shards_concatenate_to_the_full_tensor(hf, case):
 def test_hf_to_megatron_to_hf_through_tp2_is_exact(hf, case):
     hf_state, config = hf[case]
     shards = [hf_to_megatron(hf_state, config, r, 2, 0, 1) for r in range(2)]
-    back = megatron_to_hf({name: unshard(name, [s[name] for s in shards]) for name in shards[0]}, config)
+    whole = model_shape(config).qk_norm_whole
+    back = megatron_to_hf({name: unshard(name, [s[name] for s in shards], whole) for name in shards[0]}, config)
     assert back.keys() == hf_state.keys()
     assert all(torch.equal(back[name], hf_state[name]) for name in hf_state)
 
@@ -228,6 +282,13 @@ def test_gemma_configs_without_layer_types_read_as_transformers_reads_them(confi
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3 rope scaling without low_freq_factor"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
     ("qwen3", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
+    ("phi4_partial_tied", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                                               "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "original_max_position_embeddings": 32}},
+     "rope_type 'longrope' with partial_rotary_factor=0.75 .*: its attention factor scales the rotated dims of q and k only"),
+    ("phi3_window", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}, "original_max_position_embeddings": None},
+     "longrope rope scaling without original_max_position_embeddings or short_factor"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5: LlamaForCausalLM is mapped with RoPE over whole heads"),
+    ("olmo2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("gemma2", {"attention_bias": True}, "attention_bias=True: Gemma's attention biases are not mapped"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True: bidirectional attention"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu': Gemma2ForCausalLM maps only 'gelu_pytorch_tanh'"),

@@ -1,5 +1,6 @@
 """SFT and DPO on the families beyond Llama: a few steps at TP2 give TP1's losses within 1e-5
-(fp32), where the q/k norms are replicated and the biases split (fc1's) or added after the
+(fp32), where the q/k norms are replicated (per head) or split with their sum of squares
+all-reduced (OLMo 2's, over the whole projection), the biases split (fc1's) or added after the
 reduction (the attention output's, fc2's), and Gemma's post norms follow the reduction."""
 
 import json
@@ -15,7 +16,7 @@ from alignflow.stages import eval as eval_stage
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_demo, stage_cfg, torchrun  # noqa: E402
+from train_ranks import assert_same_steps, convert_case, convert_demo, stage_cfg, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5
@@ -36,6 +37,11 @@ GEMMA = {
 }
 DEMO_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+# case -> `megatron_ranks.CASES` entry, for the families the demo has no model of
+RANKS_CASES = {
+    "olmo2-biased": "olmo2_tied_bias",  # post-norm, whole-projection q/k norms, attention biases, tied
+    "phi4-mini-shape": "phi4_partial_tied",  # fused qkv_proj / gate_up_proj, RoPE on 3/4 of each head, tied
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +60,13 @@ def data(demo_dir, tmp_path_factory):
 
 def inputs_of(case: str, stage: str, demo_dir: Path, data: str, root: Path) -> dict:
     """The case's model converted (and, for DPO, its reference log-probs on the data)."""
-    folder, changes = CASES[case]
-    if folder in GEMMA:
-        folder = gemma_source(demo_dir, root / folder, *GEMMA[folder])
-    model = convert_demo(demo_dir, root / "model", folder, **changes)
+    if case in RANKS_CASES:
+        model = convert_case(demo_dir, root / "model", RANKS_CASES[case])
+    else:
+        folder, changes = CASES[case]
+        if folder in GEMMA:
+            folder = gemma_source(demo_dir, root / folder, *GEMMA[folder])
+        model = convert_demo(demo_dir, root / "model", folder, **changes)
     inputs = {"data": data, "model": str(model)}
     if stage == "dpo":
         ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
@@ -83,7 +92,7 @@ def gemma_source(demo_dir: Path, out: Path, config_cls: type, changes: dict) -> 
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES | RANKS_CASES))
 def test_two_tensor_parallel_ranks_give_one_ranks_losses(demo_dir, data, tmp_path, case, stage):
     inputs = inputs_of(case, stage, demo_dir, data, tmp_path)
     section = {"trainer": {"val_check_interval": 5}, **({"loss": {"beta": 0.1}} if stage == "dpo" else {})}

@@ -76,6 +76,24 @@ def convert_demo(demo_dir: Path, out: Path, folder: str = "tiny-llama", **hf_ove
     return out
 
 
+def convert_case(demo_dir: Path, out: Path, case: str) -> Path:
+    """A tiny random HF model of `megatron_ranks.CASES[case]` (a family the demo has no model
+    of) over the demo tokenizer's vocabulary, initialized as the demo's, converted as a model
+    stage output."""
+    from megatron_ranks import tiny_hf_model
+
+    from alignflow.stages import convert
+
+    source = out.with_name(out.name + "-hf")
+    tiny_hf_model(case, vocab_size=512, max_position_embeddings=512, initializer_range=0.02)[0].save_pretrained(source)
+    convert.run(typed({
+        "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
+                  "make_vocab_size_divisible_by": 128},
+        "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+    }), {}, str(out))
+    return out
+
+
 def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
     """The schema's SFT defaults as plain data, with `sft` merged over them (nested dicts)."""
     return stage_cfg("sft", demo_dir, tp, pp, **sft)

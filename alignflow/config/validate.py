@@ -218,7 +218,17 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
         problems += _check_dpo_loss(f"{key}.loss", section.loss)
     if kind == "grpo":
         problems += _check_grpo(key, section)
+    if shape is not None and shape.rope_original_max is not None and "data" in stage.inputs:
+        problems += _check_longrope(stage.cfg.data.seq_length, shape.rope_original_max)
     return problems
+
+
+def _check_longrope(seq_length: int, original_max: int) -> list[str]:
+    """A longrope model is mapped where HF keeps its short factors: rows within its original positions."""
+    if seq_length <= original_max:
+        return []
+    return [f"data.seq_length: {seq_length} passes the model's original_max_position_embeddings={original_max} (model.source: "
+            "longrope), past which HF switches its RoPE to long_factor; that switch is not mapped"]
 
 
 def _check_dpo_loss(key: str, loss: DictConfig) -> list[str]:

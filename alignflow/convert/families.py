@@ -3,18 +3,20 @@
 
 Supported: LlamaForCausalLM (with attention / MLP biases, RoPE default, linear, or llama3
 scaling with any constants), MistralForCausalLM (sliding window on all layers),
-Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm); GQA, tied or untied
-embeddings, RMSNorm, SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x * (1 + w)
+Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm), Olmo2ForCausalLM
+(post-norm layers, q/k RMSNorm over the whole projection, attention biases), Phi3ForCausalLM
+(Phi-3 and Phi-4: HF's fused qkv_proj and gate_up_proj, partial rotary, sliding window,
+longrope within its original positions); GQA, tied or untied embeddings, RMSNorm, SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x * (1 + w)
 (weights stored as HF holds them), sandwich norms, GeGLU (tanh), embeddings scaled by
 sqrt(hidden), query_pre_attn_scalar, attention and final logit soft-capping, sliding-window
 layers by `layer_types`, Gemma 3's per-head q/k norms and its own RoPE base on sliding layers.
 The mixture-of-experts MixtralForCausalLM and Qwen3MoeForCausalLM: a softmax top-k router,
 renormalized over the top k or not as `norm_topk_prob` says, SwiGLU experts, every layer sparse.
 Refused with a ValueError that says why: any other architecture (Gemma3ForConditionalGeneration
-by name) or activation, other rope types, Qwen2/Qwen3 per-layer sliding windows, Gemma's
-attention biases and bidirectional attention, Qwen3-MoE dense layers among the sparse ones
-(`mlp_only_layers`, `decoder_sparse_step`), Mixtral's router jitter. Each would otherwise
-convert into a different model.
+by name) or activation, other rope types, a partial rotary factor outside Phi-3, longrope with
+one (Phi-4-mini), Qwen2/Qwen3 per-layer sliding windows, Gemma's attention biases and
+bidirectional attention, Qwen3-MoE dense layers among the sparse ones (`mlp_only_layers`,
+`decoder_sparse_step`), Mixtral's router jitter. Each would otherwise convert into a different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;
@@ -29,7 +31,9 @@ pre-MLP norm is `pre_mlp_layernorm` (Transformer Engine's MoE spec keeps it apar
 Imports no torch, so config validation can call `model_shape`.
 """
 
+import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping, Optional
 
 # HF's defaults for keys an older or hand-written config.json may omit.
@@ -58,6 +62,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "router_jitter_noise": 0.0,
     "mlp_only_layers": [],
     "decoder_sparse_step": 1,
+    "partial_rotary_factor": None,  # older configs; transformers >= 5 keeps it in rope_parameters
 }
 
 NO_LAYER_WINDOWS = ("use_sliding_window", True, "per-layer sliding windows (use_sliding_window) are not mapped")
@@ -69,24 +74,54 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 GELU_TANH = "gelu_pytorch_tanh"  # GeGLU with torch's tanh approximation of GELU
 
 ROPE_TYPES = ("default", "linear", "llama3")
+PHI3_ROPE_TYPES = ("default", "longrope")  # Phi3Config's
 LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LONGROPE_WHY = ("its attention factor scales the rotated dims of q and k only, which is not one softmax scale; "
+                "Megatron-Core's attention has no such term")
 
 
-def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
+def _rope(cfg: Mapping[str, Any], rope_types: tuple[str, ...] = ROPE_TYPES, partial_rotary: bool = False) -> dict[str, Any]:
+    """ModelShape's rope fields from `rope_parameters` (transformers >= 5) or `rope_theta` +
+    `rope_scaling`; a partial rotary factor only where the family's RoPE honours it (Phi-3)."""
     params = cfg["rope_parameters"] or {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type not in rope_types:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(rope_types)}")
+    partial_factor = float(params.get("partial_rotary_factor", cfg["partial_rotary_factor"] or 1.0))
+    if partial_factor != 1.0 and not partial_rotary:
+        raise ValueError(f"unsupported HF config partial_rotary_factor={partial_factor}: {cfg['architectures'][0]} is mapped with "
+                         "RoPE over whole heads")
     missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
     if missing:
         raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
+    if rope_type == "longrope" and partial_factor != 1.0:
+        raise ValueError(f"unsupported rope_type 'longrope' with partial_rotary_factor={partial_factor} (Phi-4-mini): {LONGROPE_WHY}")
     return {
         "rope_theta": float(params.get("rope_theta", cfg["rope_theta"])),
         "rope_type": rope_type,
         "rope_factor": float(params.get("factor", 1.0)),
         "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
+        "rotary_percent": partial_factor,
+        **(_longrope(cfg, params) if rope_type == "longrope" else {}),
     }
+
+
+def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-3's long-context RoPE as HF computes it (`_compute_longrope_parameters`) up to
+    original_max_position_embeddings positions: each frequency divided by its short_factor,
+    cos and sin scaled by the attention factor (so the scores by its square: the softmax
+    scale). Past them HF switches the whole sequence to long_factor: refused at compose
+    (`data.seq_length`) and at run time (`alignflow.megatron.model.LongRoPE`)."""
+    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if original is None or params.get("short_factor") is None:
+        raise ValueError("longrope rope scaling without original_max_position_embeddings or short_factor in rope_parameters")
+    factor = params.get("factor") or cfg["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    head_dim = cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {"rope_short_factor": tuple(float(f) for f in params["short_factor"]), "rope_original_max": int(original),
+            "softmax_scale": attention ** 2 / math.sqrt(head_dim)}
 
 
 def _layer_type_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -185,6 +220,10 @@ ARCHITECTURES: dict[str, Family] = {
         lambda cfg: {**_llama(cfg), "qk_norm": True, **_moe(cfg, "qwen3_moe", "moe_intermediate_size", bool(cfg["norm_topk_prob"]))},
         refused=(NO_LAYER_WINDOWS, *ALL_SPARSE),
     ),
+    "Olmo2ForCausalLM": Family(lambda cfg: {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "qk_norm": True,
+                                            "qk_norm_whole": True, "post_norm": True}),
+    "Phi3ForCausalLM": Family(lambda cfg: {"fused_projections": True, "sliding_window": cfg["sliding_window"]},
+                              rope=partial(_rope, rope_types=PHI3_ROPE_TYPES, partial_rotary=True)),
 }
 
 # Architectures refused by name, with why (the generic refusal lists the supported ones).
@@ -216,7 +255,13 @@ class ModelShape:
     qkv_bias: bool = False
     proj_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE
+    qk_norm: bool = False  # RMSNorm of q and of k, before RoPE: over each head (Qwen3, Gemma 3), or
+    qk_norm_whole: bool = False  # over the whole projection, all heads at once (OLMo 2)
+    post_norm: bool = False  # OLMo 2: RMSNorm on the attention's and the MLP's outputs, none on their inputs
+    fused_projections: bool = False  # Phi-3: HF holds qkv_proj ([all q; all k; all v]) and gate_up_proj ([gate; up])
+    rotary_percent: float = 1.0  # the share of each head's dims RoPE rotates (the first ones)
+    rope_short_factor: tuple[float, ...] = ()  # longrope: each rotary frequency divided by its factor
+    rope_original_max: Optional[int] = None  # longrope: past this many positions HF switches to long_factor (refused)
     sliding_window: Optional[int] = None
     window_layers: tuple[bool, ...] = ()  # which layers have the window (empty: all, where there is one)
     local_rope_theta: Optional[float] = None  # RoPE base of the window layers where it differs (Gemma 3)
@@ -237,9 +282,22 @@ class ModelShape:
         return not self.tied_embeddings
 
     @property
+    def input_norms(self) -> bool:
+        return not self.post_norm
+
+    @property
     def pre_norms_only(self) -> bool:
-        """A dense MLP with only the norm before it (not Gemma's sandwich)."""
-        return self.dense and not self.gemma_norms
+        """A dense MLP with only the norm before it (not Gemma's sandwich, not OLMo 2's post-norms)."""
+        return self.dense and not self.gemma_norms and not self.post_norm
+
+    @property
+    def separate_projections(self) -> bool:
+        """q, k, v (and a dense MLP's gate, up) are separate HF tensors (not Phi-3's qkv_proj, gate_up_proj)."""
+        return not self.fused_projections
+
+    @property
+    def separate_gate_up(self) -> bool:
+        return self.dense and self.separate_projections
 
     @property
     def moe(self) -> bool:
@@ -294,12 +352,14 @@ _QMOE = _HF + "mlp.experts.{expert}."
 
 TABLE: tuple[Param, ...] = (
     Param("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-    Param(_MEG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",)),
+    Param(_MEG + "self_attention.linear_qkv.layer_norm_weight", (_HF + "input_layernorm.weight",), when="input_norms"),
     Param(
         _MEG + "self_attention.linear_qkv.weight",
         (_HF + "self_attn.q_proj.weight", _HF + "self_attn.k_proj.weight", _HF + "self_attn.v_proj.weight"),
         fuse="qkv",
+        when="separate_projections",
     ),
+    Param(_MEG + "self_attention.linear_qkv.weight", (_HF + "self_attn.qkv_proj.weight",), fuse="hf_qkv", when="fused_projections"),
     Param(
         _MEG + "self_attention.linear_qkv.bias",
         (_HF + "self_attn.q_proj.bias", _HF + "self_attn.k_proj.bias", _HF + "self_attn.v_proj.bias"),
@@ -311,9 +371,11 @@ TABLE: tuple[Param, ...] = (
     Param(_MEG + "self_attention.linear_proj.weight", (_HF + "self_attn.o_proj.weight",)),
     Param(_MEG + "self_attention.linear_proj.bias", (_HF + "self_attn.o_proj.bias",), when="proj_bias"),
     Param(_MEG + "self_attention.linear_proj.post_layernorm.weight", (_HF + "post_attention_layernorm.weight",), when="gemma_norms"),
+    Param(_MEG + "post_self_attn_layernorm.weight", (_HF + "post_attention_layernorm.weight",), when="post_norm"),
     Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "post_attention_layernorm.weight",), when="pre_norms_only"),
     Param(_MEG + "mlp.linear_fc1.layer_norm_weight", (_HF + "pre_feedforward_layernorm.weight",), when="gemma_norms"),
-    Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1", when="dense"),
+    Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), fuse="fc1", when="separate_gate_up"),
+    Param(_MEG + "mlp.linear_fc1.weight", (_HF + "mlp.gate_up_proj.weight",), when="fused_projections"),  # [gate; up] as Megatron's
     Param(_MEG + "mlp.linear_fc1.bias", (_HF + "mlp.gate_proj.bias", _HF + "mlp.up_proj.bias"), fuse="fc1", when="mlp_bias"),
     Param(_MEG + "mlp.linear_fc2.weight", (_HF + "mlp.down_proj.weight",), when="dense"),
     Param(_MEG + "mlp.linear_fc2.bias", (_HF + "mlp.down_proj.bias",), when="mlp_bias"),
@@ -325,6 +387,7 @@ TABLE: tuple[Param, ...] = (
     Param(_MEG + "mlp.router.weight", (_HF + "mlp.gate.weight",), when="qwen3_moe_experts"),
     Param(_EXP + "linear_fc1.weight", (_QMOE + "gate_proj.weight", _QMOE + "up_proj.weight"), fuse="fc1", when="qwen3_moe_experts"),
     Param(_EXP + "linear_fc2.weight", (_QMOE + "down_proj.weight",), when="qwen3_moe_experts"),
+    Param(_MEG + "post_mlp_layernorm.weight", (_HF + "post_feedforward_layernorm.weight",), when="post_norm"),
     Param("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Param("output_layer.weight", ("lm_head.weight",), when="untied_embeddings"),
 )

@@ -5,6 +5,8 @@
   biases use the same layout. Because a group is contiguous, a TP rank's slice of dim 0 is
   whole query groups.
 - fc1: Megatron's `linear_fc1` is `[gate; up]` along dim 0 (SwiGLU: silu(gate) * up).
+- hf_qkv: HF's fused `qkv_proj` (Phi-3) is `[all q; all k; all v]` along dim 0, regrouped
+  per query group as qkv. (Phi-3's fused `gate_up_proj` is `[gate; up]`, fc1's own layout.)
 """
 
 from typing import Callable, Sequence
@@ -32,6 +34,17 @@ def split_qkv(qkv: Tensor, num_heads: int, num_query_groups: int, head_dim: int)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def merge_hf_qkv(qkv: Tensor, num_heads: int, num_query_groups: int, head_dim: int) -> Tensor:
+    """HF's fused [all q; all k; all v] -> Megatron's per-group layout."""
+    q, k, v = torch.split(qkv, [num_heads * head_dim, num_query_groups * head_dim, num_query_groups * head_dim])
+    return merge_qkv(q, k, v, num_heads, num_query_groups, head_dim)
+
+
+def split_hf_qkv(qkv: Tensor, num_heads: int, num_query_groups: int, head_dim: int) -> Tensor:
+    """Megatron's per-group layout -> HF's fused [all q; all k; all v] (inverse of `merge_hf_qkv`)."""
+    return torch.cat(split_qkv(qkv, num_heads, num_query_groups, head_dim))
+
+
 def merge_fc1(gate: Tensor, up: Tensor) -> Tensor:
     return torch.cat([gate, up], dim=0)
 
@@ -41,13 +54,17 @@ def split_fc1(fc1: Tensor) -> tuple[Tensor, Tensor]:
     return gate, up
 
 
-# Fused layout name (llama.Param.fuse) -> (merge, split), both taking the model shape.
+# Fused layout name (families.Param.fuse) -> (merge, split), both taking the model shape.
 FUSED: dict[str, tuple[Callable[..., Tensor], Callable[..., Sequence[Tensor]]]] = {
     "qkv": (
         lambda parts, s: merge_qkv(*parts, s.num_attention_heads, s.num_query_groups, s.head_dim),
         lambda fused, s: split_qkv(fused, s.num_attention_heads, s.num_query_groups, s.head_dim),
     ),
     "fc1": (lambda parts, s: merge_fc1(*parts), lambda fused, s: split_fc1(fused)),
+    "hf_qkv": (
+        lambda parts, s: merge_hf_qkv(*parts, s.num_attention_heads, s.num_query_groups, s.head_dim),
+        lambda fused, s: (split_hf_qkv(fused, s.num_attention_heads, s.num_query_groups, s.head_dim),),
+    ),
 }
 
 

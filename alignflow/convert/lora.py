@@ -112,6 +112,10 @@ def adapter_key(layer: int, module_path: str, matrix: str, part: str) -> str:
     return f"decoder.layers.{layer}.{module_path}.adapter.{matrix}.{part}"
 
 
-def peft_key(layer: int, module: Module, matrix: str, part: str) -> str:
-    """PEFT's name of the same matrix in adapter_model.safetensors."""
-    return f"base_model.model.{hf_path(layer, module, part)}.{matrix}.weight"
+# HF modules that hold a Megatron module's projections fused (Phi-3's), by the Megatron module.
+HF_FUSED = {"self_attention.linear_qkv": "qkv_proj", "mlp.linear_fc1": "gate_up_proj"}
+
+
+def hf_fused(module: Module, shape) -> str | None:
+    """The HF module that holds `module`'s projections as one (PEFT adapts it whole), or None."""
+    return HF_FUSED.get(module.path) if shape.fused_projections else None

@@ -7,7 +7,11 @@
 - `write_adapter`: `adapter_config.json` + `adapter_model.safetensors` with PEFT's names
   (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), which
   `peft.PeftModel.from_pretrained(base, folder)` loads onto the exported base: each projection
-  has its own A and B (`alignflow.megatron.lora`), so the matrices go over as they are.
+  has its own A and B (`alignflow.megatron.lora`), so the matrices go over as they are. Where
+  HF fuses projections into one module (Phi-3's qkv_proj, gate_up_proj) PEFT adapts the fused
+  module with one A and one B: the n adapted projections' adapters stacked, A = [A_1; ...; A_n]
+  and B block-diagonal (B_i on projection i's rows of the fused output, zeros elsewhere), rank
+  n r and alpha n alpha (`rank_pattern`, `alpha_pattern`), which is their sum exactly.
 """
 
 import json
@@ -79,34 +83,61 @@ def model_reader(output: ModelOutput, shape: ModelShape, fetch: Callable[[str], 
     return MergedReader(model_reader(fetch(output.lora["base"]), shape, fetch), DistCheckpointReader(output.adapter), output.lora, shape)
 
 
-def write_adapter(folder: str, output: ModelOutput, num_layers: int, dtype: torch.dtype, base_name: str | None) -> dict:
+def write_adapter(folder: str, output: ModelOutput, shape: ModelShape, dtype: torch.dtype, base_name: str | None) -> dict:
     """A PEFT LoRA adapter folder of a LoRA output's adapter; its size and target count."""
     spec, reader = output.lora, DistCheckpointReader(output.adapter)
-    tensors, modules = {}, set()
+    adapted: dict[tuple[int, str], dict[str, dict[str, torch.Tensor]]] = {}  # (layer, Megatron path) -> part -> matrix -> tensor
     for key in reader.keys():
         layer, path, matrix, part = ADAPTER_KEY.fullmatch(key).groups()
-        tensors[targets.peft_key(int(layer), targets.BY_PATH[path], matrix, part)] = reader.read(key).to(dtype).contiguous()
-        modules.add((int(layer), path, part))
-    config = peft_config(spec, modules, num_layers, base_name)
+        adapted.setdefault((int(layer), path), {}).setdefault(part, {})[matrix] = reader.read(key)
+    tensors, ranks = {}, {}  # ranks: HF module (layer, name) -> how many projections its adapter stacks
+    for (layer, path), parts in adapted.items():
+        module = targets.BY_PATH[path]
+        for name, (a, b, stacked) in _hf_adapters(module, parts, shape).items():
+            prefix = f"base_model.model.model.layers.{layer}.{module.hf_parent}.{name}"
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+            ranks[(layer, f"{module.hf_parent}.{name}")] = stacked
+    config = peft_config(spec, ranks, shape.num_layers, base_name)
     fs, root = fsspec.core.url_to_fs(folder)
     fs.makedirs(root, exist_ok=True)
     fs.pipe(f"{root}/adapter_model.safetensors", save_safetensors(tensors, metadata={"format": "pt"}))
     fs.pipe(f"{root}/adapter_config.json", json.dumps(config, indent=2).encode())
-    return {"adapter_params": sum(t.numel() for t in tensors.values()), "adapted_modules": len(modules)}
+    return {"adapter_params": sum(t.numel() for t in tensors.values()), "adapted_modules": sum(len(p) for p in adapted.values())}
 
 
-def peft_config(spec: dict, modules: set[tuple[int, str, str]], num_layers: int, base_name: str | None) -> dict:
-    """PEFT's adapter_config.json: short target names when every layer adapts the same
-    projections, else each module's full HF path (PEFT matches a name or a path suffix)."""
+def _hf_adapters(module: targets.Module, parts: dict, shape: ModelShape) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+    """HF module name -> (A, B, projections stacked) of one Megatron module's adapted projections."""
+    fused = targets.hf_fused(module, shape)
+    if fused is None:
+        return {part: (m["lora_A"], m["lora_B"], 1) for part, m in parts.items()}
+    chosen = [p for p in module.parts if p in parts]
+    r = parts[chosen[0]]["lora_A"].shape[0]
+    b = torch.zeros(sum(part_rows(shape, p) for p in module.parts), r * len(chosen), dtype=parts[chosen[0]]["lora_B"].dtype, device="cpu")
+    row = 0
+    for p in module.parts:  # HF's fused rows: the projections one after another, in this order
+        if p in parts:
+            i = chosen.index(p)
+            b[row : row + part_rows(shape, p), i * r : (i + 1) * r] = parts[p]["lora_B"]
+        row += part_rows(shape, p)
+    return {fused: (torch.cat([parts[p]["lora_A"] for p in chosen]), b, len(chosen))}
+
+
+def peft_config(spec: dict, ranks: dict[tuple[int, str], int], num_layers: int, base_name: str | None) -> dict:
+    """PEFT's adapter_config.json: short target names when every layer adapts the same HF
+    modules, else each module's full HF path (PEFT matches a name or a path suffix); a module
+    whose adapter stacks n projections has rank n r and alpha n alpha (the same scaling)."""
     per_layer: dict[int, set[str]] = {}
-    for layer, _, part in modules:
-        per_layer.setdefault(layer, set()).add(part)
+    for layer, module in ranks:
+        per_layer.setdefault(layer, set()).add(module.rsplit(".", 1)[-1])
     uniform = len({frozenset(p) for p in per_layer.values()}) == 1 and set(per_layer) == set(range(num_layers))
-    names = sorted({part for _, _, part in modules}) if uniform else sorted(
-        targets.hf_path(layer, targets.BY_PATH[path], part) for layer, path, part in modules)
+    names = sorted({name for names in per_layer.values() for name in names}) if uniform else sorted(
+        f"model.layers.{layer}.{module}" for layer, module in ranks)
+    stacked = {re.escape(f"model.layers.{layer}.{module}"): n for (layer, module), n in ranks.items() if n > 1}
+    r, alpha = spec["adapter_dim"], spec["alpha"]
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name, "inference_mode": True,
-        "r": spec["adapter_dim"], "lora_alpha": spec["alpha"], "lora_dropout": spec["adapter_dropout"], "target_modules": names,
+        "r": r, "lora_alpha": alpha, "lora_dropout": spec["adapter_dropout"], "target_modules": names,
+        "rank_pattern": {key: n * r for key, n in stacked.items()}, "alpha_pattern": {key: n * alpha for key, n in stacked.items()},
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "modules_to_save": None, "layers_to_transform": None,
     }

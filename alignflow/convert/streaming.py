@@ -3,8 +3,9 @@
 HF -> Megatron: every table entry becomes one checkpoint key (per-layer parameters stacked
 on a leading layer axis, experts on the next, as Megatron-Core stores them) whose chunks are loaders of a bounded
 number of bytes of rows (CHUNK_BYTES_RANGE): plain rows, rows of gate then of up for fc1, whole query groups for
-qkv. `dist_io.save_lazy` calls them a few at a time, so memory stays near a few chunks
-whatever the model size. Megatron -> HF reads one layer's (one expert's) slice of a key at
+qkv (from HF's q, k, v, or from row ranges of Phi-3's fused qkv_proj). `dist_io.save_lazy`
+calls them a few at a time, so memory stays near a few chunks whatever the model size.
+Megatron -> HF reads one layer's (one expert's) slice of a key at
 a time and yields the HF tensors in the order of their precomputed specs, for
 `safetensors_io.write_sharded`. A torch_dist source (Megatron-LM or NeMo 2, whose keys carry
 a `module.` prefix) is re-keyed chunk by chunk.
@@ -100,24 +101,30 @@ def _fc1_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelSha
 
 
 def _qkv_rows(reader: SafetensorsReader, names: tuple[str, ...], shape: ModelShape, chunk_bytes: int) -> list[Piece]:
-    """Whole query groups at a time: group g's rows are [q_g; k_g; v_g] (see layout.merge_qkv)."""
+    """Whole query groups at a time: group g's rows are [q_g; k_g; v_g] (see layout.merge_qkv),
+    read from HF's q, k, v (`names`) or from the three row ranges of a fused qkv_proj (one name)."""
     per_group = shape.num_attention_heads // shape.num_query_groups
     group_rows = (per_group + 2) * shape.head_dim
-    row_bytes = _row_bytes(reader.spec(names[1])) if reader.spec(names[1]).shape else 0
+    spec = reader.spec(names[-1])
+    row_bytes = _row_bytes(spec) if spec.shape else 0
     return [
-        (g0 * group_rows, (g1 - g0) * group_rows, partial(_qkv_groups, reader, names, g0, g1, per_group, shape.head_dim))
+        (g0 * group_rows, (g1 - g0) * group_rows, partial(_qkv_groups, reader, names, g0, g1, shape))
         for g0, g1 in _row_ranges(shape.num_query_groups, group_rows * row_bytes, chunk_bytes)
     ]
 
 
-def _qkv_groups(reader: SafetensorsReader, names: tuple[str, ...], g0: int, g1: int, per_group: int, head_dim: int) -> torch.Tensor:
-    q, k, v = names
-    q_rows = (g0 * per_group * head_dim, g1 * per_group * head_dim)
-    kv_rows = (g0 * head_dim, g1 * head_dim)
-    return merge_qkv(reader.read(q, q_rows), reader.read(k, kv_rows), reader.read(v, kv_rows), (g1 - g0) * per_group, g1 - g0, head_dim)
+def _qkv_groups(reader: SafetensorsReader, names: tuple[str, ...], g0: int, g1: int, shape: ModelShape) -> torch.Tensor:
+    """Query groups g0..g1 in Megatron's layout: their q rows, then k and v rows, of each source."""
+    per_group, d = shape.num_attention_heads // shape.num_query_groups, shape.head_dim
+    q, k, v = names if len(names) == 3 else names * 3
+    k_start = shape.num_attention_heads * d if len(names) == 1 else 0  # where k's rows begin in the source
+    v_start = k_start + shape.num_query_groups * d if len(names) == 1 else 0
+    parts = (reader.read(q, (g0 * per_group * d, g1 * per_group * d)),
+             reader.read(k, (k_start + g0 * d, k_start + g1 * d)), reader.read(v, (v_start + g0 * d, v_start + g1 * d)))
+    return merge_qkv(*parts, (g1 - g0) * per_group, g1 - g0, d)
 
 
-ROW_PLANS = {None: _plain_rows, "fc1": _fc1_rows, "qkv": _qkv_rows}
+ROW_PLANS = {None: _plain_rows, "fc1": _fc1_rows, "qkv": _qkv_rows, "hf_qkv": _qkv_rows}
 
 
 def _zero_rows(rows: int, rest: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -7,9 +7,12 @@ autograd functions and inference-context bookkeeping per token; at 8 rows and a 
 model that overhead was most of a step (see `alignflow.generation`). `Decoder` reads each
 layer's weights once per batch (no copy) and runs the same math as Megatron's layers in ~20
 torch ops per layer: RMSNorm, the fused qkv per query group ([q heads of the group; k; v]),
-per-head q/k RMSNorm (Qwen3), RoPE on queries and keys together, grouped-query attention on a preallocated cache, SwiGLU,
-or a MoE layer's softmax top-k router and SwiGLU experts (Mixtral, Qwen3-MoE: each expert runs
-on the tokens routed to it, scaled by their router probabilities).
+q/k RMSNorm per head (Qwen3) or over the whole projection (OLMo 2, its sum of squares
+all-reduced over TP), RoPE on queries and keys together (on the first dims of each head with
+a partial rotary factor, Phi-3), grouped-query attention on a preallocated cache, SwiGLU or a
+MoE layer's softmax top-k router and SwiGLU experts (Mixtral, Qwen3-MoE: each expert runs on
+the tokens routed to it, scaled by their router probabilities), the norms before each
+sublayer or, post-norm (OLMo 2), on its output.
 Gemma 2 / 3 (`alignflow.megatron.gemma`): x * (1 + w) norms in fp32, the post-attention and
 post-MLP norms, GeGLU, scaled embeddings, soft-capped scores and logits, and per layer its
 window and its RoPE (Gemma 3's sliding layers have their own base).
@@ -30,7 +33,9 @@ every rank of those groups computes the whole (short) sequence with the same wei
 parallelism is not (each rank would hold only some experts): refused.
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
-window, Qwen2's qkv bias, Qwen3's q/k norms, Gemma 2 / 3, tied embeddings, linear / llama3 RoPE scaling, Mixtral's and
+window, Qwen2's qkv bias, Qwen3's q/k norms, Gemma 2 / 3, OLMo 2's post-norm layers and
+whole-projection q/k norms, Phi-3's partial rotary and longrope (its attention factor is the
+config's softmax scale), tied embeddings, linear / llama3 RoPE scaling, Mixtral's and
 Qwen3-MoE's experts at EP1), on the local spec (SequentialMLP experts) and, by the same
 weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
 run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
@@ -51,7 +56,7 @@ from alignflow.device import device as rank_device
 from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.gemma import LayerRopeSelfAttention, LayerTypeRotaryEmbedding, embedding_scale, gelu_tanh, is_window_layer, offset_rms_norm, softcap
 from alignflow.megatron.lora import effective_weight
-from alignflow.megatron.model import packed_thd
+from alignflow.megatron.model import ProjectionRMSNorm, packed_thd
 from alignflow.megatron.vocab_parallel import mask_padded
 
 # TransformerConfig fields the decoder implements only at these values.
@@ -82,8 +87,8 @@ def unsupported(model) -> dict:
     wrong = {k: getattr(config, k) for k, v in REQUIRED.items() if getattr(config, k, v) != v}
     if config.activation_func not in ACTIVATIONS:
         wrong["activation_func"] = config.activation_func
-    if model.position_embedding_type != "rope" or model.rotary_pos_emb.inv_freq.numel() * 2 != config.kv_channels:
-        wrong["position_embedding"] = f"{model.position_embedding_type} (full-width RoPE needed)"
+    if model.position_embedding_type != "rope" or model.rotary_pos_emb.inv_freq.numel() * 2 > config.kv_channels:
+        wrong["position_embedding"] = f"{model.position_embedding_type} (RoPE within each head needed)"
     return wrong
 
 
@@ -93,22 +98,23 @@ class LayerWeights:
 
     window_size: Optional[tuple]  # Megatron's (left, 0): keys i - j <= left
     rope: int
-    norm1: Tensor
+    norm1: Optional[Tensor]  # None post-norm (OLMo 2)
     qkv: Tensor
     qkv_bias: Optional[Tensor]
-    q_norm: Optional[Tensor]  # per head, before RoPE
+    q_norm: Optional[Tensor]  # before RoPE: per head, or over this rank's share of the projection (`qk_norm_whole`)
     k_norm: Optional[Tensor]
     proj: Tensor
     proj_bias: Optional[Tensor]  # added once, after the TP reduction (Megatron's row-parallel bias)
-    norm2: Tensor
+    norm2: Optional[Tensor]
     fc1: Optional[Tensor]  # [gate; up] of this TP rank (None in a MoE layer)
     fc1_bias: Optional[Tensor]
     fc2: Optional[Tensor]
     fc2_bias: Optional[Tensor]
-    post_attention_norm: Optional[Tensor]  # Gemma's sandwich norms, after the TP reduction
+    post_attention_norm: Optional[Tensor]  # Gemma's sandwich norms or OLMo 2's post-norms, after the TP reduction
     post_mlp_norm: Optional[Tensor]
     router: Optional[Tensor] = None  # a MoE layer's [experts, hidden]
     experts: tuple[tuple[Tensor, Tensor], ...] = ()  # each expert's (fc1, fc2), sharded as the dense MLP's
+    qk_norm_whole: bool = False
 
 
 def layer_weights(layer) -> LayerWeights:
@@ -121,17 +127,21 @@ def layer_weights(layer) -> LayerWeights:
         norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=effective_weight(attention.linear_qkv),
         qkv_bias=_bias(attention.linear_qkv), q_norm=_qk_norm(attention.q_layernorm), k_norm=_qk_norm(attention.k_layernorm),
         proj=effective_weight(attention.linear_proj), proj_bias=_bias(attention.linear_proj),
-        post_attention_norm=_post_norm(attention.linear_proj))
+        post_attention_norm=_post_norm(attention.linear_proj, getattr(layer, "post_self_attn_layernorm", None)),
+        qk_norm_whole=isinstance(attention.q_layernorm, ProjectionRMSNorm))
     if hasattr(mlp, "router"):  # MoELayer: its norm stands apart (both specs)
         return LayerWeights(**common, norm2=layer.pre_mlp_layernorm.weight, fc1=None, fc1_bias=None, fc2=None, fc2_bias=None,
                             post_mlp_norm=None, router=mlp.router.weight, experts=_experts(mlp.experts))
     return LayerWeights(
         **common, norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
-        fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2), post_mlp_norm=_post_norm(mlp.linear_fc2))
+        fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2),
+        post_mlp_norm=_post_norm(mlp.linear_fc2, getattr(layer, "post_mlp_layernorm", None)))
 
 
-def _post_norm(linear) -> Optional[Tensor]:
+def _post_norm(linear, layer_norm) -> Optional[Tensor]:
+    """Gemma's sandwich norm (on the linear) or OLMo 2's post-norm (`PostNormTransformerLayer`'s)."""
     norm = getattr(linear, "post_layernorm", None)
+    norm = layer_norm if norm is None else norm
     return None if norm is None else norm.weight
 
 
@@ -151,9 +161,9 @@ def _bias(linear) -> Optional[Tensor]:
     return bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor for "no bias"
 
 
-def _norm(norm, fused_linear) -> Tensor:
+def _norm(norm, fused_linear) -> Optional[Tensor]:
     weight = getattr(norm, "weight", None)
-    return weight if weight is not None else fused_linear.layer_norm_weight
+    return weight if weight is not None else getattr(fused_linear, "layer_norm_weight", None)  # None: post-norm
 
 
 class Decoder:
@@ -188,6 +198,7 @@ class Decoder:
         ropes = [rope, rope.local] if isinstance(rope, LayerTypeRotaryEmbedding) else [rope]  # LayerWeights.rope indexes them
         angles = [r.get_emb(max_length)[:, 0, 0].to(device) for r in ropes]  # [max_length, head_dim], fp32
         self.cos_tables, self.sin_tables = [a.cos().to(self.dtype) for a in angles], [_signed_sin(a).to(self.dtype) for a in angles]
+        self.rotary_dim = angles[0].shape[-1]  # the first dims of each head, all of it unless partial
         pads = torch.tensor(pad, dtype=torch.long, device=device)
         self.ropes = self._rope(pads, max_length)  # (cos, sin) [b, max_length, 1, 1, d] per row, per RoPE
         padding = (torch.arange(max_length, device=device) < pads[:, None])[:, None, None]  # [b, 1, 1, L]
@@ -256,23 +267,35 @@ class Decoder:
 
     def _layer(self, x: Tensor, i: int, w: LayerWeights, ropes: list, attend: Callable) -> Tensor:
         b, s, _ = x.shape
-        g, per, d = self.groups, self.per_group, self.head_dim
-        qkv = F.linear(self.norm(x, w.norm1, self.eps), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
+        g, per, d, r = self.groups, self.per_group, self.head_dim, self.rotary_dim
+        qkv = F.linear(self._normed(x, w.norm1), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
         qk = qkv[..., : per + 1, :]  # each group's queries and key, rotated together
         if w.q_norm is not None:
-            qk = torch.cat([self.norm(qk[..., :per, :], w.q_norm, self.eps), self.norm(qk[..., per:, :], w.k_norm, self.eps)], -2)
+            qk = torch.cat([self._qk_norm(qk[..., :per, :], w.q_norm, w.qk_norm_whole), self._qk_norm(qk[..., per:, :], w.k_norm, w.qk_norm_whole)], -2)
         cos, sin = ropes[w.rope]
-        qk = qk * cos + qk.roll(d // 2, -1) * sin  # x cos + rotate_half(x) sin
+        rotated = qk[..., :r] * cos + qk[..., :r].roll(r // 2, -1) * sin  # x cos + rotate_half(x) sin
+        qk = rotated if r == d else torch.cat([rotated, qk[..., r:]], -1)
         out = attend(i, w, qk[..., :per, :], qk[..., per, :], qkv[..., per + 1, :])  # [b, s, heads * d]
-        x = x + self._post_norm(_biased(self._reduce(F.linear(out, w.proj)), w.proj_bias), w.post_attention_norm)
-        h = self.norm(x, w.norm2, self.eps)
+        x = x + self._normed(_biased(self._reduce(F.linear(out, w.proj)), w.proj_bias), w.post_attention_norm)
+        h = self._normed(x, w.norm2)
         if w.router is not None:
             return x + self._reduce(self._experts(h, w))
         gate, up = F.linear(h, w.fc1, w.fc1_bias).chunk(2, -1)
-        return x + self._post_norm(_biased(self._reduce(F.linear(self.activation(gate) * up, w.fc2)), w.fc2_bias), w.post_mlp_norm)
+        return x + self._normed(_biased(self._reduce(F.linear(self.activation(gate) * up, w.fc2)), w.fc2_bias), w.post_mlp_norm)
 
-    def _post_norm(self, out: Tensor, weight: Optional[Tensor]) -> Tensor:
-        return out if weight is None else self.norm(out, weight, self.eps)
+    def _normed(self, x: Tensor, weight: Optional[Tensor]) -> Tensor:
+        """x through a norm of the layer, or x itself where the layer has none there."""
+        return x if weight is None else self.norm(x, weight, self.eps)
+
+    def _qk_norm(self, heads: Tensor, weight: Tensor, whole: bool) -> Tensor:
+        """RMSNorm of q's heads [b, s, g, per, d] (k's [b, s, g, 1, d]) per head, or `whole`
+        over all heads of the token (every TP rank's: `ProjectionRMSNorm`)."""
+        if not whole:
+            return self.norm(heads, weight, self.eps)
+        flat = heads.flatten(-3)  # this rank's heads in order: its share of the q (k) projection
+        squares = self._reduce(flat.float().square().sum(-1, keepdim=True))
+        normed = flat.float() * torch.rsqrt(squares / (flat.shape[-1] * self.tp) + self.eps)
+        return (weight * normed).to(heads.dtype).view(heads.shape)
 
     def _experts(self, h: Tensor, w: LayerWeights) -> Tensor:
         """A MoE layer before the TP reduction: Megatron's router (top-k of the softmax; with

@@ -3,10 +3,12 @@
 Supported: what `alignflow.convert.families` supports (Llama, Mistral, Qwen2, Qwen3: GQA,
 tied or untied embeddings, qkv / attention output / MLP biases, per-head q/k RMSNorm, SwiGLU,
 RoPE with linear or llama3 scaling, Mistral's sliding window; Gemma 2 / 3 with the pieces of
-`alignflow.megatron.gemma` and per-layer windows; Mixtral and Qwen3-MoE: Megatron's MoELayer,
-a softmax top-k router as HF's (`MOE_SETTINGS`), no token dropping), under TP, PP (with
-virtual chunks), EP for the experts and, with Transformer Engine, CP (not with attention
-soft-capping: its attention is ours).
+`alignflow.megatron.gemma` and per-layer windows; OLMo 2's post-norm layers and
+whole-projection q/k norms, `PostNormTransformerLayer` and `ProjectionRMSNorm`, pieces
+Megatron-Core lacks; Phi-3's partial rotary and longrope, `LongRoPE`; Mixtral and Qwen3-MoE:
+Megatron's MoELayer, a softmax top-k router as HF's (`MOE_SETTINGS`), no token dropping), under
+TP, PP (with virtual chunks), EP for the experts and, with Transformer Engine, CP (not with
+attention soft-capping: its attention is ours).
 Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local
 modules (CPU, with `cpu_shim`). Fusions stay at Megatron's defaults (off).
 
@@ -23,21 +25,27 @@ leave a model under checkpoint names (`load_megatron_state`, `megatron_state`), 
 """
 
 from contextlib import nullcontext
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
+from torch.distributed.nn.functional import all_reduce
 
 from alignflow.convert.families import ModelShape, model_shape
 from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size, stage_ends
@@ -90,6 +98,7 @@ ROPE_ARGS = {
     "default": lambda factor: {},
     "linear": lambda factor: {"seq_len_interpolation_factor": factor},
     "llama3": lambda factor: {},
+    "longrope": lambda factor: {},  # see `LongRoPE`
 }
 
 
@@ -177,6 +186,64 @@ class DocumentWindowAttention(DotProductAttention):
             return packed_attention(q, k, v, documents, self.window_size, self.softmax_scale, dropout, self.softcap)
 
 
+class ProjectionRMSNorm(torch.nn.Module):
+    """OLMo 2's q/k norm: RMSNorm over the whole projection (all heads of q, or of k, at once),
+    where Megatron's `q_layernorm` normalizes each head. Under TP a rank holds its heads and
+    their slice of the weight (TP-sharded on dim 0, like the heads); the sum of squares is
+    all-reduced over the TP group (its gradient too: each rank's heads depend on it), so any TP
+    computes TP1's. Built by Megatron's SelfAttention in place of `q_layernorm` / `k_layernorm`."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float, heads: str):
+        super().__init__()
+        total = config.num_attention_heads if heads == "query" else config.num_query_groups
+        self.width, self.eps, self.tp = total * config.kv_channels, eps, config.tensor_model_parallel_size
+        self.weight = torch.nn.Parameter(torch.ones(self.width // self.tp, dtype=config.params_dtype, device=device()))
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[s, b, this rank's heads, head dim], normalized over every rank's heads of the token."""
+        squares = x.float().square().sum((-2, -1), keepdim=True)
+        if self.tp > 1:
+            squares = all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        normed = x.float() * torch.rsqrt(squares / self.width + self.eps)
+        return (self.weight.view(x.shape[-2:]) * normed).to(x.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        """The weight as one global tensor, TP-sharded on dim 0."""
+        groups = ({"tp_group": parallel_state.get_tensor_model_parallel_group(), "dp_cp_group": metadata["dp_cp_group"]}
+                  if metadata and "dp_cp_group" in metadata else {})  # Megatron's defaults take both or neither
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {"weight": 0}, sharded_offsets, **groups)
+
+
+class PostNormTransformerLayer(TransformerLayer):
+    """OLMo 2's layer: no norm before attention or the MLP; RMSNorm on each one's output (its
+    bias added) before the residual add: h = x + norm(attention(x)); out = h + norm(mlp(h)).
+    Megatron-Core has no such layer: here its bias-dropout-adds get the normed outputs, so its
+    forward (recompute, PP, TP's reductions) runs unchanged. The spec leaves the input norms out
+    (`layer_spec`); `post_norm` is the norm class (the spec's own)."""
+
+    def __init__(self, config: TransformerConfig, submodules, *args, post_norm: type, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        built = [build_module(post_norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon) for _ in range(2)]
+        self.post_self_attn_layernorm, self.post_mlp_layernorm = built
+        self.self_attn_bda = _normed_first(self.self_attn_bda, self.post_self_attn_layernorm)
+        self.mlp_bda = _normed_first(self.mlp_bda, self.post_mlp_layernorm)
+
+
+def _normed_first(bda: Callable, norm: torch.nn.Module) -> Callable:
+    """A Megatron bias-dropout-add factory whose add takes norm(output + bias)."""
+    def factory(training: bool, fused: bool) -> Callable:
+        add = bda(training, fused)
+
+        def normed_add(output_with_bias: tuple, residual: Tensor, prob: float) -> Tensor:
+            output, bias = output_with_bias
+            return add((norm(output if bias is None else output + bias), None), residual, prob)
+
+        return normed_add
+
+    return factory
+
+
 def token_nll(model, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor, **kwargs) -> Tensor:
     """Per-token cross entropy [b, s] from a GPTModel chunk on the last pipeline stage (its
     hidden states elsewhere; the logits when `labels` is None), over the real vocab (the output
@@ -234,7 +301,10 @@ def layer_spec(shape: ModelShape) -> ModuleSpec:
         spec.submodules.self_attention.module = gemma.LayerRopeSelfAttention
     if shape.gemma_norms:
         _gemma_norms(spec, shape)
-    return spec
+    if shape.qk_norm_whole:
+        attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "query"})
+        attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "key"})
+    return _post_norm(spec) if shape.post_norm else spec
 
 
 def _gemma_norms(spec: ModuleSpec, shape: ModelShape) -> None:
@@ -262,6 +332,20 @@ def block_spec(shape: ModelShape, config: TransformerConfig, vp_stage: Optional[
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=gemma.GemmaRMSNorm)
 
 
+def _post_norm(spec: ModuleSpec) -> ModuleSpec:
+    """The spec as `PostNormTransformerLayer`s: its input norms (TE's fused into linear_qkv and
+    linear_fc1) left out, its own norm class on the outputs."""
+    layer, attention, mlp = spec.submodules, spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    if packed_thd():  # Transformer Engine: norms fused into the linears; never run on CPU CI
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+        norm, attention.linear_qkv, mlp.linear_fc1 = TENorm, TEColumnParallelLinear, TEColumnParallelLinear
+    else:
+        norm = layer.input_layernorm
+    layer.input_layernorm, layer.pre_mlp_layernorm = IdentityOp, IdentityOp
+    return ModuleSpec(module=PostNormTransformerLayer, submodules=layer, params={"post_norm": norm})
+
+
 def _biased(linear: type, bias: bool) -> type:
     """`linear` (a Megatron or TE parallel linear) built with a bias or without, whatever its caller asks."""
     if not bias:
@@ -280,6 +364,36 @@ def _llama3_rope(model: GPTModel, shape: ModelShape) -> None:
     low, high, original = shape.rope_llama3
     rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, factor=shape.rope_factor, low_freq_factor=low,
                                             high_freq_factor=high, original_max_position_embeddings=original)
+
+
+class LongRoPE(RotaryEmbedding):
+    """HF's longrope (Phi-3-*-128k, Phi-3.5-mini) where HF keeps its short factors: up to
+    original_max_position_embeddings positions (its attention factor is the config's
+    softmax_scale, `transformer_config`). Past them HF switches the whole sequence to long_factor
+    (and a KV-cached generation to a mix of both): refused, naming the lengths."""
+
+    original_max: int
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        if max_seq_len + offset > self.original_max:
+            raise ValueError(f"a sequence of {max_seq_len + offset} positions passes the longrope model's "
+                             f"original_max_position_embeddings={self.original_max}, past which HF switches to long_factor "
+                             "(not mapped); keep data.seq_length and prompt + generated tokens within it")
+        return super().get_emb(max_seq_len, offset)
+
+
+def _longrope(model: GPTModel, shape: ModelShape) -> None:
+    """The rotary frequencies as HF's longrope computes them with its short factors."""
+    rotary = model.rotary_pos_emb
+    dim = rotary.inv_freq.numel() * 2
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=rotary.inv_freq.device).float() / dim
+    short = torch.tensor(shape.rope_short_factor, dtype=torch.float32, device=rotary.inv_freq.device)
+    rotary.inv_freq = 1.0 / (short * shape.rope_theta ** exponents)
+    rotary.__class__, rotary.original_max = LongRoPE, shape.rope_original_max
+
+
+# HF rope types whose frequencies are set after GPTModel builds its rotary embedding.
+RESCALED_ROPE = {"llama3": _llama3_rope, "longrope": _longrope}
 
 
 def build_gpt(
@@ -307,6 +421,7 @@ def build_gpt(
         share_embeddings_and_output_weights=shape.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
+        rotary_percent=shape.rotary_percent,  # the first dims of each head, as HF's partial_rotary_factor
         **ROPE_ARGS[shape.rope_type](shape.rope_factor),
     )
     chunks = [_build_chunk(common, shape, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
@@ -325,8 +440,8 @@ def _build_chunk(common: dict, shape: ModelShape, vp_stage: Optional[int], vp_si
                      transformer_layer_spec=block_spec(shape, common["config"], vp_stage), **common)
     model.hf_shape = shape
     gemma.install(model, shape)
-    if shape.rope_type == "llama3":
-        _llama3_rope(model, shape)
+    if shape.rope_type in RESCALED_ROPE:
+        RESCALED_ROPE[shape.rope_type](model, shape)
     model.real_vocab_size = shape.vocab_size
     if post:
         model.output_layer.register_forward_hook(masking_hook(shape.vocab_size))

@@ -54,7 +54,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     files = write_sharded(out, specs, tensors, parse_size(cfg.export.max_shard_size))
     adapter = {}
     if model.lora is not None:
-        adapter = write_adapter(f"{out.rstrip('/')}/{ADAPTER_DIR}", model, shape.num_layers, getattr(torch, dtype_name),
+        adapter = write_adapter(f"{out.rstrip('/')}/{ADAPTER_DIR}", model, shape, getattr(torch, dtype_name),
                                 cfg.export.destination)
     copy_files(model.hf, ("generation_config.json",), out)
     copy_files(model.tokenizer, TOKENIZER_FILES, out)
