@@ -53,8 +53,6 @@ def convert_demo(demo_dir: Path, out: Path, folder: str = "tiny-llama", **hf_ove
     of `alignflow.demo.MODELS`, or an HF folder's absolute path) as a model stage output; with `hf_overrides` (num_hidden_layers,
     tie_word_embeddings, attention_bias...), a random HF model of its shape with those changes
     (biases random too, so their mapping matters)."""
-    from alignflow.stages import convert
-
     source = demo_dir / folder
     if hf_overrides:
         import torch
@@ -68,6 +66,13 @@ def convert_demo(demo_dir: Path, out: Path, folder: str = "tiny-llama", **hf_ove
                     param.normal_(0.0, 0.1)
         source = out.with_name(out.name + "-hf")
         model.save_pretrained(source)
+    return convert_hf(demo_dir, source, out)
+
+
+def convert_hf(demo_dir: Path, source: Path, out: Path) -> Path:
+    """An HF folder over the demo tokenizer converted (TP1) as a model stage output at `out`."""
+    from alignflow.stages import convert
+
     convert.run(typed({
         "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
                   "make_vocab_size_divisible_by": 128},
@@ -82,16 +87,9 @@ def convert_case(demo_dir: Path, out: Path, case: str) -> Path:
     stage output."""
     from megatron_ranks import tiny_hf_model
 
-    from alignflow.stages import convert
-
     source = out.with_name(out.name + "-hf")
     tiny_hf_model(case, vocab_size=512, max_position_embeddings=512, initializer_range=0.02)[0].save_pretrained(source)
-    convert.run(typed({
-        "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
-                  "make_vocab_size_divisible_by": 128},
-        "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
-    }), {}, str(out))
-    return out
+    return convert_hf(demo_dir, source, out)
 
 
 def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
