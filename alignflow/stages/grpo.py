@@ -5,13 +5,15 @@ Each step (NeMo-RL's loop, one process group for generation and training):
    each DP rank takes its share of whole prompts;
 2. roll out `num_generations_per_prompt` completions per prompt with the current policy
    (`alignflow.generation`: KV cache, generation_temperature/top_p/top_k, max_new_tokens,
-   batches of generation_batch_size, seeded by (seed, step, DP rank), so a resumed run
-   samples exactly what an uninterrupted one would);
-3. score them with the `environment` rewards (summed; `alignflow.rewards`) and turn each
-   group's rewards into advantages (`alignflow.losses.policy.group_advantages`; with
+   batches of generation_batch_size, seeded by (seed, step, DP rank, batch of the step), so a
+   resumed run samples exactly what an uninterrupted one would);
+3. score them with the `environment` rewards (summed; `alignflow.rewards`; less DAPO's soft
+   overlong penalty with `overlong_buffer_length`) and, with `use_dynamic_sampling`, drop the
+   groups whose rewards agree and draw the next batch until the share is full (`rollout`);
+   turn each group's rewards into advantages (`alignflow.losses.policy.group_advantages`; with
    `overlong_filtering` truncated samples keep their place in the baseline but get no gradient);
 4. log-probs of the sampled tokens under the reference model (`inputs["ref_model"]`, skipped
-   when ref_policy_kl_penalty is 0) and, with several optimizer steps per batch, under the
+   when ref_policy_kl_penalty is 0 or kl_type none; unfiltered) and, with several optimizer steps per batch, under the
    policy before the first update (the "old" policy of the ratio; with one step it is the
    current policy, detached);
 5. `num_optimizer_steps_per_batch` optimizer steps, each on an equal slice of the rollouts,
@@ -24,9 +26,11 @@ the rollouts per second of step time). The stage's TFLOP/s and MFU count each st
 FLOPs (`alignflow.train.utilization`): generation, the reference and the old-policy passes as
 one forward each over the rollouts, the updates as training passes.
 
-As NeMo-RL: the training log-probs are taken at the generation temperature (logits / T), and
-the rollouts' generation log-probs are those of the distribution each token was drawn from
-(`Completion.sampling_logps`), so the ratio and the importance weights compare one policy.
+As NeMo-RL: the training log-probs are taken at the generation temperature (logits / T) and,
+with top_k / top_p, under the same filtered, renormalised distribution (v0.6.0; the KL term
+reads the unfiltered ones, as the reference's), and the rollouts' generation log-probs are
+those of the distribution each token was drawn from (`Completion.sampling_logps`), so the
+ratio and the importance weights compare one policy.
 With `finetuning_type` lora / lora_merged and `ref_model` the same output as `model`, the
 reference is the policy's own frozen base with its adapters disabled (no second copy);
 generation reads each adapted weight merged with its adapter (`alignflow.megatron.lora`).
@@ -56,7 +60,7 @@ from alignflow.config.validate import grpo_batch_problems
 from alignflow.data.prepared import Prepared
 from alignflow.device import device
 from alignflow.generation import Completion, Sampling, filter_logits, generate
-from alignflow.losses.policy import group_advantages, group_baseline_and_std, policy_loss
+from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import lora
 from alignflow.rewards import exact_match, resolve
 from alignflow.stages.sft import sft_forward
