@@ -187,6 +187,9 @@ CASES = {
                                            ("grpo.overlong_buffer_penalty: must be >= 0, got -1",)),
     "grpo-dynamic-sampling-no-batches": Case(("pipeline=sft_grpo", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=0"),
                                              ("grpo.dynamic_sampling_max_gen_batches: must be >= 1, got 0",)),
+    "grpo-dynamic-sampling-one-generation": Case(("pipeline=sft_grpo", "grpo.use_dynamic_sampling=true", "grpo.num_generations_per_prompt=1",
+                                                  "grpo.use_rloo=false", "grpo.normalize_rewards=false"),
+                                                 ("grpo.use_dynamic_sampling: keeps groups whose rewards differ, so it needs num_generations_per_prompt >= 2",)),
     "grpo-token-level-loss-renamed": Case(("pipeline=sft_grpo", "grpo.loss.token_level_loss=false"),
                                           ("Key 'token_level_loss' not in 'GRPOLossConfig'", "grpo.loss.token_level_loss")),
     # time limits

@@ -298,6 +298,8 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
                         f"got {section.overlong_buffer_length}")
     if section.overlong_buffer_penalty < 0:
         problems.append(f"{key}.overlong_buffer_penalty: must be >= 0, got {section.overlong_buffer_penalty}")
+    if section.use_dynamic_sampling and section.num_generations_per_prompt < 2:
+        problems.append(f"{key}.use_dynamic_sampling: keeps groups whose rewards differ, so it needs num_generations_per_prompt >= 2")
     if section.dynamic_sampling_max_gen_batches < 1:
         problems.append(f"{key}.dynamic_sampling_max_gen_batches: must be >= 1, got {section.dynamic_sampling_max_gen_batches}")
     if section.num_generations_per_prompt < 2 and (section.use_rloo or section.normalize_rewards):
