@@ -6,7 +6,8 @@ and cut into batches of at most `batch_size` rows; a batch of mixed lengths is l
 (`alignflow.megatron.decoder`: its own positions and attention mask per row, no recomputation).
 Its prompts are prefilled once (identical prompts once for all their rows), then each step
 feeds only the new tokens. Sampling: temperature 0 is greedy; otherwise logits / temperature,
-then top_k, then top_p (the smallest set of tokens whose probability reaches top_p), then a
+then top_k, then top_p (`filter_logits`: the smallest set of tokens whose probability reaches
+top_p), then a
 draw with one uniform per row from a host `torch.Generator` seeded by `seed` (sent to the
 device a stretch of steps at a time), so the same weights, prompts, batch size and seed give
 the same completions on any device. Tokens of the padded vocab rows (beyond `vocab_size`) are
@@ -56,10 +57,10 @@ class Sampling:
 class Completion:
     """One continuation. Two log-probs per token, for the two uses of a rollout:
     - `logps`: log p(token) under the model's own distribution, log_softmax(logits);
-    - `sampling_logps`: under the temperature-scaled distribution it was drawn from,
-      log_softmax(logits / temperature), before top_k / top_p (NeMo-RL's training log-probs
-      divide the logits by the generation temperature the same way); equal to `logps` at
-      temperature 0 (greedy) or 1, and filled with `logps` when not given."""
+    - `sampling_logps`: under the distribution it was drawn from, log_softmax of logits /
+      temperature after top_k / top_p (`filter_logits`; vLLM's "processed" log-probs, which
+      NeMo-RL's training log-probs match); equal to `logps` at temperature 0 (greedy) or 1
+      without filtering, and filled with `logps` when not given."""
 
     tokens: list[int]  # the generated tokens, ending with EOS unless truncated
     logps: list[float]
@@ -143,7 +144,8 @@ def _uniforms(generator: torch.Generator, sampling: Sampling, steps: int, rows: 
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, uniform: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Next tokens [b], their log-probs [b] and their temperature-scaled log-probs [b] from
+    """Next tokens [b], their log-probs [b] and their log-probs under the tempered, filtered
+    distribution they were drawn from [b], from
     last-position logits [b, padded vocab] and one uniform in [0, 1) per row [b, 1] (None when
     greedy, temperature 0)."""
     logits = logits[:, : sampling.vocab_size].float()
@@ -152,18 +154,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, uniform: Optional[torch.Ten
         token = logits.argmax(-1)
         token_logp = logp.gather(-1, token[:, None]).squeeze(-1)
         return token, token_logp, token_logp
-    scores, tempered = logits, logp
-    if sampling.temperature != 1:
-        scores = logits / sampling.temperature
-        tempered = scores.log_softmax(-1)
-    if sampling.top_k is not None and sampling.top_k < scores.shape[-1]:
-        kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-        probs = sorted_scores.softmax(-1)
-        outside = probs.cumsum(-1) - probs >= sampling.top_p  # the mass before the token already reaches top_p
-        scores = scores.scatter(-1, order, sorted_scores.masked_fill(outside, float("-inf")))
+    scores = filter_logits(logits / sampling.temperature if sampling.temperature != 1 else logits, sampling.top_k, sampling.top_p)
     # Inverse-CDF draw from softmax(scores) with one uniform per row (torch.multinomial is
     # several times slower on CPU): the first token whose cdf exceeds u < total, which is
     # never a zero-probability (filtered) one.
@@ -172,7 +163,22 @@ def sample(logits: torch.Tensor, sampling: Sampling, uniform: Optional[torch.Ten
     u = uniform * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     token = torch.searchsorted(cdf, u, right=True)
-    return token.squeeze(-1), logp.gather(-1, token).squeeze(-1), tempered.gather(-1, token).squeeze(-1)
+    return token.squeeze(-1), logp.gather(-1, token).squeeze(-1), scores.log_softmax(-1).gather(-1, token).squeeze(-1)
+
+
+def filter_logits(scores: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.Tensor:
+    """`scores` [..., vocab] with the tokens outside top_k, then outside top_p (the smallest set
+    whose probability reaches top_p), at -inf: the distribution sampling draws from, and GRPO's
+    training log-probs renormalise over (NeMo-RL v0.6); differentiable in the kept scores."""
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = scores.detach().topk(top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores.detach() < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = scores.detach().sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        outside = probs.cumsum(-1) - probs >= top_p  # the mass before the token already reaches top_p
+        scores = scores.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+    return scores
 
 
 def _from_last_stage(drawn: Optional[torch.Tensor], b: int) -> torch.Tensor:

@@ -96,7 +96,7 @@ def ours(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]
     with engine.training("grpo", cfg, {"model": model}, str(work / f"ours-{shape}-{batch}"), len(prompts), batch // GENERATIONS) as run:
         env = grpo.environment(run, cfg.grpo, data, ModelOutput(model), 128)
         env.sampling = dataclasses.replace(env.sampling, eos_id=-1)  # every completion max_new_tokens long, as TRL's min_new_tokens
-        objective = grpo.grpo_objective(cfg.grpo.loss)
+        objective = grpo.grpo_objective(cfg.grpo.loss, env.sampling)
         while run.state.step < run.total_steps:
             started = time.perf_counter()
             stats, _ = grpo.step(run, prompts, env, objective)

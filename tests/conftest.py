@@ -24,7 +24,7 @@ GPU_TESTS = (
     "tests/test_megatron_model.py::test_lean_forward_matches_hf_on_each_document_of_a_packed_row",
     "tests/test_generation.py::test_greedy_generation_equals_hf_generate",
     "tests/test_generation.py::test_sampling_is_reproducible_under_a_seed",
-    "tests/test_generation.py::test_logps_are_the_models_and_sampling_logps_the_tempered_ones",
+    "tests/test_generation.py::test_logps_are_the_models_and_sampling_logps_the_filtered_tempered_ones",
     "tests/test_eval.py::test_eval_reports_each_model",
     "tests/test_eval.py::test_megatron_greedy_equals_hf_greedy",
     "tests/test_eval.py::test_ref_logprobs_equal_hf_log_probs_of_each_response",

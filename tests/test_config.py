@@ -152,13 +152,13 @@ def test_a_secret_from_the_environment_or_left_null_is_accepted(base_overrides, 
 
 def test_only_secret_named_keys_are_secrets(base_overrides):
     """Every setting of every stage kind is in its identity but for the fields the schema marks
-    not-identity: no setting's name is mistaken for a secret's (grpo.loss.token_level_loss was)."""
+    not-identity: no setting's name is mistaken for a secret's (grpo.loss.token_level_loss, now loss_type, was)."""
     cfg = compose("sft_grpo", base_overrides)
     for kind in STAGES:
         shown, hashed = _leaves(OmegaConf.to_container(cfg[kind], resolve=True)), _leaves(identity(cfg, (kind,))[kind])
         left_out = {key for key in shown if key not in hashed}
         assert all(_marked_not_identity(cfg[kind], key) for key in left_out), (kind, left_out)
-    assert "token_level_loss" in identity(cfg, ("grpo",))["grpo"]["loss"]
+    assert {"loss_type", "importance_sampling_level"} <= set(identity(cfg, ("grpo",))["grpo"]["loss"])
 
 
 def _leaves(node, prefix=""):

@@ -226,11 +226,12 @@ def test_a_secret_read_from_the_environment_changes_no_fingerprint(base_override
     assert grpo() == first
 
 
-def test_grpo_token_level_loss_is_identity(base_overrides):
-    """Its name holds "token": once mistaken for a secret's, and left out of the fingerprint."""
+def test_grpo_loss_type_is_identity(base_overrides):
+    """Its ancestor token_level_loss (a name holding "token") was once mistaken for a secret's
+    and left out of the fingerprint; its value "token" (importance_sampling_level) must count too."""
     upstream = {"prep": "p", "sft": "s"}
     grpo = lambda *o: fingerprint(stage_identity(Pipeline.build(compose("sft_grpo", [*base_overrides, *o]))["grpo"], upstream))  # noqa: E731
-    assert grpo("grpo.loss.token_level_loss=false") != grpo()
+    assert len({grpo(), grpo("grpo.loss.loss_type=grpo"), grpo("grpo.loss.importance_sampling_level=sequence")}) == 3
 
 
 REWARDS = '''"""A user's rewards."""

@@ -9,6 +9,7 @@ from megatron_ranks import CASES, greedy_mismatches, saved_state, tiny_hf_model
 from reference_convert import hf_to_megatron
 from alignflow.generation import Completion, Sampling, generate, sample
 from alignflow.megatron.model import build_gpt, load_megatron_state
+from alignflow.stages.grpo import FILTERED, UNFILTERED, Rollouts, nll_forward
 
 PROMPTS = [[5, 9, 42, 7], [8, 8, 30, 2, 11, 6], [5, 9, 42, 7], [3, 3, 3, 3], [1, 2]]
 
@@ -49,18 +50,21 @@ def test_completions_stop_after_eos(llama):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_logps_are_the_models_and_sampling_logps_the_tempered_ones(llama, temperature):
-    """Against a full forward of prompt + completion (no cache): logps = log_softmax(logits),
-    sampling_logps = log_softmax(logits / temperature), both of the chosen tokens."""
+def test_logps_are_the_models_and_sampling_logps_the_filtered_tempered_ones(llama, temperature):
+    """Against a full forward of prompt + completion (no cache): logps = log_softmax(logits);
+    sampling_logps are under the distribution drawn from, softmax(logits / temperature) renormalised
+    over the top 20 tokens (vLLM's processed log-probs, as NeMo-RL v0.6 trains on); greedy: logps."""
     sampling = Sampling(8, -1, 100, temperature=temperature, top_k=20)
     for prompt, completion in zip(PROMPTS, generate(llama, PROMPTS, sampling, 3, seed=3)):
         with torch.no_grad():
             logits = llama(torch.tensor([prompt + completion.tokens]), None, None, runtime_gather_output=True)[0, len(prompt) - 1 : -1, :100]
         chosen = torch.tensor(completion.tokens)[:, None]
         expected = logits.log_softmax(-1).gather(-1, chosen).squeeze(-1)
-        tempered = (logits / (temperature or 1.0)).log_softmax(-1).gather(-1, chosen).squeeze(-1)
+        tempered = (logits / (temperature or 1.0)).log_softmax(-1)
+        kept_mass = tempered.exp().topk(20, dim=-1).values.sum(-1)
+        filtered = tempered.gather(-1, chosen).squeeze(-1) - kept_mass.log() if temperature else expected
         assert torch.allclose(torch.tensor(completion.logps), expected, atol=1e-5)
-        assert torch.allclose(torch.tensor(completion.sampling_logps), tempered, atol=1e-5)
+        assert torch.allclose(torch.tensor(completion.sampling_logps), filtered, atol=1e-5)
     assert Completion([1], [-0.5], truncated=True).sampling_logps == [-0.5]
 
 
@@ -90,3 +94,18 @@ def test_models_outside_the_llama_family_are_refused(one_rank):
     model = build_gpt(tiny_hf_model("llama")[1], one_rank, apply_residual_connection_post_layernorm=True)
     with pytest.raises(NotImplementedError, match="apply_residual_connection_post_layernorm"):
         generate(model, PROMPTS, Sampling(4, -1, 100), 2)
+
+
+def test_grpo_trains_on_the_log_probs_it_sampled_from(llama):
+    """With top_k / top_p, GRPO's training log-probs of the rollouts (`nll_forward`, FILTERED)
+    are the sampler's: under the filtered, renormalised distribution (NeMo-RL v0.6), not the
+    full one the KL reads (UNFILTERED)."""
+    sampling = Sampling(6, -1, 100, temperature=0.7, top_p=0.8, top_k=30)
+    completions = generate(llama, PROMPTS, sampling, 3, seed=5)
+    rollouts = Rollouts(PROMPTS, completions, torch.zeros(len(PROMPTS)), torch.ones(len(PROMPTS), dtype=torch.bool), pad_id=0)
+    batch = rollouts.collate(range(len(PROMPTS)))
+    with torch.no_grad():
+        nll = nll_forward(sampling, (FILTERED, UNFILTERED))(llama, batch)
+    trained = batch["loss_mask"] > 0
+    assert torch.allclose(-nll[..., 0][trained], batch["generation_logp"][trained], atol=1e-5)
+    assert (-nll[..., 1][trained] < batch["generation_logp"][trained] - 1e-3).any()  # the full distribution spreads its mass wider

@@ -98,6 +98,45 @@ def test_overlong_filtering_keeps_truncated_samples_out_of_the_gradient(demo_dir
     assert all_truncated and all(line["loss"] == 0.0 and line["grad_norm"] == 0.0 for line in all_truncated)
 
 
+def test_dynamic_sampling_trains_only_groups_whose_rewards_differ(demo_dir, inputs, tmp_path):
+    """DAPO's dynamic sampling with a reward that is 1 for one-digit answers: groups that all
+    agree are dropped and further batches drawn, so every trained group teaches something:
+    no step's advantages are all 0 (grad_norm > 0), and the draws are logged."""
+    cfg = grpo_cfg(demo_dir, use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=8, num_prompts_per_step=2,
+                   environment=[{"name": "test_grpo:single_digit"}], loss={"ref_policy_kl_penalty": 0.0}, trainer={"max_steps": 3})
+    run_grpo(cfg, inputs, tmp_path / "out")
+    lines = metrics_lines(tmp_path / "out")
+    assert all(line["grad_norm"] > 0 for line in lines)
+    assert all(1 <= line["dynamic_sampling_num_gen_batches"] <= 8 for line in lines)
+
+
+def test_dynamic_sampling_stops_naming_its_key_when_no_group_differs(demo_dir, inputs, tmp_path):
+    cfg = grpo_cfg(demo_dir, use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=2, environment=[{"name": "test_grpo:constant"}],
+                   trainer={"max_steps": 1})
+    with pytest.raises(ValueError, match=r"grpo.dynamic_sampling_max_gen_batches: 2 batches gave fewer than num_prompts_per_step = 4 groups"):
+        run_grpo(cfg, inputs, tmp_path / "out")
+
+
+def test_overlong_penalty_lowers_the_reward_of_long_completions(demo_dir, inputs, tmp_path):
+    """A constant reward of 1 less DAPO's overlong penalty (buffer 4 of max_new_tokens 4: -L/4):
+    the logged mean reward is 1 - mean length / 4."""
+    cfg = grpo_cfg(demo_dir, overlong_buffer_length=4, environment=[{"name": "test_grpo:constant"}], trainer={"max_steps": 1})
+    run_grpo(cfg, inputs, tmp_path / "out")
+    line = metrics_lines(tmp_path / "out")[0]
+    assert line["reward_mean"] == pytest.approx(1 - line["response_length"] / 4)
+
+
+@pytest.mark.parametrize("loss", [{"loss_type": "dr_grpo", "kl_type": "k2"}, {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+                                  {"loss_type": "bnpo", "kl_type": "none", "ratio_clip_max": 0.28}], ids=["dr_grpo-k2", "gspo", "bnpo-no-kl"])
+def test_loss_variants_train_with_top_p_top_k_sampling(demo_dir, inputs, tmp_path, loss):
+    """Each variant trains on filtered sampling; at step 1 the policy is the sampler, so the
+    training log-probs (filtered) give ratio 1 and, with a KL, KL 0."""
+    cfg = grpo_cfg(demo_dir, generation_top_p=0.9, generation_top_k=20, loss=loss, trainer={"max_steps": 2})
+    run_grpo(cfg, inputs, tmp_path / "out")
+    first = metrics_lines(tmp_path / "out")[0]
+    assert first["ratio"] == pytest.approx(1.0) and first["kl"] == pytest.approx(0.0, abs=1e-7) and first["grad_norm"] > 0
+
+
 def test_rollouts_train_only_completion_tokens_of_kept_samples():
     completions = [Completion([7, 2], [-0.4, -0.2], truncated=False, sampling_logps=[-0.5, -0.25]),  # drawn at a temperature
                    Completion([9, 9, 9], [-1.0, -2.0, -3.0], truncated=True)]
@@ -170,6 +209,10 @@ def test_grpo_learns_to_earn_its_reward(demo_dir, inputs, tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert last > first + 0.2, rewards
+
+
+def constant(prompt: str, completion: str, answer: str, **_) -> float:
+    return 1.0
 
 
 def nan_reward(prompt: str, completion: str, answer: str, **_) -> float:

@@ -1,109 +1,229 @@
-"""GRPO advantages and the clipped policy loss on worked examples of NeMo-RL's definitions
-(`calculate_baseline_and_std_per_prompt` with its normalisation, `ClippedPGLossFn`); every
-expected number is worked out by hand in the comment beside it."""
+"""GRPO's advantages and policy loss against their references, values and gradients:
+- NeMo-RL v0.7.0 (github.com/NVIDIA-NeMo/RL, tag v0.7.0, tests at 7ea279a): the numbers of its unit
+  tests `tests/unit/algorithms/test_utils.py` (calculate_baseline_and_std_per_prompt) and
+  `tests/unit/algorithms/test_loss_functions.py` (calculate_kl, ClippedPGLossFn), carried over;
+- TRL 1.16 (installed): `GRPOTrainer._compute_loss` and `get_soft_overlong_punishment` run on
+  the same tensors as ours."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from alignflow.config.schema import GRPOLossConfig
-from alignflow.losses.policy import group_advantages, policy_loss
-from alignflow.stages.grpo import grpo_objective
+from alignflow.generation import Sampling
+from alignflow.losses.policy import group_advantages, group_baseline_and_std, kl_penalty, policy_loss
+from alignflow.stages.grpo import grpo_objective, overlong_penalty
 
-SQRT_HALF = math.sqrt(0.5)
+NO_KL = dict(ref_policy_kl_penalty=0.0)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
-@pytest.mark.parametrize("rewards, use_rloo, normalize, expected", [
-    # leave-one-out: sample 0's others are [0, 0, 0] (baseline 0, std 0: not divided) -> 1;
-    # sample 1's others are [1, 0, 0]: baseline 1/3, std sqrt(1/3 - 1/9) = sqrt(2)/3 -> (-1/3) / (sqrt(2)/3) = -1/sqrt(2)
-    ([1.0, 0.0, 0.0, 0.0], True, True, [1.0, -SQRT_HALF, -SQRT_HALF, -SQRT_HALF]),
-    # whole group: mean 1/4, population std sqrt(1/4 - 1/16) = sqrt(3)/4 -> 3/4 / (sqrt(3)/4) = sqrt(3), -1/sqrt(3)
-    ([1.0, 0.0, 0.0, 0.0], False, True, [math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)]),
-    # leave-one-out without normalisation: baselines 0, 1/3, 1/3, 1/3
-    ([1.0, 0.0, 0.0, 0.0], True, False, [1.0, -1 / 3, -1 / 3, -1 / 3]),
-    # rewards 2, 4, 6: mean 4, population std sqrt((4 + 0 + 4) / 3) = sqrt(8/3)
-    ([2.0, 4.0, 6.0], False, True, [-2 / math.sqrt(8 / 3), 0.0, 2 / math.sqrt(8 / 3)]),
-    # others of 2 are [4, 6]: baseline 5, std 1 -> -3; of 4: [2, 6]: 4, std 2 -> 0; of 6: [2, 4]: 3, std 1 -> 3
-    ([2.0, 4.0, 6.0], True, True, [-3.0, 0.0, 3.0]),
-    # a group that agrees teaches nothing and divides by nothing
-    ([1.0, 1.0, 1.0, 1.0], True, True, [0.0, 0.0, 0.0, 0.0]),
+# ----------------------------------------------------------------------------- NeMo-RL's numbers
+
+@pytest.mark.parametrize("rewards, valid, baseline, std", [
+    # test_calculate_baseline_and_std_per_prompt_basic (leave-one-out, the default)
+    ([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], None, [2.5, 2.0, 1.5, 5.5, 5.0, 4.5], [0.707107, 1.414214, 0.707107] * 2),
+    # ..._single_generation_per_prompt: baseline = reward, std 0
+    ([[2.5], [4.0]], None, [2.5, 4.0], [0.0, 0.0]),
+    # ..._identical_rewards
+    ([[3.0, 3.0, 3.0], [7.0, 7.0, 7.0]], None, [3.0, 3.0, 3.0, 7.0, 7.0, 7.0], [0.0] * 6),
+    # ..._nan_handling: the second sample is invalid (its 999 never enters a statistic)
+    ([[1.0, 999.0, 3.0], [4.0, 5.0, 6.0]], [[1, 0, 1], [1, 1, 1]], [3.0, 4.0, 1.0, 5.5, 5.0, 4.5], [0.0, 0.0, 0.0, 0.707107, 1.414214, 0.707107]),
 ])
-def test_advantages_are_nemo_rls(rewards, use_rloo, normalize, expected):
-    got = group_advantages(torch.tensor([rewards], dtype=torch.float64), use_rloo, normalize)
-    assert got[0].tolist() == pytest.approx(expected, abs=1e-12)
+def test_baseline_and_std_are_nemo_rls(rewards, valid, baseline, std):
+    got_baseline, got_std = group_baseline_and_std(torch.tensor(rewards), True, None if valid is None else torch.tensor(valid))
+    assert got_baseline.flatten().tolist() == pytest.approx(baseline, rel=1e-5)
+    assert got_std.flatten().tolist() == pytest.approx(std, rel=1e-5, abs=1e-7)
 
 
-def test_invalid_samples_stay_out_of_their_groups_statistics():
-    # valid [1, 1, 0, 0], leave-one-out: sample 0's only valid other is sample 1 (reward 0): baseline 0, std 0 -> 1;
-    # sample 1's is sample 0 (reward 1) -> -1; the invalid samples 2 and 3 see both valid ones over one: baseline 1 -> 0, -1
-    got = group_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), True, True, valid=torch.tensor([[1, 1, 0, 0]]))
-    assert got[0].tolist() == pytest.approx([1.0, -1.0, 0.0, -1.0])
-    # a group with one valid sample: baseline = reward, so no advantage at all
-    assert group_advantages(torch.tensor([[1.0, 0.0]]), True, True, valid=torch.tensor([[1, 0]]))[0].tolist() == [0.0, 0.0]
+def test_advantages_use_the_sample_std_plus_epsilon():
+    """The issue's worked example: today's NeMo-RL gives [1, -0.577, -0.577, -0.577] for rewards
+    [1, 0, 0, 0] with its defaults (leave-one-out, normalised); NeMo-RL v0.3 gave -0.707."""
+    got = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64), True, True)[0].tolist()
+    assert got == pytest.approx([1.0, -0.5773483, -0.5773483, -0.5773483], abs=1e-6)
+    assert got[1] == pytest.approx(-(1 / 3) / (1 / math.sqrt(3) + 1e-6), abs=1e-12)  # std + 1e-6, not std
 
 
-def loss_of(cfg, logp, old, ref, advantage, gen=None, mask=None):
-    t = lambda values: torch.log(torch.tensor([values], dtype=torch.float64))  # noqa: E731  probabilities -> log-probs
-    return policy_loss(cfg, t(logp), t(old), t(ref), torch.tensor([advantage], dtype=torch.float64),
-                       torch.ones(1, len(logp)) if mask is None else mask, None if gen is None else t(gen))
-
-
-@pytest.mark.parametrize("cfg, probs, advantage, expected_loss, expected_clip", [
-    # r = 0.6 / 0.5 = 1.2, inside [0.8, 1.2]: -A r = -1.2
-    (GRPOLossConfig(ref_policy_kl_penalty=0.0), (0.6, 0.5, 0.6), 1.0, -1.2, 0.0),
-    # r = 0.75 / 0.5 = 1.5 clamped to 1.2: max(-1.5, -1.2) = -1.2, clipped
-    (GRPOLossConfig(ref_policy_kl_penalty=0.0), (0.75, 0.5, 0.75), 1.0, -1.2, 1.0),
-    # A = -1, r = 0.5 clamped to 0.8: max(0.5, 0.8) = 0.8
-    (GRPOLossConfig(ref_policy_kl_penalty=0.0), (0.25, 0.5, 0.25), -1.0, 0.8, 1.0),
-    # A = -1, r = 5: max(5, 1.2) = 5; the dual clip c = 3 caps it: min(5, 3) = 3
-    (GRPOLossConfig(ref_policy_kl_penalty=0.0, ratio_clip_c=3.0), (0.5, 0.1, 0.5), -1.0, 3.0, 0.0),
-    # asymmetric clip 0.1 / 0.28: r = 1.5 clamped to 1.28 -> -1.28
-    (GRPOLossConfig(ref_policy_kl_penalty=0.0, ratio_clip_min=0.1, ratio_clip_max=0.28), (0.75, 0.5, 0.75), 1.0, -1.28, 1.0),
-    # KL: ref - logp = log(0.25 / 0.5) = -ln 2, k3 = 0.5 + ln 2 - 1 = 0.193147; r = 1 -> -1 + 0.1 * 0.193147
-    (GRPOLossConfig(ref_policy_kl_penalty=0.1), (0.5, 0.5, 0.25), 1.0, -1 + 0.1 * (math.log(2) - 0.5), 0.0),
+@pytest.mark.parametrize("kl_type, unclamped, clamped", [  # test_calculate_kl
+    ("k1", [-1.0, 14.0, 29.0], [-1.0, 10.0, 10.0]),
+    ("k2", [0.5, 98.0, 420.5], [0.5, 10.0, 10.0]),
+    ("k3", [0.7183, 13.0, 28.0], [0.7183, 10.0, 10.0]),
 ])
-def test_clipped_loss_is_nemo_rls(cfg, probs, advantage, expected_loss, expected_clip):
-    out = loss_of(cfg, [probs[0]], [probs[1]], [probs[2]], advantage)
-    assert out.loss.item() == pytest.approx(expected_loss, abs=1e-9)
-    assert out.clip_fraction.item() == expected_clip
+def test_kl_estimators_and_clamps_are_nemo_rls(kl_type, unclamped, clamped):
+    logp, ref = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-0.0, -15.0, -30.0]])
+    free = GRPOLossConfig(kl_type=kl_type, kl_input_clamp_value=None, kl_output_clamp_value=None)
+    assert kl_penalty(free, logp, ref).flatten().tolist() == pytest.approx(unclamped, rel=1e-3)
+    assert kl_penalty(GRPOLossConfig(kl_type=kl_type), logp, ref).flatten().tolist() == pytest.approx(clamped, rel=1e-3)  # defaults 20 / 10
 
 
-def test_importance_sampling_weights_the_actor_term_only():
-    # old / generation = 0.5 / 0.25 = 2 weights the actor (-1 at r = 1) to -2; the KL term (0.1 * 0.193147) is not weighted
-    cfg = GRPOLossConfig(ref_policy_kl_penalty=0.1, use_importance_sampling_correction=True)
-    out = loss_of(cfg, [0.5], [0.5], [0.25], 1.0, gen=[0.25])
-    assert out.loss.item() == pytest.approx(-2 + 0.1 * (math.log(2) - 0.5), abs=1e-9)
+def test_input_clamp_detaches_the_kl_weight():
+    """test_calculate_kl_detaches_importance_sampling_when_input_clamped: input clamp 2."""
+    logp = torch.tensor([[-3.0, -1.0]], requires_grad=True)
+    kl = kl_penalty(GRPOLossConfig(kl_input_clamp_value=2.0, kl_output_clamp_value=None), logp, torch.zeros(1, 2))
+    assert kl.detach().flatten().tolist() == pytest.approx([4.389056, 0.7182818], rel=1e-6)
+    kl.sum().backward()
+    assert logp.grad.flatten().tolist() == pytest.approx([0.0, -1.0], abs=1e-6)
 
 
-def test_on_policy_kl_approximation_weights_the_kl_by_current_over_generation():
-    # logp / generation = 0.5 / 0.25 = 2 weights k3 = 0.193147; the actor (-1 at r = 1) is not weighted
-    cfg = GRPOLossConfig(ref_policy_kl_penalty=0.1, use_on_policy_kl_approximation=True)
-    out = loss_of(cfg, [0.5], [0.5], [0.25], 1.0, gen=[0.25])
-    assert out.loss.item() == pytest.approx(-1 + 0.1 * 2 * (math.log(2) - 0.5), abs=1e-9)
+def test_output_clamp_applies_after_the_weight_and_blocks_its_gradient():
+    """test_calculate_kl_output_clamp_includes_importance_sampling_weight: a weight of 100 (here
+    exp(logp - generation_logp)), output clamp 1 -> KL 1, gradient 0."""
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    cfg = GRPOLossConfig(use_on_policy_kl_approximation=True, kl_input_clamp_value=None, kl_output_clamp_value=1.0)
+    kl = kl_penalty(cfg, logp, torch.zeros(1, 1), generation_logp=torch.tensor([[-1.0 - math.log(100.0)]]))
+    assert kl.item() == pytest.approx(1.0)
+    kl.sum().backward()
+    assert logp.grad.item() == 0.0
 
 
-def test_sequence_level_loss_and_metrics_average_per_sample_first():
-    """Sample 0: one token at r = 1.2, A = 1 (actor -1.2); sample 1: three tokens at r = 1, A = 0 (actor 0).
-    Token level: (-1.2 + 0) / 4 tokens = -0.3, ratio (1.2 + 3) / 4 = 1.05.
-    Sample level: (-1.2 + 0) / 2 samples = -0.6, ratio (1.2 + 1) / 2 = 1.1."""
-    logp = torch.log(torch.tensor([[0.6, 1.0, 1.0], [0.5, 0.5, 0.5]], dtype=torch.float64))
-    old = torch.log(torch.tensor([[0.5, 1.0, 1.0], [0.5, 0.5, 0.5]], dtype=torch.float64))
-    mask, advantages = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]), torch.tensor([1.0, 0.0], dtype=torch.float64)
-    for token_level, loss, ratio in ((True, -0.3, 1.05), (False, -0.6, 1.1)):
-        out = policy_loss(GRPOLossConfig(ref_policy_kl_penalty=0.0, token_level_loss=token_level), logp, old, logp, advantages, mask)
-        assert (out.loss.item(), out.ratio.item()) == pytest.approx((loss, ratio))
+def nemo_batch(curr, prev, advantages, ref=None, gen=None):
+    """One sample of NeMo-RL's test tensors (the masked positions), all tokens trained."""
+    t = lambda values: torch.tensor([values], dtype=torch.float64)  # noqa: E731
+    return dict(logp=t(curr).requires_grad_(True), old_logp=t(prev), ref_logp=t(ref if ref is not None else prev),
+                advantages=t(advantages), mask=torch.ones(1, len(curr)), generation_logp=None if gen is None else t(gen))
 
 
-@pytest.mark.parametrize("token_level", [True, False])
-def test_step_metrics_are_per_unit_of_the_loss(token_level):
-    """The objective sums metrics over its units (tokens or samples) as it sums the loss, so a
-    step's ratio at the sampling policy is 1, whatever the number of tokens per sample."""
-    objective = grpo_objective(GRPOLossConfig(token_level_loss=token_level))
+@pytest.mark.parametrize("cfg, curr, prev, advantages, expected", [
+    # test_clipped_pg_loss_ppo_clipping: ratios 0.5, 1, 1.5 -> max losses -0.5, 1, -2.4
+    (GRPOLossConfig(**NO_KL), [math.log(0.5) - 1, -1.0, math.log(1.5) - 1], [-1.0] * 3, [1.0, -1.0, 2.0], -0.6333),
+    # test_clipped_pg_loss_dual_clip: ratios 0.5, 1, 10, c = 3 -> -0.5, 1, 12
+    (GRPOLossConfig(ratio_clip_c=3.0, **NO_KL), [math.log(0.5) - 1, -1.0, math.log(10.0) - 3], [-1.0, -1.0, -3.0], [1.0, -1.0, -4.0], 4.1667),
+    # test_clipped_pg_loss_gspo: one ratio, exp(mean log-ratio) = 0.9086, sequence-level loss
+    (GRPOLossConfig(importance_sampling_level="sequence", loss_type="grpo", **NO_KL), [-1.69315, -1.0, -0.59453], [-1.0] * 3,
+     [1.0, -1.0, 2.0], -0.6057),
+])
+def test_clipped_loss_is_nemo_rls(cfg, curr, prev, advantages, expected):
+    b = nemo_batch(curr, prev, advantages)
+    assert policy_loss(cfg, **b).loss.item() == pytest.approx(expected, rel=1e-3)
+
+
+def test_kl_penalty_loss_is_nemo_rls():
+    """test_clipped_pg_loss_kl_penalty: advantages 0, beta 0.1 -> 0.1 x mean k3 = 0.0362."""
+    b = nemo_batch([0.0, -1.0, -2.0], [0.0, 0.0, 0.0], [0.0] * 3, ref=[-1.0, -1.0, -1.0])
+    assert policy_loss(GRPOLossConfig(ref_policy_kl_penalty=0.1), **b).loss.item() == pytest.approx(0.0362, rel=1e-3)
+
+
+@pytest.mark.parametrize("on_policy, expected", [(False, [-0.045, 0.06]), (True, [-0.06074364634, 0.04444909324])])
+def test_kl_gradient_includes_the_sampling_term(on_policy, expected):
+    """test_clipped_pg_loss_kl_gradient_includes_sampling_term (NeMo-RL v0.7.0, "fix: KL
+    backward"): the KL part of the gradient, beta 0.3 over 2 tokens, its numbers evaluated."""
+    def gradient(beta):
+        b = nemo_batch([-1.2, -0.7], [-1.0, -0.8], [0.4, -0.2], ref=[-0.9, -1.1], gen=[-1.5, -0.4])
+        cfg = GRPOLossConfig(ref_policy_kl_penalty=beta, use_on_policy_kl_approximation=on_policy)
+        policy_loss(cfg, **b).loss.backward()
+        return b["logp"].grad
+    assert (gradient(0.3) - gradient(0.0)).flatten().tolist() == pytest.approx(expected, abs=1e-9)
+
+
+def test_one_far_token_no_longer_blows_up_the_loss():
+    """The issue's case: ref - logp = 25 on one token. NeMo-RL clamps the log-ratio to 20 and
+    the KL to 10: the loss is the actor's -1 plus beta x 10."""
+    b = nemo_batch([-26.0], [-26.0], [1.0], ref=[-1.0])
+    assert policy_loss(GRPOLossConfig(), **b).loss.item() == pytest.approx(-1 + 0.01 * 10)
+
+
+# ----------------------------------------------------------------------------- TRL's code
+
+def trl_loss(loss_type, logp, old, ref, advantages, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, level="token",
+             max_completion_length=8):
+    """TRL 1.16's GRPOTrainer._compute_loss on these tensors: one process, one micro batch, no
+    accumulation; `logp` stands for the model's per-token log-probs."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    one = SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x)
+    vars(trainer).update(
+        loss_type=loss_type, importance_sampling_level=level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False, max_completion_length=max_completion_length,
+        current_gradient_accumulation_steps=1, aux_loss_enabled=False, _entropy_bonus_enabled=False, accelerator=one,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1), model=SimpleNamespace(training=True),
+        _metrics={"train": __import__("collections").defaultdict(list)},
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None))
+    b, t = logp.shape
+    inputs = {"prompt_ids": torch.zeros(b, 1, dtype=torch.long), "prompt_mask": torch.ones(b, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask.long(), "advantages": advantages,
+              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    return trainer._compute_loss(None, inputs)
+
+
+def random_batch(seed=0, samples=4, tokens=6):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(samples, tokens, generator=g, dtype=torch.float64) * 2)
+    old = logp + 0.3 * torch.randn(samples, tokens, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
+    ref = logp + 0.5 * torch.randn(samples, tokens, generator=g, dtype=torch.float64)
+    mask = torch.ones(samples, tokens)
+    for i in range(samples):
+        mask[i, tokens - i :] = 0  # unequal lengths: 6, 5, 4, 3 tokens
+    return logp, old, ref, torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)[:samples], mask
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_loss_types_and_asymmetric_clip_equal_trls_values_and_gradients(loss_type, level):
+    logp, old, ref, advantages, mask = random_batch()
+    cfg = GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, ratio_clip_min=0.2, ratio_clip_max=0.28, **NO_KL)
+    ours_logp, trl_logp = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    ours = policy_loss(cfg, ours_logp, old, ref, advantages, mask, max_completion_length=8).loss
+    theirs = trl_loss(loss_type, trl_logp, old, ref, advantages, mask, epsilon_low=0.2, epsilon_high=0.28, level=level)
+    ours.backward(), theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-12)
+    assert torch.allclose(ours_logp.grad, trl_logp.grad, atol=1e-12)
+
+
+def test_kl_term_equals_trls_value_and_its_gradient_adds_nemo_rls_score_term():
+    """TRL's k3 term (beta 0.04) has our value; its gradient lacks the score-function term
+    NeMo-RL v0.7.0 added, beta x k3 / tokens per token (dapo: the batch's tokens)."""
+    logp, old, ref, advantages, mask = random_batch(1)
+    cfg = GRPOLossConfig(loss_type="dapo", ref_policy_kl_penalty=0.04, kl_input_clamp_value=None, kl_output_clamp_value=None)
+    ours_logp, trl_logp = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    ours = policy_loss(cfg, ours_logp, old, ref, advantages, mask).loss
+    theirs = trl_loss("dapo", trl_logp, old, ref, advantages, mask, beta=0.04)
+    ours.backward(), theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-12)
+    k3 = (ref - logp).exp() - (ref - logp) - 1
+    assert torch.allclose(ours_logp.grad - trl_logp.grad, 0.04 * k3 * mask / mask.sum(), atol=1e-12)
+
+
+@pytest.mark.parametrize("lengths", [[10, 80, 81, 90, 99, 100]])
+def test_overlong_penalty_equals_trls_soft_punishment_and_nemo_rls_shaping(lengths):
+    from trl.rewards import get_soft_overlong_punishment
+    trl = get_soft_overlong_punishment(max_completion_len=100, soft_punish_cache=20)([[1] * n for n in lengths])
+    ours = overlong_penalty(torch.tensor(lengths, dtype=torch.float64), 100, 20, 1.0)
+    assert ours.tolist() == pytest.approx(trl, abs=1e-12)
+    assert trl[3] == -0.5  # TRL's docstring example: 90 tokens of 100 with a cache of 20
+    # NeMo-RL's apply_reward_shaping scales by overlong_buffer_penalty: 0.5 halves it
+    assert overlong_penalty(torch.tensor([90.0]), 100, 20, 0.5).item() == -0.25
+
+
+# ----------------------------------------------------------------------------- the stage's objective
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
+def test_step_metrics_are_per_unit_of_the_loss(loss_type):
+    """The objective sums metrics over its units as it sums the loss, so a step's ratio at the
+    sampling policy is 1, whatever the number of tokens per sample."""
+    objective = grpo_objective(GRPOLossConfig(loss_type=loss_type), Sampling(max_new_tokens=8, eos_id=0, vocab_size=100, temperature=1.0))
     nll = torch.full((2, 8), 0.7)
     batch = {"loss_mask": torch.ones(2, 8), "advantages": torch.tensor([1.0, -1.0]), "generation_logp": -nll,
              "old_logp": -nll, "ref_logp": -nll}
     terms = objective.loss(nll, batch)
-    assert terms.count.item() == (16 if token_level else 2)
+    assert terms.count.item() == {"dapo": 16, "grpo": 2, "bnpo": 1, "dr_grpo": 16}[loss_type]
     assert (terms.metrics["ratio"] / terms.count).item() == pytest.approx(1.0)
     assert (terms.metrics["kl"] / terms.count).item() == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_two_processes_with_unequal_micro_batches_give_the_big_batchs_gradient():
+    """Two gloo processes (torchrun) hold micro batches of 6 + 5 and 4 + 3 tokens; summing each
+    micro batch's loss x units, all-reducing gradients and units and dividing (the engine's
+    contract) gives TRL's gradient of the one big batch."""
+    script = Path(__file__).with_name("policy_dp_ranks.py")
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *LOSS_TYPES],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert all(f"rank {r} {name} equal" in out.stdout for r in (0, 1) for name in LOSS_TYPES), out.stdout

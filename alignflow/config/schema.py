@@ -60,6 +60,33 @@ class Schedule(StrEnum):
     constant = "constant"
 
 
+class PolicyLossType(StrEnum):
+    """How GRPO's per-token losses become one number (TRL's `loss_type` names): `dapo` over every
+    token of the step (NeMo-RL's token_level_loss: true), `grpo` each sample's token mean, then
+    over the samples (token_level_loss: false), `bnpo` each micro batch's token mean, then over
+    the micro batches, `dr_grpo` the sum over samples x max_new_tokens."""
+
+    grpo = "grpo"
+    bnpo = "bnpo"
+    dr_grpo = "dr_grpo"
+    dapo = "dapo"
+
+
+class KLEstimator(StrEnum):
+    """Schulman's per-token KL estimators of log r = ref - logp: k1 = -log r, k2 = (log r)^2 / 2,
+    k3 = r - 1 - log r; none: no KL term (and no reference pass)."""
+
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+    none = "none"
+
+
+class ImportanceSamplingLevel(StrEnum):
+    token = "token"
+    sequence = "sequence"  # GSPO: one ratio per sample, exp(token mean of the log-ratios)
+
+
 class Precision(StrEnum):
     auto = "auto"  # bf16 on GPU, fp32 on CPU, training and forward-only stages alike (`resolved_precision`)
     fp32 = "fp32"
@@ -471,13 +498,18 @@ class RewardConfig:
 
 @dataclass
 class GRPOLossConfig:
-    """GRPO's clipped policy loss (`alignflow.losses.policy`), NeMo-RL's `loss_fn` names."""
+    """GRPO's clipped policy loss (`alignflow.losses.policy`): NeMo-RL's `loss_fn` names and
+    defaults (v0.7), TRL's `loss_type` and `importance_sampling_level`."""
 
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
+    loss_type: PolicyLossType = PolicyLossType.dapo  # dapo = NeMo-RL's token_level_loss: true
+    importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.token
+    ratio_clip_min: float = 0.2  # TRL's epsilon_low
+    ratio_clip_max: float = 0.2  # TRL's epsilon_high (DAPO's clip-higher: 0.28)
     ratio_clip_c: Optional[float] = None  # dual clip, > 1 (typically 3)
-    ref_policy_kl_penalty: float = 0.01  # reference_policy_kl_penalty in NeMo-RL
-    token_level_loss: bool = True
+    ref_policy_kl_penalty: float = 0.01  # reference_policy_kl_penalty in NeMo-RL, beta in TRL
+    kl_type: KLEstimator = KLEstimator.k3  # reference_policy_kl_type in NeMo-RL
+    kl_input_clamp_value: Optional[float] = 20.0  # clamps ref - logp before the estimator; null: none
+    kl_output_clamp_value: Optional[float] = 10.0  # clamps the per-token (weighted) KL; null: none
     use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
 
@@ -501,6 +533,14 @@ class GRPOConfig(TrainStageBase):
     normalize_rewards: bool = True
     use_rloo: bool = True
     overlong_filtering: bool = False
+    # DAPO's soft overlong penalty: a completion longer than max_new_tokens - overlong_buffer_length
+    # loses overlong_buffer_penalty x (excess / overlong_buffer_length) of its reward; null: off
+    overlong_buffer_length: Optional[int] = None
+    overlong_buffer_penalty: float = 1.0
+    # DAPO's dynamic sampling: groups whose rewards all agree are dropped and further prompts drawn
+    # (up to dynamic_sampling_max_gen_batches batches a step) until num_prompts_per_step are kept
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = 10
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     # Accepted so NeMo-RL configs load; no effect: log-probs come from Megatron's fused
     # vocab-parallel cross entropy in one pass.

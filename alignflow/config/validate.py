@@ -435,6 +435,20 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
         problems.append(f"{key}.generation_top_p: must be in (0, 1]")
     if section.generation_top_k is not None and section.generation_top_k < 1:
         problems.append(f"{key}.generation_top_k: must be >= 1 or null")
+    for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        if section.loss[name] is not None and section.loss[name] <= 0:
+            problems.append(f"{key}.loss.{name}: must be > 0 or null (no clamp), got {section.loss[name]}")
+    if not 0 <= section.loss.ratio_clip_min < 1 or section.loss.ratio_clip_max < 0:
+        problems.append(f"{key}.loss.ratio_clip_min / ratio_clip_max: the clip range [1 - min, 1 + max] needs 0 <= min < 1 and max >= 0")
+    if section.overlong_buffer_length is not None and not 0 < section.overlong_buffer_length <= section.max_new_tokens:
+        problems.append(f"{key}.overlong_buffer_length: must be in (0, max_new_tokens = {section.max_new_tokens}] or null, "
+                        f"got {section.overlong_buffer_length}")
+    if section.overlong_buffer_penalty < 0:
+        problems.append(f"{key}.overlong_buffer_penalty: must be >= 0, got {section.overlong_buffer_penalty}")
+    if section.use_dynamic_sampling and section.num_generations_per_prompt < 2:
+        problems.append(f"{key}.use_dynamic_sampling: keeps groups whose rewards differ, so it needs num_generations_per_prompt >= 2")
+    if section.dynamic_sampling_max_gen_batches < 1:
+        problems.append(f"{key}.dynamic_sampling_max_gen_batches: must be >= 1, got {section.dynamic_sampling_max_gen_batches}")
     if section.num_generations_per_prompt < 2 and (section.use_rloo or section.normalize_rewards):
         problems.append(f"{key}.num_generations_per_prompt: group baselines need at least 2 generations per prompt")
     if not section.environment:

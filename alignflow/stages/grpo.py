@@ -5,13 +5,15 @@ Each step (NeMo-RL's loop, one process group for generation and training):
    each DP rank takes its share of whole prompts;
 2. roll out `num_generations_per_prompt` completions per prompt with the current policy
    (`alignflow.generation`: KV cache, generation_temperature/top_p/top_k, max_new_tokens,
-   batches of generation_batch_size, seeded by (seed, step, DP rank), so a resumed run
-   samples exactly what an uninterrupted one would);
-3. score them with the `environment` rewards (summed; `alignflow.rewards`) and turn each
-   group's rewards into advantages (`alignflow.losses.policy.group_advantages`; with
+   batches of generation_batch_size, seeded by (seed, step, DP rank, batch of the step), so a
+   resumed run samples exactly what an uninterrupted one would);
+3. score them with the `environment` rewards (summed; `alignflow.rewards`; less DAPO's soft
+   overlong penalty with `overlong_buffer_length`) and, with `use_dynamic_sampling`, drop the
+   groups whose rewards agree and draw the next batch until the share is full (`rollout`);
+   turn each group's rewards into advantages (`alignflow.losses.policy.group_advantages`; with
    `overlong_filtering` truncated samples keep their place in the baseline but get no gradient);
 4. log-probs of the sampled tokens under the reference model (`inputs["ref_model"]`, skipped
-   when ref_policy_kl_penalty is 0) and, with several optimizer steps per batch, under the
+   when ref_policy_kl_penalty is 0 or kl_type none; unfiltered) and, with several optimizer steps per batch, under the
    policy before the first update (the "old" policy of the ratio; with one step it is the
    current policy, detached);
 5. `num_optimizer_steps_per_batch` optimizer steps, each on an equal slice of the rollouts,
@@ -24,9 +26,11 @@ the rollouts per second of step time). The stage's TFLOP/s and MFU count each st
 FLOPs (`alignflow.train.utilization`): generation, the reference and the old-policy passes as
 one forward each over the rollouts, the updates as training passes.
 
-As NeMo-RL: the training log-probs are taken at the generation temperature (logits / T), and
-the rollouts' generation log-probs are those of the distribution each token was drawn from
-(`Completion.sampling_logps`), so the ratio and the importance weights compare one policy.
+As NeMo-RL: the training log-probs are taken at the generation temperature (logits / T) and,
+with top_k / top_p, under the same filtered, renormalised distribution (v0.6.0; the KL term
+reads the unfiltered ones, as the reference's), and the rollouts' generation log-probs are
+those of the distribution each token was drawn from (`Completion.sampling_logps`), so the
+ratio and the importance weights compare one policy.
 With `finetuning_type` lora / lora_merged and `ref_model` the same output as `model`, the
 reference is the policy's own frozen base with its adapters disabled (no second copy);
 generation reads each adapted weight merged with its adapter (`alignflow.megatron.lora`).
@@ -51,11 +55,11 @@ from megatron.core.utils import get_attr_wrapped_model
 from transformers import AutoTokenizer
 
 from alignflow.checkpoint import ModelOutput
-from alignflow.config.schema import GRPOLossConfig
+from alignflow.config.schema import GRPOLossConfig, KLEstimator
 from alignflow.config.validate import grpo_batch_problems
 from alignflow.data.prepared import Prepared
 from alignflow.device import device
-from alignflow.generation import Completion, Sampling, generate
+from alignflow.generation import Completion, Sampling, filter_logits, generate
 from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import lora
 from alignflow.rewards import exact_match, resolve
@@ -121,35 +125,54 @@ class Rollouts:
             setattr(self, name, full)
 
 
-def grpo_objective(cfg: GRPOLossConfig, temperature: float = 1.0) -> Objective:
-    """The clipped policy loss on micro batches of `Rollouts`; its units (tokens, or samples
-    with `token_level_loss: false`) weigh the loss and the metrics alike."""
+def grpo_objective(cfg: GRPOLossConfig, sampling: Sampling) -> Objective:
+    """The clipped policy loss on micro batches of `Rollouts`, its log-probs those of the
+    distribution the rollouts were drawn from (`nll_forward`); each micro batch weighs the
+    loss and the metrics by its `loss_units`."""
+    kinds = (FILTERED, UNFILTERED) if cfg.kl_type != KLEstimator.none else (FILTERED,)
+
     def loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
-        logp = -per_token.float()
+        nll = per_token.float()
+        logp, logp_unfiltered = (-nll[..., 0], -nll[..., 1]) if nll.dim() == 3 else (-nll, -nll)
         old = batch.get("old_logp", logp.detach())
-        ref = batch.get("ref_logp", logp.detach())
-        mask = batch["loss_mask"]
-        out = policy_loss(cfg, logp, old, ref, batch["advantages"], mask, batch["generation_logp"])
-        units = mask.sum() if cfg.token_level_loss else (mask.sum(-1) > 0).sum()
-        metrics = {name: getattr(out, name) * units for name in LOSS_METRICS}
-        return LossTerms(total=out.loss * units, count=units.to(torch.int64), metrics=metrics)
+        ref = batch.get("ref_logp", logp_unfiltered.detach())
+        out = policy_loss(cfg, logp, old, ref, batch["advantages"], batch["loss_mask"], batch["generation_logp"],
+                          logp_unfiltered=logp_unfiltered, max_completion_length=sampling.max_new_tokens)
+        metrics = {name: getattr(out, name) * out.units for name in LOSS_METRICS}
+        return LossTerms(total=out.loss * out.units, count=out.units.to(torch.int64), metrics=metrics)
 
-    return Objective(forward=tempered_forward(temperature), loss=loss, metric_names=LOSS_METRICS)
+    return Objective(forward=nll_forward(sampling, kinds), loss=loss, metric_names=LOSS_METRICS)
 
 
-def tempered_forward(temperature: float):
-    """Per-token -log p(label) under softmax(logits / T), the distribution the rollouts were
-    sampled from (NeMo-RL divides the training logits by the generation temperature; greedy,
-    T = 0, counts as T = 1). On pipeline stages other than the last: the hidden states."""
-    if temperature in (0.0, 1.0):
+FILTERED, UNFILTERED = "filtered", "unfiltered"
+
+
+def nll_forward(sampling: Sampling, kinds: tuple[str, ...]):
+    """Per-token -log p(label) [b, s] under softmax(logits / T) (NeMo-RL divides the training
+    logits by the generation temperature; greedy, T = 0, counts as T = 1): UNFILTERED, and
+    FILTERED, renormalised over the tokens top_k / top_p keep (`filter_logits`, the
+    distribution the rollouts were drawn from, NeMo-RL v0.6; a label outside it, a numerical
+    boundary case, gets 0 as NeMo-RL's do); stacked [b, s, 2] when both differ and are asked
+    for. On pipeline stages other than the last: the hidden states."""
+    temperature = sampling.temperature or 1.0
+    filtering = sampling.temperature > 0 and (sampling.top_k is not None or sampling.top_p < 1)
+    if not filtering and temperature == 1.0:
         return sft_forward
 
     def forward(model, batch: dict) -> torch.Tensor:
         out = sft_forward(model, dict(batch, labels=None))  # logits, vocab-parallel under TP
         if not get_attr_wrapped_model(model, "post_process"):
             return out
-        logits = out.reshape(*batch["labels"].shape, out.shape[-1]).float() / temperature
-        return tensor_parallel.vocab_parallel_cross_entropy(logits, batch["labels"])
+        labels = batch["labels"]
+        logits = out.reshape(*labels.shape, out.shape[-1]).float() / temperature
+        per_kind = []
+        if filtering and FILTERED in kinds:
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., : sampling.vocab_size]
+            logp = filter_logits(full, sampling.top_k, sampling.top_p).log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)
+            per_kind.append(torch.where(torch.isfinite(logp), -logp, torch.zeros_like(logp)))
+        if not filtering or UNFILTERED in kinds:
+            per_kind.append(tensor_parallel.vocab_parallel_cross_entropy(logits, labels))
+        return per_kind[0] if len(per_kind) == 1 else torch.stack(per_kind, -1)
 
     return forward
 
@@ -192,10 +215,10 @@ def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutpu
     tokenizer = AutoTokenizer.from_pretrained(run.init.tokenizer, trust_remote_code=False)
     sampling = Sampling(max_new_tokens=section.max_new_tokens, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
                         temperature=section.generation_temperature, top_p=section.generation_top_p, top_k=section.generation_top_k)
-    ref_chunks = None
-    if section.loss.ref_policy_kl_penalty > 0 and run.lora and same_model:
+    ref_chunks, kl = None, section.loss.ref_policy_kl_penalty > 0 and section.loss.kl_type != KLEstimator.none
+    if kl and run.lora and same_model:
         ref_chunks = run.chunks
-    elif section.loss.ref_policy_kl_penalty > 0:
+    elif kl:
         ref_chunks = frozen_chunks(ref_model, section.parallel, divisible_by, run.cache, params_dtype=run.dtype)
     return Environment(tokenizer, prompts.pad_id, sampling, [(resolve(r.name), dict(r.kwargs or {})) for r in section.environment], ref_chunks)
 
@@ -203,10 +226,10 @@ def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutpu
 def train(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> TrainResult:
     """GRPO's loop: each step rolls out, scores and optimizes (`step`); logs and checkpoints as SFT's."""
     cfg, state = run.cfg, run.state
-    first_tokens, window_seconds, window_tokens, rollout = state.tokens, 0.0, 0, {}
+    first_tokens, window_seconds, window_tokens, last_rollout = state.tokens, 0.0, 0, {}
     while state.step < run.total_steps:
         started = time.perf_counter()
-        stats, rollout = step(run, prompts, env, objective)
+        stats, last_rollout = step(run, prompts, env, objective)
         seconds = time.perf_counter() - started
         engine.advance(run, stats, seconds)
         window_seconds, window_tokens = window_seconds + seconds, window_tokens + stats.tokens
@@ -217,29 +240,26 @@ def train(run: Run, prompts: Prompts, env: Environment, objective: Objective) ->
             window_seconds, window_tokens = 0.0, 0
         if last or engine.checkpoint_due(run):
             engine.save_checkpoint(run)
-    return engine.result(run, first_tokens, summary(run, rollout))
+    return engine.result(run, first_tokens, summary(run, last_rollout))
 
 
 def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> tuple[StepStats, dict]:
-    """Roll out this rank's share of the step's prompts, score them, and take
+    """Roll out and score this rank's share of the step's prompts (`rollout`), and take
     num_optimizer_steps_per_batch optimizer steps on equal slices of the rollouts."""
     cfg, started = run.cfg, time.perf_counter()
-    indices = run.batches.indices(run.state.position)
-    share = len(indices) // run.dp_size
-    mine = indices[run.dp_rank * share : (run.dp_rank + 1) * share]
-    tokens = [prompts.tokens(int(i)) for i in mine for _ in range(cfg.num_generations_per_prompt)]
-    seed = int(np.random.SeedSequence([cfg.trainer.seed, run.state.step, run.dp_rank]).generate_state(1)[0])
     engine.gather_weights(run.model)  # the sampler reads the weights directly, not through the DDP hooks
-    completions = generate(run.chunks, tokens, env.sampling, cfg.generation_batch_size, seed=seed)
+    kept, stats, rounds = rollout(run, prompts, env)
     generation_s = time.perf_counter() - started
-    rollouts, stats = score(cfg, prompts, mine, tokens, completions, env)
+    rollouts = kept.rollouts(cfg, env.pad_id)
     samples = np.arange(len(rollouts))
     micro = [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
     if env.ref_chunks is not None:
         with lora.disabled(env.ref_chunks):
-            rollouts.store("ref_logp", micro, engine.per_token_logps(run, env.ref_chunks, objective.forward, micro, rollouts, rollouts.seq_length))
+            rollouts.store("ref_logp", micro, engine.per_token_logps(run, env.ref_chunks, nll_forward(env.sampling, (UNFILTERED,)), micro,
+                                                                     rollouts, rollouts.seq_length))
     if cfg.num_optimizer_steps_per_batch > 1:
-        rollouts.store("old_logp", micro, engine.per_token_logps(run, run.chunks, objective.forward, micro, rollouts, rollouts.seq_length))
+        rollouts.store("old_logp", micro, engine.per_token_logps(run, run.chunks, nll_forward(env.sampling, (FILTERED,)), micro, rollouts,
+                                                                 rollouts.seq_length))
     per_update = len(micro) // cfg.num_optimizer_steps_per_batch
     updates = [engine.optimizer_step(run, objective, micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length)
                for k in range(cfg.num_optimizer_steps_per_batch)]
@@ -247,28 +267,99 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     forwards = 1 + (env.ref_chunks is not None) + (cfg.num_optimizer_steps_per_batch > 1)  # generation, reference, old policy
     flops = all_reduce_dp(run.step_flops(rollouts, samples) + forwards * model_flops(ModelShape.of(run.init.hf_config),
                                                                                      rollouts.document_lengths(samples), FORWARD))
-    rollout = stats.global_metrics()
-    metrics = rollout | {name: float(np.mean([u.metrics[name] for u in updates])) for name in LOSS_METRICS}
+    summary_metrics = stats.global_metrics()
+    metrics = summary_metrics | {name: float(np.mean([u.metrics[name] for u in updates])) for name in LOSS_METRICS}
     metrics["generation_tokens_per_s"] = generated / max(all_reduce_dp(generation_s, dist.ReduceOp.MAX), 1e-9)
+    if cfg.use_dynamic_sampling:
+        metrics["dynamic_sampling_num_gen_batches"] = rounds
     return StepStats(loss=float(np.mean([u.loss for u in updates])), grad_norm=updates[-1].grad_norm, lr=updates[-1].lr,
-                     tokens=all_reduce_dp(rollouts.num_tokens(samples)), metrics=metrics, flops=flops), rollout
+                     tokens=all_reduce_dp(rollouts.num_tokens(samples)), metrics=metrics, flops=flops), summary_metrics
 
 
-def score(cfg: Any, prompts: Prompts, mine: np.ndarray, tokens: list[list[int]], completions: list[Completion],
-          env: Environment) -> tuple[Rollouts, RolloutStats]:
-    """Rewards, advantages and the rollout batch of this rank's samples."""
-    g = cfg.num_generations_per_prompt
+@dataclass
+class Scored:
+    """Scored samples of this rank, host data in groups of num_generations_per_prompt."""
+
+    prompts: list[list[int]]  # token ids, one per sample
+    completions: list[Completion]
+    rewards: torch.Tensor  # [samples] summed rewards, with the overlong penalty
+    task_rewards: torch.Tensor  # [samples] before the penalty
+    correct: torch.Tensor
+
+    def groups(self, g: int, which: Sequence[int]) -> "Scored":
+        rows = [k * g + j for k in which for j in range(g)]
+        return Scored([self.prompts[r] for r in rows], [self.completions[r] for r in rows], self.rewards[rows], self.task_rewards[rows],
+                      self.correct[rows])
+
+    def __add__(self, other: "Scored") -> "Scored":
+        return Scored(self.prompts + other.prompts, self.completions + other.completions, torch.cat([self.rewards, other.rewards]),
+                      torch.cat([self.task_rewards, other.task_rewards]), torch.cat([self.correct, other.correct]))
+
+    def stats(self) -> RolloutStats:
+        return RolloutStats(rewards=self.rewards, correct=self.correct, response_tokens=torch.tensor([len(c.tokens) for c in self.completions]),
+                            truncated=torch.tensor([c.truncated for c in self.completions], dtype=torch.bool))
+
+    def rollouts(self, cfg: Any, pad_id: int) -> Rollouts:
+        """The batch to train on: group advantages (with dynamic sampling and the overlong
+        penalty the std is the task rewards', as NeMo-RL's) and, with `overlong_filtering`,
+        truncated samples kept in their group's statistics but out of the gradient."""
+        g = cfg.num_generations_per_prompt
+        std_rewards = self.task_rewards.view(-1, g) if cfg.use_dynamic_sampling else None
+        advantages = group_advantages(self.rewards.view(-1, g), cfg.use_rloo, cfg.normalize_rewards, std_rewards=std_rewards).flatten()
+        truncated = torch.tensor([c.truncated for c in self.completions], dtype=torch.bool)
+        trained = ~truncated if cfg.overlong_filtering else torch.ones_like(truncated)
+        return Rollouts(self.prompts, self.completions, advantages, trained, pad_id)
+
+
+def rollout(run: Run, prompts: Prompts, env: Environment) -> tuple[Scored, RolloutStats, int]:
+    """This rank's share of the step's prompts, rolled out and scored; the stats of every
+    sample generated, and the number of batches drawn. With `use_dynamic_sampling` (DAPO) a
+    group whose task rewards all agree is dropped and the next batch (one data position
+    further, the same on every rank) is drawn, until each rank keeps its share of
+    num_prompts_per_step groups, the first ones in data order, or dynamic_sampling_max_gen_batches
+    batches are spent (an error, as NeMo-RL's). Simplified: each DP rank fills its own share."""
+    cfg, g = run.cfg, run.cfg.num_generations_per_prompt
+    share, kept, generated = cfg.num_prompts_per_step // run.dp_size, None, None
+    for batch in range(cfg.dynamic_sampling_max_gen_batches if cfg.use_dynamic_sampling else 1):
+        if batch:
+            run.state.position = run.batches.next(run.state.position)
+        if kept is None or len(kept.completions) < share * g:
+            mine = run.batches.indices(run.state.position)[run.dp_rank * share : (run.dp_rank + 1) * share]
+            scored = generate_and_score(run, prompts, env, mine, batch)
+            generated = scored if generated is None else generated + scored
+            spread = scored.task_rewards.view(-1, g).std(-1) > 0 if cfg.use_dynamic_sampling else torch.ones(share, dtype=torch.bool)
+            useful = scored.groups(g, torch.nonzero(spread).flatten().tolist())
+            kept = useful if kept is None else kept + useful
+        if not cfg.use_dynamic_sampling or all_reduce_dp(int(len(kept.completions) < share * g), dist.ReduceOp.MAX) == 0:
+            return kept.groups(g, range(share)), generated.stats(), batch + 1
+    raise ValueError(f"grpo.dynamic_sampling_max_gen_batches: {cfg.dynamic_sampling_max_gen_batches} batches gave fewer than "
+                     f"num_prompts_per_step = {cfg.num_prompts_per_step} groups whose rewards differ; raise it, or "
+                     "num_generations_per_prompt, or use easier prompts")
+
+
+def generate_and_score(run: Run, prompts: Prompts, env: Environment, mine: np.ndarray, batch: int) -> Scored:
+    """num_generations_per_prompt completions of each prompt of `mine`, seeded by (seed, step,
+    DP rank, batch of the step), and their rewards."""
+    cfg, g = run.cfg, run.cfg.num_generations_per_prompt
+    tokens = [prompts.tokens(int(i)) for i in mine for _ in range(g)]
+    seed = int(np.random.SeedSequence([cfg.trainer.seed, run.state.step, run.dp_rank] + [batch] * (batch > 0)).generate_state(1)[0])
+    completions = generate(run.chunks, tokens, env.sampling, cfg.generation_batch_size, seed=seed)
     texts = [env.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     prompt_text = [prompts.text[int(i)] for i in mine for _ in range(g)]
     answers = [prompts.answer[int(i)] for i in mine for _ in range(g)]
-    rewards = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64, device="cpu")
-    advantages = group_advantages(rewards.view(-1, g), cfg.use_rloo, cfg.normalize_rewards).flatten()
-    truncated = torch.tensor([c.truncated for c in completions], device="cpu")
-    trained = ~truncated if cfg.overlong_filtering else torch.ones_like(truncated)
-    correct = torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)], device="cpu")
-    stats = RolloutStats(rewards=rewards, correct=correct, response_tokens=torch.tensor([len(c.tokens) for c in completions], device="cpu"),
-                         truncated=truncated)
-    return Rollouts(tokens, completions, advantages, trained, env.pad_id), stats
+    task = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64)
+    lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float64)
+    penalty = 0.0 if cfg.overlong_buffer_length is None else overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer_length,
+                                                                             cfg.overlong_buffer_penalty)
+    correct = torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)])
+    return Scored(tokens, completions, task + penalty, task, correct)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (eq. 13; NeMo-RL's `apply_reward_shaping`, TRL's
+    `get_soft_overlong_punishment` at penalty 1): 0 up to max_length - buffer_length, then
+    falling linearly to -penalty at max_length."""
+    return (-(lengths - (max_length - buffer_length)) / buffer_length * penalty).clamp(max=0.0)
 
 
 def reward(env: Environment, prompt: str, completion: str, answer: str) -> float:
@@ -302,5 +393,5 @@ def run(cfg, inputs: dict, out: str) -> dict:
         if problems := grpo_batch_problems(section, run.dp_size):
             raise ValueError("; ".join(problems))
         env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by, inputs["ref_model"] == inputs["model"])
-        result = train(run, prompts, env, grpo_objective(section.loss, section.generation_temperature))
+        result = train(run, prompts, env, grpo_objective(section.loss, env.sampling))
     return finish(run, result)
