@@ -197,8 +197,6 @@ def measured_peak(demo_dir: Path, data: Path, model: Path, micro: int, out: Path
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="after today's merges the weights-heavy shape measures 352 MiB above the tiny model "
-                   "against 721 MiB estimated (it measured 718 on its branch): open in #23, see the closing note")
 def test_the_estimate_is_within_15_percent_of_the_measured_peak(demo_dir, base_overrides, tmp_path):
     """The CPU's peak RSS holds the interpreter, torch and Megatron (~0.55 GiB) besides the model,
     and cannot tell them apart: the same SFT job on the demo's tiny model (a shape the estimate
