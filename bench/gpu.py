@@ -41,6 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
+from alignflow.config.memory import GIB, Dimensions, Layout, estimate
 from alignflow.train.utilization import FORWARD, PEAK_SOURCE, TRAINING, ModelShape, figures, model_flops, peak_tflops
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -406,13 +407,15 @@ def report(shape: dict, ours_: list[dict], trl_: list[dict], dry_run: bool) -> i
                 ("reference tokens/s >= 2.5 x SFT's", speedup(mine["reference"], mine["sft"]) >= 2.5),
                 ("DPO tokens/s >= 0.9 x SFT's", speedup(mine["dpo"], mine["sft"]) >= 0.9),
                 ("SFT ours >= 1.3 x TRL", speedup(mine["sft"], theirs["sft"]) >= 1.3),
-                ("DPO ours >= 1.3 x TRL", speedup(mine["dpo"], theirs["dpo"]) >= 1.3)]
+                ("DPO ours >= 1.3 x TRL", speedup(mine["dpo"], theirs["dpo"]) >= 1.3),
+                ("SFT peak within 15% of the estimate", abs(mine["sft"]["peak_gib"] * GIB / shape["footprint"].total - 1) <= 0.15)]
         print("\nissue 22's bars" + (" (a CPU dry run: not judged)" if dry_run else "") + ": "
               + "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in bars))
     if "sft" in mine:
-        params = shape["params"]
-        print(f"SFT peak {mine['sft']['peak_gib']:.2f} GiB; Megatron's theory for its state, activations left out: 18 B/param "
-              f"(bf16 weights 2, fp32 grads 4, fp32 main weights 4, Adam 8) x {params / 1e6:.1f}M = {18 * params / 2**30:.2f} GiB")
+        footprint = shape["footprint"]
+        print(f"SFT peak {mine['sft']['peak_gib']:.2f} GiB; estimated (alignflow.config.memory: Megatron's state per parameter, "
+              f"Korthikanti et al.'s activations for this layer) {footprint.describe()}; measured / estimated "
+              f"{mine['sft']['peak_gib'] * GIB / footprint.total:.3f}")
     return errors
 
 
@@ -446,6 +449,8 @@ def main() -> int:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         shape = shape | {"params": sum(p.numel() for p in AutoModelForCausalLM.from_config(LlamaConfig(**config)).parameters())}
+    layout = Layout(world=1, bf16=not args.dry_run, micro_batch=shape["micro"], seq_length=shape["seq"], micro_batches=shape["rows"] // shape["micro"])
+    shape["footprint"] = estimate(Dimensions.of(config), layout)  # what `align plan` estimates for this SFT
     print(f"\nshape: {shape['params'] / 1e6:.1f}M parameters, rows of {shape['seq']} tokens; inputs made in {time.perf_counter() - started:.0f} s",
           flush=True)
     return failed + report(shape, side("ours", work, args.dry_run), side("trl", work, args.dry_run), args.dry_run)

@@ -134,7 +134,10 @@ def one_rank():
 
     from alignflow.megatron import runtime
 
+    import torch
+
     parallel = parallel_cfg()
     runtime.init_parallel(parallel)
+    torch.set_float32_matmul_precision("highest")  # jobs take TF32 on CUDA; these tests hold fp32 to HF's within 1e-5
     yield parallel
     runtime.teardown()

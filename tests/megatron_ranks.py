@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from reference_convert import hf_to_megatron
+from alignflow.device import device
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.megatron.model import build_gpt, load_megatron_state, token_nll
@@ -121,12 +122,12 @@ def megatron_logits(chunks: list, ids: torch.Tensor) -> Optional[torch.Tensor]:
     def step(data_iterator, chunk):
         return chunk(next(data_iterator), None, None, runtime_gather_output=True), None
 
-    micro_batches = list(ids.split(1))
+    micro_batches = list(ids.to(device()).split(1))
     outputs = get_forward_backward_func()(
         forward_step_func=step, data_iterator=[iter(micro_batches) for _ in chunks], model=chunks,
         num_microbatches=len(micro_batches), seq_length=ids.shape[1], micro_batch_size=1, forward_only=True,
     )
-    return torch.cat(outputs) if parallel_state.is_pipeline_last_stage() else None
+    return torch.cat(outputs).cpu() if parallel_state.is_pipeline_last_stage() else None
 
 
 def max_logit_error(case: str, parallel: dict, hf_state: dict) -> Optional[float]:

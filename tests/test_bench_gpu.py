@@ -27,3 +27,4 @@ def test_the_gpu_bench_runs_end_to_end_on_cpu():
         assert ours_mfu == trl_mfu == "-"
     assert any("TRL settings:" in line and "'gradient_checkpointing': False" in line for line in lines)
     assert "issue 22's bars (a CPU dry run: not judged)" in out.stdout
+    assert "SFT peak within 15% of the estimate" in out.stdout and "measured / estimated" in out.stdout

@@ -26,7 +26,7 @@ from alignflow.train.datasets import DistillRows, PackedSFT
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_cpu_hardware_use, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402
+from train_ranks import assert_hardware_use, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402
 
 K = 8
 
@@ -149,12 +149,13 @@ def test_teacher_topk_equal_hf_transformers_topk(demo, demo_dir, tmp_path):
     """The stage on the demo's HF Llama: at every loss position of sampled val rows (packed
     documents), its top-k log-probs equal HF's top-k of each document run alone, and HF's
     log-probs of the stage's ids are the stage's (so near-ties may swap places, nothing else)."""
-    metrics = teacher_logprobs.run(typed(topk_cfg()), {"data": demo["data"], "teacher": demo["base"]}, str(tmp_path / "topk"))
+    metrics = teacher_logprobs.run(typed(topk_cfg(precision="fp32")), {"data": demo["data"], "teacher": demo["base"]}, str(tmp_path / "topk"))
     rows = PackedSFT(Prepared(demo["data"]), "val")
     got = teacher_topk.read(str(tmp_path / "topk"), "val", len(rows))
     assert metrics["val.rows"] == len(rows) and metrics["val.positions"] == len(got.positions) > 0
-    assert_cpu_hardware_use(metrics, Path(demo["base"]), rows.seq_length, passes=1)
+    assert_hardware_use(metrics, Path(demo["base"]), rows.seq_length, passes=1)
     hf = AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", dtype=torch.float32).eval()
+    tolerance = 3e-4 if torch.cuda.is_available() else 1e-4  # CUDA: the stage's fp32 matmuls take TF32 (1.5e-4 seen on an H100)
     checked = 0
     for i in range(0, len(rows), max(len(rows) // 6, 1)):
         ids, _, cu = rows.row(i)
@@ -168,8 +169,8 @@ def test_teacher_topk_equal_hf_transformers_topk(demo, demo_dir, tmp_path):
             at = torch.from_numpy(positions[inside] - a)
             expected = logp[at].topk(K, dim=-1).values.numpy()
             picked = logp[at].gather(-1, torch.from_numpy(top_ids[inside].astype(np.int64))).numpy()
-            assert np.abs(top_logp[inside] - expected).max() < 1e-4
-            assert np.abs(top_logp[inside] - picked).max() < 1e-4
+            assert np.abs(top_logp[inside] - expected).max() < tolerance
+            assert np.abs(top_logp[inside] - picked).max() < tolerance
             checked += int(inside.sum())
     assert checked > 20
 
@@ -197,7 +198,7 @@ def test_the_students_heldout_kl_to_the_teacher_falls(demo, demo_dir, tmp_path):
     val = [line["val_kl"] for line in lines if "val_kl" in line]
     print("held-out KL to the teacher every 5 steps:", [round(v, 4) for v in val], "train kl", lines[0]["kl"], "->", lines[-1]["kl"])
     assert metrics["steps"] == 30 and (tmp_path / "out" / "model" / ".metadata").exists()
-    assert_cpu_hardware_use(metrics, Path(demo["student"]), Prepared(demo["data"]).seq_length, passes=3)
+    assert_hardware_use(metrics, Path(demo["student"]), Prepared(demo["data"]).seq_length, passes=3)
     assert len(val) == 6 and val[-1] < 0.8 * val[0] and val[-1] == min(val)
     assert lines[-1]["kl"] < 0.5 * lines[0]["kl"]
     for line in lines:

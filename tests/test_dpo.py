@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from alignflow.config.schema import DPOLossConfig
+from alignflow.device import to_device
 from alignflow.megatron import runtime
 from alignflow.stages import dpo, eval as eval_stage, prep, ref_logprobs, sft
 from alignflow.data.prepared import Prepared
@@ -39,8 +40,8 @@ def inputs(demo_dir, tmp_path_factory):
                         optim={"lr": 3e-3, "warmup_steps": 10})
     sft.run(typed(sft_cfg), {"data": str(root / "prep"), "model": str(base)}, str(root / "model"))
     model = root / "model"
-    ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
-                                       "model": {"make_vocab_size_divisible_by": 128}}),
+    ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK, "precision": "fp32"},
+                            "model": {"make_vocab_size_divisible_by": 128}}),  # fp32 as the tests' online references (auto: bf16 on CUDA)
                      {"data": str(root / "prep"), "model": str(model)}, str(root / "ref"))
     return {"data": str(root / "prep"), "model": str(model), "ref_logprobs": str(root / "ref")}
 
@@ -61,7 +62,7 @@ def test_precomputed_reference_equals_an_online_reference(inputs, loss_cfg):
         with torch.no_grad():
             for param in policy.parameters():  # a policy that has moved away from the reference
                 param.add_(torch.randn_like(param) * 0.01)
-            batch = pairs.collate(range(6))
+            batch = to_device(pairs.collate(range(6)))
             per_token = dpo.sft_forward(policy, batch)
             precomputed = dpo.pair_loss(loss_cfg, per_token, batch)
             ref_tokens = dpo.sft_forward(reference, batch)

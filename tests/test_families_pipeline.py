@@ -17,7 +17,7 @@ FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_
 # conf/model preset -> (its demo folder, HF architecture, a weight only that family has: it must have trained)
 PRESETS = {
     "tiny_qwen3": ("tiny-qwen3", "Qwen3ForCausalLM", "model.layers.1.self_attn.k_norm.weight"),
-    "tiny_qwen3_moe": ("tiny-qwen3-moe", "Qwen3MoeForCausalLM", "model.layers.1.mlp.experts.3.down_proj.weight"),  # eval generates through experts
+    "tiny_qwen3_moe": ("tiny-qwen3-moe", "Qwen3MoeForCausalLM", "model.layers.1.mlp.gate.weight"),  # the router; eval generates through experts
 }
 
 

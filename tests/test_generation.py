@@ -7,6 +7,7 @@ import torch
 from megatron_ranks import CASES, greedy_mismatches, saved_state, tiny_hf_model
 
 from reference_convert import hf_to_megatron
+from alignflow.device import device
 from alignflow.generation import Completion, Sampling, generate, sample
 from alignflow.megatron.model import build_gpt, load_megatron_state
 from alignflow.stages.grpo import FILTERED, UNFILTERED, Rollouts, nll_forward
@@ -57,7 +58,8 @@ def test_logps_are_the_models_and_sampling_logps_the_filtered_tempered_ones(llam
     sampling = Sampling(8, -1, 100, temperature=temperature, top_k=20)
     for prompt, completion in zip(PROMPTS, generate(llama, PROMPTS, sampling, 3, seed=3)):
         with torch.no_grad():
-            logits = llama(torch.tensor([prompt + completion.tokens]), None, None, runtime_gather_output=True)[0, len(prompt) - 1 : -1, :100]
+            ids = torch.tensor([prompt + completion.tokens], device=device())
+            logits = llama(ids, None, None, runtime_gather_output=True)[0, len(prompt) - 1 : -1, :100].cpu()
         chosen = torch.tensor(completion.tokens)[:, None]
         expected = logits.log_softmax(-1).gather(-1, chosen).squeeze(-1)
         tempered = (logits / (temperature or 1.0)).log_softmax(-1)

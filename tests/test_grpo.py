@@ -19,7 +19,7 @@ from alignflow.stages import grpo, sft
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import (assert_cpu_hardware_use, convert_demo, job_args, job_env, metrics_lines, prep_demo, sft_cfg, stage_cfg,  # noqa: E402
+from train_ranks import (assert_hardware_use, convert_demo, job_args, job_env, metrics_lines, prep_demo, sft_cfg, stage_cfg,  # noqa: E402
                          torchrun, weights)
 
 STEP_METRICS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "reward_mean", "reward_std", "accuracy",
@@ -57,7 +57,7 @@ def test_grpo_trains_and_logs_every_metric(demo_dir, inputs, tmp_path):
     assert [line["step"] for line in lines] == [1, 2, 3] and all(set(line) == STEP_METRICS for line in lines)
     assert list(result)[:4] == ["reward_first_tenth", "reward_last_tenth", "reward_mean", "accuracy"] and result["steps"] == 3
     assert result["reward_first_tenth"] == lines[0]["reward_mean"] and result["reward_last_tenth"] == lines[-1]["reward_mean"]
-    assert_cpu_hardware_use(result, Path(inputs["model"]), 32 + 4, passes=1 + 1 + 3)  # prompt + completion; generation, reference, update
+    assert_hardware_use(result, Path(inputs["model"]), 32 + 4, passes=1 + 1 + 3)  # prompt + completion; generation, reference, update
     first = lines[0]
     assert first["kl"] == 0.0 and first["ratio"] == pytest.approx(1.0) and first["clip_fraction"] == 0.0  # on-policy, policy = reference
     assert lines[-1]["kl"] > 0  # the policy moved away from the reference

@@ -15,6 +15,7 @@ from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, 
 
 from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
+from alignflow.device import device, to_device
 from alignflow.megatron import runtime
 from alignflow.megatron.decoder import LeanForward
 from alignflow.megatron.model import build_gpt, checkpoint_names, document_params, load_megatron_state, megatron_state, token_nll
@@ -74,14 +75,14 @@ def test_packed_documents_of_a_sliding_window_model_match_hf_one_by_one(one_rank
     hf_model, config = tiny_hf_model("mistral_window")
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
     cu, ids = np.array([0, 9, 20, 27]), tokens(batch=1, seq=27)[0].numpy()  # then 5 tokens of padding
-    batch = vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0))
+    batch = to_device(vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0)))
     with torch.no_grad():
         per_token = sft_forward(model, batch)[0]
         for a, e in zip(cu, cu[1:]):
             logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]  # the real vocab (100; Megatron's is padded to 128)
             expected = F.cross_entropy(logits, torch.as_tensor(ids[a + 1 : e]), reduction="none")
-            torch.testing.assert_close(per_token[a : e - 1], expected, atol=1e-5, rtol=1e-5)
-        leaked = sft_forward(model, dict(batch, cu_seqlens=torch.tensor([0, 32]), max_seqlen=32))[0]  # the window alone, as before
+            torch.testing.assert_close(per_token[a : e - 1].cpu(), expected, atol=1e-5, rtol=1e-5)
+        leaked = sft_forward(model, dict(batch, cu_seqlens=torch.tensor([0, 32], device=device()), max_seqlen=32))[0]  # the window alone, as before
         assert not torch.allclose(leaked[cu[1] : cu[1] + 3], per_token[cu[1] : cu[1] + 3], atol=1e-3)
 
 
@@ -94,7 +95,7 @@ def test_lean_forward_matches_hf_on_each_document_of_a_packed_row(one_rank, case
     hf_model, config = tiny_hf_model(case)
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
     cu, ids = np.array([0, 9, 20, 27]), tokens(batch=1, seq=27)[0].numpy()  # then 5 tokens of padding
-    batch = vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0))
+    batch = to_device(vars(packed_rows([(ids, np.ones(27), cu)], length=32, pad_id=0)))
     documents = document_params(batch)
     inputs, loss_mask = (batch["tokens"], batch["position_ids"]), batch["loss_mask"]
     lean = LeanForward.of([model], 32)
@@ -104,7 +105,7 @@ def test_lean_forward_matches_hf_on_each_document_of_a_packed_row(one_rank, case
         with torch.no_grad():
             logits = hf_model(torch.as_tensor(ids[a:e])[None]).logits[0, :-1]
         expected = F.cross_entropy(logits, torch.as_tensor(ids[a + 1 : e]), reduction="none")  # over the real vocab
-        torch.testing.assert_close(per_document[a : e - 1], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(per_document[a : e - 1].cpu(), expected, atol=1e-5, rtol=1e-5)
     gradients = []
     for forward in (lean, model):
         model.zero_grad()

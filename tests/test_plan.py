@@ -64,7 +64,7 @@ def test_a_docstring_or_comment_edit_reruns_nothing(committed, tmp_path):
     checkout = checkout_copy(tmp_path)
     losses = checkout / "alignflow" / "losses" / "preference.py"
     edit(losses, '"""DPO-family losses on per-sequence log-probs, with their metrics.', '"""The DPO family of losses, reworded.')
-    edit(losses, IPO_TERM, IPO_TERM + "  # IPO's squared distance to 1/(2 beta)")
+    edit(losses, IPO_TERM + ")\n", IPO_TERM + ")  # IPO's squared distance to 1/(2 beta)\n")
     edit(checkout / "alignflow" / "train" / "engine.py", "def every(step: int, interval: int) -> bool:\n",
          'def every(step: int, interval: int) -> bool:\n    """Whether an interval ends at this step."""\n')
     assert {row["status"] for row in plan_in(checkout, committed).values()} == {"committed"}

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from alignflow import PROJECT_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import (LAYOUT_TOLERANCE, SEQ_LENGTH, assert_cpu_hardware_use, assert_same_steps, convert_demo, job_args,  # noqa: E402
+from train_ranks import (LAYOUT_TOLERANCE, SEQ_LENGTH, assert_hardware_use, assert_same_steps, convert_demo, job_args,  # noqa: E402
                          job_env, metrics_lines, prep_demo, run_sft, sft_cfg, torchrun, weights)
 
 
@@ -42,7 +42,7 @@ def test_sft_writes_the_model_layout_and_metrics(demo_dir, inputs, tmp_path):
     out = tmp_path / "out"
     metrics = run_sft(sft_cfg(demo_dir, trainer={"max_steps": 3, "val_check_interval": 2}), inputs, out)
     assert metrics["steps"] == 3 and metrics["tokens"] > 0 and metrics["tokens_per_s"] > 0
-    assert_cpu_hardware_use(metrics, Path(inputs["model"]), SEQ_LENGTH, passes=3)
+    assert_hardware_use(metrics, Path(inputs["model"]), SEQ_LENGTH, passes=3)
     assert {p.name for p in out.iterdir()} >= {"model", "hf", "tokenizer", "metrics.jsonl", "checkpoints"}
     assert (out / "hf" / "config.json").exists() and (out / "tokenizer" / "tokenizer.json").exists()
     lines = metrics_lines(out)

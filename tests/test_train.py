@@ -157,6 +157,7 @@ def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
     """Every document's loss in a packed row equals its loss run alone (each document attends
     on its own; RoPE is relative, so equal up to float rounding)."""
     from alignflow.data.prepared import Prepared
+    from alignflow.device import device, to_device
     from alignflow.megatron import runtime
     from alignflow.megatron.model import build_gpt
     from alignflow.stages.sft import load_data, sft_forward
@@ -170,17 +171,17 @@ def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
     try:
         model = build_gpt(hf_config, parallel, calculate_per_token_loss=True).eval()
         with torch.no_grad():
-            packed = data.train.collate(rows)
+            packed = to_device(data.train.collate(rows))
             per_token = sft_forward(model, packed) * packed["loss_mask"]
             for b, i in enumerate(rows):
                 ids, mask, cu = data.train.row(i)
                 for a, e in zip(cu, cu[1:]):
-                    alone = vars(packed_rows([(ids[a:e], mask[a:e], np.array([0, e - a]))], SEQ_LENGTH, data.train.pad_id))
+                    alone = to_device(vars(packed_rows([(ids[a:e], mask[a:e], np.array([0, e - a]))], SEQ_LENGTH, data.train.pad_id)))
                     loss_alone = (sft_forward(model, alone) * alone["loss_mask"])[0, : e - a]
                     assert alone["loss_mask"].sum() > 0
                     torch.testing.assert_close(per_token[b, a:e], loss_alone, atol=1e-5, rtol=1e-5)
             # and the documents matter: each row as one document, the later documents' losses change
-            rows_only = torch.arange(0, packed["tokens"].numel() + 1, SEQ_LENGTH, dtype=torch.int32)
+            rows_only = torch.arange(0, packed["tokens"].numel() + 1, SEQ_LENGTH, dtype=torch.int32, device=device())
             unmasked = dict(packed, cu_seqlens=rows_only, max_seqlen=SEQ_LENGTH)
             assert not torch.allclose(sft_forward(model, unmasked) * packed["loss_mask"], per_token, atol=1e-3)
     finally:

@@ -72,3 +72,18 @@ def test_report_shows_the_hardware_use():
                                                                     "mfu": None, "peak_memory_gib": 1.5, "peak_memory_of": "peak RSS"}}, [])
     hardware = page.split("<h2>hardware use</h2>")[1].split("<h2>")[0]
     assert all(cell in hardware for cell in ("812.5", "0.0123", "n/a", "1.5", "peak RSS")) and "train.pairs" not in hardware
+
+
+def test_a_jobs_peak_memory_is_its_own_not_the_process_that_started_it():
+    """Linux carries `ru_maxrss` over exec from the forking process; the peak a stage reports
+    (`peak_rss_bytes`) is the job's own: a child of a parent holding 600 MiB reports its own ~tens."""
+    import subprocess
+    import sys
+
+    held = bytearray(600 * 2**20)
+    held[:: 4096] = b"\1" * len(held[:: 4096])  # resident, page by page
+    child = "import resource; from alignflow.train.utilization import peak_rss_bytes; " \
+            "print(peak_rss_bytes() >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)"
+    ours, inherited = map(int, subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.split())
+    del held
+    assert inherited >= 600 > 200 > ours, (ours, inherited)  # ru_maxrss: the parent's; ours: the child's

@@ -58,7 +58,6 @@ anyway); no context parallelism, and sequence parallelism only with Transformer 
 import functools
 import json
 import logging
-import resource
 import shutil
 import time
 from contextlib import contextmanager
@@ -627,7 +626,7 @@ def hardware_use(flops: float, seconds: float) -> dict:
     the peak memory of the busiest rank: torch's allocated CUDA memory on GPU (the caching
     allocator's reserve and the CUDA context come on top), the process's peak RSS on CPU."""
     on_gpu = device().type == "cuda"
-    peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated() if on_gpu else utilization.peak_rss_bytes()
     measured = torch.tensor([seconds, peak], dtype=torch.float64, device=device())
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     seconds, peak = measured.tolist()

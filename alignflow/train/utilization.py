@@ -20,8 +20,11 @@ device the table does not know (MFU null then). No torch here: the orchestrator 
 metric names.
 """
 
+import re
+import resource
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import Iterable, Optional
 
 # Dense (no sparsity) bf16 Tensor Core peak, TFLOP/s, by torch.cuda.get_device_name() pattern,
@@ -108,3 +111,13 @@ def figures(flops: float, seconds: float, ranks: int, device_name: Optional[str]
     achieved = flops / max(seconds, 1e-9) / 1e12
     peak = peak_tflops(device_name)
     return {"tflops": float(f"{achieved:.4g}"), "mfu": None if peak is None else float(f"{achieved / (peak * ranks):.4g}")}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: Linux's VmHWM, which starts afresh at exec, not
+    `ru_maxrss`, which Linux carries over exec from the process that forked it (a job started by
+    a 1 GiB orchestrator would report at least 1 GiB); `ru_maxrss` where there is no /proc."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read_text()).group(1)) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
