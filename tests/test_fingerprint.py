@@ -3,6 +3,7 @@ inputs by role), and with nothing else."""
 
 import hashlib
 import json
+import sys
 
 import pytest
 
@@ -265,6 +266,8 @@ def test_user_code_named_by_import_path_is_code_identity(tmp_path, monkeypatch):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "my_rewards.py").write_text(REWARDS)
         (tmp_path / folder / "reward_helpers.py").write_text(HELPERS)
+    for name in ("my_rewards", "reward_helpers"):  # another test's modules of these names, imported from elsewhere
+        monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path / "a"))
     base = code_identity("alignflow.stages.grpo")
     with_user = code_identity("alignflow.stages.grpo", ["my_rewards:boxed"])

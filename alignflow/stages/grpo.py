@@ -296,8 +296,8 @@ class Scored:
                       torch.cat([self.task_rewards, other.task_rewards]), torch.cat([self.correct, other.correct]))
 
     def stats(self) -> RolloutStats:
-        return RolloutStats(rewards=self.rewards, correct=self.correct, response_tokens=torch.tensor([len(c.tokens) for c in self.completions]),
-                            truncated=torch.tensor([c.truncated for c in self.completions], dtype=torch.bool))
+        return RolloutStats(rewards=self.rewards, correct=self.correct, response_tokens=torch.tensor([len(c.tokens) for c in self.completions], device="cpu"),
+                            truncated=torch.tensor([c.truncated for c in self.completions], dtype=torch.bool, device="cpu"))
 
     def rollouts(self, cfg: Any, pad_id: int) -> Rollouts:
         """The batch to train on: group advantages (with dynamic sampling and the overlong
@@ -306,7 +306,7 @@ class Scored:
         g = cfg.num_generations_per_prompt
         std_rewards = self.task_rewards.view(-1, g) if cfg.use_dynamic_sampling else None
         advantages = group_advantages(self.rewards.view(-1, g), cfg.use_rloo, cfg.normalize_rewards, std_rewards=std_rewards).flatten()
-        truncated = torch.tensor([c.truncated for c in self.completions], dtype=torch.bool)
+        truncated = torch.tensor([c.truncated for c in self.completions], dtype=torch.bool, device="cpu")
         trained = ~truncated if cfg.overlong_filtering else torch.ones_like(truncated)
         return Rollouts(self.prompts, self.completions, advantages, trained, pad_id)
 
@@ -327,7 +327,7 @@ def rollout(run: Run, prompts: Prompts, env: Environment) -> tuple[Scored, Rollo
             mine = run.batches.indices(run.state.position)[run.dp_rank * share : (run.dp_rank + 1) * share]
             scored = generate_and_score(run, prompts, env, mine, batch)
             generated = scored if generated is None else generated + scored
-            spread = scored.task_rewards.view(-1, g).std(-1) > 0 if cfg.use_dynamic_sampling else torch.ones(share, dtype=torch.bool)
+            spread = scored.task_rewards.view(-1, g).std(-1) > 0 if cfg.use_dynamic_sampling else torch.ones(share, dtype=torch.bool, device="cpu")
             useful = scored.groups(g, torch.nonzero(spread).flatten().tolist())
             kept = useful if kept is None else kept + useful
         if not cfg.use_dynamic_sampling or all_reduce_dp(int(len(kept.completions) < share * g), dist.ReduceOp.MAX) == 0:
@@ -347,11 +347,12 @@ def generate_and_score(run: Run, prompts: Prompts, env: Environment, mine: np.nd
     texts = [env.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     prompt_text = [prompts.text[int(i)] for i in mine for _ in range(g)]
     answers = [prompts.answer[int(i)] for i in mine for _ in range(g)]
-    task = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64)
-    lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float64)
+    # rewards, lengths and matches are host data (scored on the CPU); the loss moves the rollouts to the device
+    task = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64, device="cpu")
+    lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float64, device="cpu")
     penalty = 0.0 if cfg.overlong_buffer_length is None else overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer_length,
                                                                              cfg.overlong_buffer_penalty)
-    correct = torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)])
+    correct = torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)], device="cpu")
     return Scored(tokens, completions, task + penalty, task, correct)
 
 
