@@ -1,8 +1,8 @@
 """The convert stage: an HF checkpoint (or a Megatron / NeMo 2 torch_dist one) -> Megatron torch_dist.
 
-Supported: the Llama family of `alignflow.convert.families` (Llama 2/3, Mistral, Qwen2; GQA,
-tied or untied embeddings, qkv bias), from `model.safetensors` or shards + index.json on any
-fsspec URI; or a torch_dist checkpoint whose keys may carry NeMo 2's `module.` prefix, with
+Supported: every architecture of `alignflow.convert.families` (Llama 2/3 with biases and any
+llama3 rope constants, Mistral, Qwen2, Qwen3, Gemma 2/3 text, Phi-3/4, OLMo 2, Mixtral,
+Qwen3-MoE), from `model.safetensors` or shards + index.json on any fsspec URI; or a torch_dist checkpoint whose keys may carry NeMo 2's `module.` prefix, with
 its HF config.json in `model.hf_config`. Tensors stream one fused parameter at a time, so
 peak memory stays near one layer's largest parameter. The fingerprint covers the content of
 the source files (see `alignflow.fingerprint`), so an edited source is never served stale.

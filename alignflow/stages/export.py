@@ -1,7 +1,7 @@
 """The export stage: a model stage's torch_dist checkpoint -> an HF safetensors directory.
 
 Supported: any checkpoint in the `alignflow.checkpoint` layout (convert, and the training
-stages), whatever TP/PP wrote it, for the Llama family of `alignflow.convert.families`. Tensors
+stages), whatever TP/PP/EP wrote it, for every architecture of `alignflow.convert.families`. Tensors
 stream one layer at a time into safetensors shards (+ index.json past `max_shard_size`);
 `config.json` (dtype set to `export.dtype`), `generation_config.json` and the tokenizer
 files go beside them, so `AutoModelForCausalLM.from_pretrained(out)` loads it with no missing
