@@ -199,3 +199,45 @@ def test_grpo_batches_must_split_over_data_parallel_ranks_and_optimizer_steps(ba
     with pytest.raises(ConfigError, match=r"grpo.micro_batch_size: the 512 samples .* num_optimizer_steps_per_batch \(3\)"):
         compose("sft_grpo", [*base_overrides, "grpo.num_optimizer_steps_per_batch=3"])
     assert compose("sft_grpo", [*base_overrides, "grpo.num_optimizer_steps_per_batch=4"]).grpo.micro_batch_size == 128
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(where, arguments) of every `align run|plan|config` README shows (code blocks and inline
+    code; not the `$ ` lines that show an error), every `overrides=[...]` a deployment command
+    passes (with that deployment's pipeline) and every deployment's own parameters."""
+    import re
+    import shlex
+
+    from alignflow import PROJECT_ROOT
+
+    deployments = OmegaConf.load(PROJECT_ROOT / "deployments" / "prefect.yaml").deployments
+    pipelines = {d.name: d.parameters.pipeline for d in deployments}
+    found = [(f"prefect.yaml {d.name}", [f"pipeline={d.parameters.pipeline}", *d.parameters.overrides]) for d in deployments]
+    for path in (PROJECT_ROOT / "README.md", PROJECT_ROOT / "deployments" / "prefect.yaml"):
+        block = False
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            block ^= line.startswith("```")
+            where = f"{path.name}:{n}"
+            commands = [line] if block and not line.startswith("$") else re.findall(r"`([^`]+)`", line)
+            for command in commands:
+                if m := re.search(r"\balign (?:run|plan|config) ([^#]*)", command):
+                    found.append((where, [a for a in shlex.split(m.group(1)) if not a.startswith(("--", "force=", "OTHER"))]))
+            if m := re.search(r"deployment run align/([\w-]+).*overrides=(\[\".*?\"\])", line):
+                found.append((where, [f"pipeline={pipelines[m.group(1)]}", *json.loads(m.group(2))]))
+    return found
+
+
+def test_every_documented_command_composes(base_overrides):
+    """What README and the deployments tell users to type names keys that exist (`dpo.beta=0.2`
+    once stood where `dpo.loss.beta` is)."""
+    commands = documented_commands()
+    assert len(commands) > 10
+    for where, arguments in commands:
+        if any(a.startswith("hydra.searchpath=") for a in arguments):
+            continue  # a user's own config folder
+        pipeline = next((a.partition("=")[2] for a in arguments if a.startswith("pipeline=")), None)
+        overrides = [a for a in arguments if not a.startswith("pipeline=")]
+        try:
+            compose(pipeline, [*base_overrides, *overrides], check_paths=False)
+        except ConfigError as err:
+            pytest.fail(f"{where}: {arguments}: {err}")
