@@ -48,7 +48,7 @@ def test_grpo_importance_weight_is_1_before_any_update_on_a_padded_vocab(one_ran
     vocab-parallel cross entropy at the generation temperature) now normalises over them too,
     not over the 128 padded rows (weights below 1 before)."""
     from alignflow.generation import Sampling, generate
-    from alignflow.stages.grpo import tempered_forward
+    from alignflow.stages.grpo import UNFILTERED, nll_forward
 
     hf_model, config = tiny_hf_model("llama")
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
@@ -62,7 +62,7 @@ def test_grpo_importance_weight_is_1_before_any_update_on_a_padded_vocab(one_ran
         rows.append(((ids, mask, np.array([0, len(ids)])), completion.sampling_logps))
     batch = vars(packed_rows([row for row, _ in rows], length=14, pad_id=0))
     with torch.no_grad():
-        training = -tempered_forward(temperature)(model, batch)
+        training = -nll_forward(sampling, (UNFILTERED,))(model, batch)
     for i, (_, generation_logps) in enumerate(rows):
         picked = training[i, 5 : 5 + len(generation_logps)]
         torch.testing.assert_close(picked.exp() / torch.tensor(generation_logps).exp(), torch.ones(len(generation_logps)), atol=1e-5, rtol=1e-5)
