@@ -173,7 +173,9 @@ def test_changing_one_source_tensor_reconverts(base_overrides, hf_dirs, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama", "qwen2", "olmo2_tied_bias", "phi3_window"])  # OLMo 2's q/k norms load TP-sharded
+# Llama's keys in many chunks each; OLMo 2's q/k norms load TP-sharded. The other families' layouts
+# (in-memory states at TP2 / PP2): tests/test_megatron_model.py.
+@pytest.mark.parametrize("case", ["llama", "olmo2_tied_bias"])
 def test_logits_match_hf_at_tp1_tp2_pp2(hf_dirs, demo_dir, tmp_path, case, monkeypatch):
     if case == "llama":
         monkeypatch.setattr(streaming, "CHUNK_BYTES_RANGE", (1000, 1000))  # many chunks per key, resharded on load
@@ -198,7 +200,7 @@ def test_moe_checkpoints_load_at_ep2_with_hf_logits_and_megatron_saves_them_alik
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama", "qwen2", "olmo2_tied_bias"])
+@pytest.mark.parametrize("case", ["llama", "olmo2_tied_bias"])
 def test_round_trip_through_megatron_saved_tp2_and_pp2_checkpoints(hf_dirs, demo_dir, tmp_path, case):
     ckpt = convert_to(tmp_path, hf_dirs[case], demo_dir, tp=2)
     source = hf_tensors(hf_dirs[case])
