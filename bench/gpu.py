@@ -46,7 +46,7 @@ from alignflow.train.utilization import FORWARD, PEAK_SOURCE, TRAINING, ModelSha
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, vocab_size=128256, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-SHAPES = {  # model; SFT rows; preference pairs (micro = pairs per micro batch); prompts x generations; sizes of the made data
+SHAPES = {  # model; SFT rows; preference pairs (pair_micro: TRL's pairs, our packed rows per micro batch); prompts x generations; made data
     "1b": dict(model=LLAMA_1B, seq=4096, micro=1, rows=8, pair_micro=4, pairs=16, gen_batch=64, prompts=64, generations=4,
                max_new=256, warmup=2, steps=5, chats=(500, 20, 120, 150, 900), pair_data=(160, 20, 60, 100, 500)),
     "tiny": dict(model=None, seq=256, micro=2, rows=4, pair_micro=2, pairs=4, gen_batch=4, prompts=4, generations=2,
@@ -198,7 +198,7 @@ def ours(work: Path, shape: dict, precision: str) -> list[dict]:
                 if step == shape["warmup"]:
                     reset_peak()
                 indices = run.batches.indices(run.state.position)
-                micro = dp_micro_batches(indices, cfg[kind].micro_batch_size, 0, 1)
+                micro = dp_micro_batches(data.train, indices, cfg[kind].micro_batch_size, 0, 1)
                 sync()
                 started = time.perf_counter()
                 engine.optimizer_step(run, objective, micro, data.train, data.seq_length, data.rows_per_item)

@@ -1,14 +1,17 @@
 """DPO from precomputed reference log-probs: equal to an online reference, learns, and
 matches across TP/PP layouts."""
 
+import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from alignflow.config.schema import DPOLossConfig
+from alignflow.data.packing import pack_bfd
 from alignflow.device import to_device
 from alignflow.megatron import runtime
 from alignflow.stages import dpo, eval as eval_stage, prep, ref_logprobs, sft
@@ -120,3 +123,35 @@ def test_dpo_losses_at_tp2_and_pp2_match_tp1(demo_dir, inputs, tmp_path, tp, pp)
     torchrun(2, dpo_cfg(demo_dir, tp, pp, trainer={"val_check_interval": 5}), inputs, parallel, "--stage", "dpo", "--ref-logprobs", inputs["ref_logprobs"])
     # reward accuracy counts near-ties: not continuous, so not compared
     assert_same_steps(reference, parallel, 1e-4, keys=("loss", "reward_margin", "chosen_reward", "val_loss"))
+
+
+
+def test_a_steps_pairs_pack_into_few_full_rows(demo_dir, tmp_path):
+    """A step's pairs go into micro batches of at most micro_batch_size rows, each pair once,
+    each sequence's loss tokens where it is, and on a long-tailed length mix nearly every
+    position computed is a real token (padding 3 pairs to their longest pair, as micro batches
+    of pairs did, computes a fifth or more padding on such a mix)."""
+    rng = np.random.default_rng(0)
+    words = lambda: " ".join(["seven"] * int(min(rng.lognormal(3.0, 0.8), 200)))  # noqa: E731
+    rows = [{"prompt": f"Say {i}", "chosen": words(), "rejected": words()} for i in range(96)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"train": str(tmp_path / "pairs.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None,
+            "answer_key": "answer"}
+    prep.run(typed({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+                    "data": {"sft": None, "preference": spec, "prompts": None, "seq_length": 256, "max_prompt_length": 16,
+                             "truncation": "keep_start", "packing": True, "seed": 0},
+                    "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None}}), {}, str(tmp_path / "prep"))
+    pairs = PreferencePairs(Prepared(str(tmp_path / "prep")), "train")
+    share = np.sort(rng.permutation(len(pairs))[:64])
+    micro = pairs.micro_batches(share, 3)
+    assert sorted(np.concatenate(micro).tolist()) == share.tolist()
+    computed = 0
+    for m in micro:
+        batch = pairs.collate(m)
+        assert batch["tokens"].shape[0] <= 3 and batch["tokens"].shape[1] <= pairs.row_length and batch["pairs"] == len(m)
+        counts = sequence_sums(batch["loss_mask"].double(), batch)
+        assert counts.tolist() == [int(pairs.sequence(side, i)[1][1:].sum()) for side in ("chosen", "rejected") for i in m]
+        computed += batch["tokens"].numel()
+    three_pairs = [pairs.lengths[share[k : k + 3]] for k in range(0, len(share), 3)]
+    padded_to_longest = sum(len(pack_bfd(n, max(n))) * -(-max(n) // 8) * 8 for n in three_pairs)
+    assert pairs.num_tokens(share) / computed > 0.93 > 1.1 * pairs.num_tokens(share) / padded_to_longest

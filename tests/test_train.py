@@ -13,6 +13,7 @@ import torch
 
 from alignflow.train import checkpointing
 from alignflow.train.data import DataPosition, GlobalBatches, dp_micro_batches, packed_rows
+from alignflow.train.datasets import PackedSFT
 from alignflow.train.schedule import lr_at
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,7 +76,7 @@ def test_global_batches_are_a_seeded_permutation_per_epoch_and_resumable():
 
 def test_dp_ranks_split_a_global_batch_into_micro_batches():
     indices = np.arange(100, 112)
-    shares = [dp_micro_batches(indices, micro_batch_size=2, dp_rank=r, dp_size=2) for r in range(2)]
+    shares = [dp_micro_batches(PackedSFT, indices, micro_batch_size=2, dp_rank=r, dp_size=2) for r in range(2)]
     assert [m.tolist() for m in shares[0]] == [[100, 101], [102, 103], [104, 105]]
     assert np.array_equal(np.concatenate([np.concatenate(s) for s in shares]), indices)
 

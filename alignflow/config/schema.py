@@ -373,6 +373,8 @@ class StageBase:
 class ModelStageBase(StageBase):
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: Precision = Precision.auto
+    # Model rows per micro batch. Preference pairs are packed into rows as long as the split's
+    # longest pair: a micro batch is at most this many such rows, holding as many pairs as fit.
     micro_batch_size: int = 4
 
 

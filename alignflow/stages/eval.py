@@ -107,14 +107,10 @@ def _my_share(n: int) -> np.ndarray:
     return np.array_split(np.arange(n), parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
 
 
-def _micro_batches(indices: np.ndarray, size: int) -> list[np.ndarray]:
-    return [indices[i : i + size] for i in range(0, len(indices), size)]
-
-
 def sft_val_loss(chunks: list, dataset: PackedSFT, micro_batch_size: int, limit_batches: int) -> dict:
     """Mean loss over the loss tokens of the first limit_batches x micro_batch_size rows."""
     share = _my_share(min(len(dataset), micro_batch_size * limit_batches))
-    batches = [dataset.collate(m) for m in _micro_batches(share, micro_batch_size)]
+    batches = [dataset.collate(m) for m in dataset.micro_batches(share, micro_batch_size)]
     total, count, _ = loss_sums(chunks, SFT, batches, dataset.seq_length, micro_batch_size, forward_only=True)
     loss = total / max(count, 1)
     return {"val_loss": loss, "perplexity": float(np.exp(loss))}

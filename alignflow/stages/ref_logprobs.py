@@ -44,19 +44,20 @@ def run(cfg, inputs: dict, out: str) -> dict:
 
 
 def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -> dict | None:
-    """This DP rank's share of the pairs through the model, `micro_batch_size` pairs per packed
-    micro batch (the last may hold fewer: pipeline stages exchange each one's shape); the
-    columns on the rank that writes them."""
+    """This DP rank's share of the pairs through the model, packed into micro batches of at most
+    `micro_batch_size` rows (pipeline stages exchange each one's shape); the columns, in the
+    share's order, on the rank that writes them."""
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     share = np.array_split(np.arange(len(pairs)), dp_size)[dp_rank]
-    micro = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+    micro = pairs.micro_batches(share, micro_batch_size)
     batches = [pairs.collate(m) for m in micro]
     with torch.no_grad():
         outputs = schedule(chunks, _forward_step, batches, pairs.row_length, micro_batch_size, forward_only=True)
     writes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if not writes:
         return None
-    logps, tokens = torch.cat([out["sums"] for out in outputs], dim=-1).tolist() if outputs else ([[], []], [[], []])  # one host read
+    sums = torch.cat([out["sums"] for out in outputs], dim=-1).cpu() if outputs else torch.zeros(2, len(SIDES), 0)  # one host read
+    logps, tokens = sums[..., torch.from_numpy(np.argsort(np.concatenate(micro or [share])))].tolist()  # in share's (sorted) order
     columns = {"sample_id": pairs.sample_ids[share].tolist()}
     for k, side in enumerate(SIDES):
         columns[f"{side}_logp"], columns[f"{side}_tokens"] = logps[k], [int(t) for t in tokens[k]]

@@ -4,13 +4,15 @@
   global batches of `global_batch_size` rows (a last partial batch is dropped). A
   `DataPosition` (epoch, batch) says where training is, so a resumed run reads exactly the
   rows an uninterrupted one would.
-- `dp_micro_batches`: this data-parallel rank's share of a global batch, in micro batches.
+- `dp_micro_batches`: this data-parallel rank's share of a global batch, in the dataset's micro
+  batches (`consecutive` items, or the rows `PreferencePairs` packs a share's pairs into).
 - `packed_rows`: where each document starts in the flattened micro batch (cu_seqlens, the
   attention's only view of the documents: no mask), per-document position ids and next-token
   labels for rows packing several documents, padded to one length.
 
-A dataset the engine trains on is anything with `__len__`, `collate(indices) -> dict of
-tensors` (one micro batch), `num_tokens(indices) -> int` (for throughput) and
+A dataset the engine trains on is anything with `__len__`, `micro_batches(indices, size)` (how
+items group into micro batches of `size` model rows), `collate(indices) -> dict of tensors`
+(one micro batch), `num_tokens(indices) -> int` (for throughput) and
 `document_lengths(indices)` (the documents' lengths, for model FLOPs: attention stays inside
 each); prep's tables become datasets in `alignflow.train.datasets`.
 """
@@ -24,6 +26,8 @@ import torch
 
 class Dataset(Protocol):
     def __len__(self) -> int: ...
+
+    def micro_batches(self, indices: np.ndarray, size: int) -> list[np.ndarray]: ...
 
     def collate(self, indices: Sequence[int]) -> dict: ...
 
@@ -61,11 +65,15 @@ class GlobalBatches:
         return DataPosition(pos.epoch + 1, 0) if batch >= self.per_epoch else DataPosition(pos.epoch, batch)
 
 
-def dp_micro_batches(indices: np.ndarray, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[np.ndarray]:
-    """Rank `dp_rank`'s contiguous share of a global batch, split into micro batches."""
+def dp_micro_batches(dataset: Dataset, indices: np.ndarray, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[np.ndarray]:
+    """Rank `dp_rank`'s contiguous share of a global batch, in `dataset`'s micro batches."""
     share = len(indices) // dp_size
-    mine = indices[dp_rank * share : (dp_rank + 1) * share]
-    return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    return dataset.micro_batches(indices[dp_rank * share : (dp_rank + 1) * share], micro_batch_size)
+
+
+def consecutive(indices: np.ndarray, size: int) -> list[np.ndarray]:
+    """Micro batches of `size` items in the given order (an item is a model row)."""
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
 
 
 @dataclass

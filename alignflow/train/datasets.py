@@ -5,8 +5,8 @@ format) and implements `alignflow.train.data.Dataset`: `__len__`, `collate(indic
 `num_tokens(indices)`, `document_lengths(indices)`.
 
 - `PackedSFT`: packed SFT rows (several documents per row, attention kept inside each).
-- `PreferencePairs`: pairs packed into rows, no padding to the data set's longest sequence;
-  with reference log-probs (`alignflow.data.logprobs`) each micro batch also carries the
+- `PreferencePairs`: a step's pairs packed into rows (best-fit-decreasing), a micro batch a
+  few of those rows, no padding to the data set's longest sequence; with reference log-probs (`alignflow.data.logprobs`) each micro batch also carries the
   reference's per-pair sums.
 - `DistillRows`: packed SFT rows with the teacher's top-k (`alignflow.data.teacher_topk`) at
   each loss position, as [rows, length, k] tensors aligned to the packed rows.
@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from alignflow.data import logprobs, teacher_topk
-from alignflow.data.packing import pack_bfd
+from alignflow.data.packing import pack_bfd_flat
 from alignflow.data.prepared import SIDES, Prepared, list_column
-from alignflow.train.data import packed_rows
+from alignflow.train.data import consecutive, packed_rows
 
 PAD_MULTIPLE = 8
 
@@ -39,6 +39,8 @@ class PackedSFT:
 
     def __len__(self) -> int:
         return len(self.ids_off) - 1
+
+    micro_batches = staticmethod(consecutive)
 
     def row(self, i: int):
         a, b = self.ids_off[i], self.ids_off[i + 1]
@@ -70,6 +72,8 @@ class DistillRows:
     def __len__(self) -> int:
         return len(self.rows)
 
+    micro_batches = staticmethod(consecutive)
+
     def num_tokens(self, indices: Sequence[int]) -> int:
         return self.rows.num_tokens(indices)
 
@@ -90,13 +94,18 @@ class DistillRows:
 
 
 class PreferencePairs:
-    """Pairs packed into rows: a micro batch's pairs go into as few rows as best-fit-decreasing
-    allows, each row as long as the micro batch's longest pair (rounded up to 8: attention
-    costs rows x length^2, so rows no longer than needed), each pair's chosen and rejected
-    sequences side by side, every sequence its own document (attention never crosses one).
-    Micro batches thus differ in shape (pipeline stages exchange shapes). `batch["sequence"]`
-    names each position's sequence (chosen of pair j: j, rejected: n + j; padding: -1), which
-    `sequence_sums` sums over."""
+    """Pairs packed into rows of at most `row_length` tokens (the split's longest pair, rounded up
+    to 8), each pair's chosen and rejected sequences side by side, every sequence its own
+    document (attention never crosses one). `micro_batches` packs all the pairs it is given
+    (a DP rank's share of a step) best-fit-decreasing and cuts the rows `size` at a time, so a
+    micro batch is at most `size` rows and holds as many pairs as fill them: padding to a micro
+    batch's longest pair would leave a fifth of the positions computed empty on real length
+    mixes. `collate` lays its pairs into rows next-fit in the order given, which rebuilds those
+    rows (or merges some), and trims the rows to the fullest one (rounded up to 8: attention
+    costs rows x length^2). Micro batches thus differ in shape (pipeline stages exchange
+    shapes) and in pairs; losses are sums over pairs divided by the step's pair count, so the
+    grouping does not change them. `batch["sequence"]` names each position's sequence (chosen
+    of pair j: j, rejected: n + j; padding: -1), which `sequence_sums` sums over."""
 
     KIND = "preference"
 
@@ -120,15 +129,23 @@ class PreferencePairs:
         """One side's sequences as unpacked rows (input_ids, loss_mask, cu_seqlens)."""
         return [(*seq, [0, len(seq[0])]) for seq in (self.sequence(side, int(i)) for i in indices)]
 
+    def micro_batches(self, indices: np.ndarray, size: int) -> list[np.ndarray]:
+        """`indices`' pairs in micro batches of at most `size` rows, each row's pairs in turn."""
+        indices = np.asarray(indices, dtype=np.int64)
+        items, offsets = pack_bfd_flat(self.lengths[indices], self.row_length)
+        rows = [items[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        rows.sort(key=lambda row: -int(self.lengths[indices[row]].sum()))  # rows of like fill together: trimmed alike
+        return [indices[np.concatenate(rows[k : k + size])] for k in range(0, len(rows), size)]
+
     def collate(self, indices: Sequence[int]) -> dict:
         indices = [int(i) for i in indices]
         n, rows, sequence_ids = len(indices), [], []
-        length = _padded(max(int(self.lengths[i]) for i in indices))  # this micro batch's longest pair
-        for row in pack_bfd([int(self.lengths[i]) for i in indices], length):
+        for row in _next_fit([int(self.lengths[i]) for i in indices], self.row_length):
             parts = [(self.sequence(side, indices[j]), j + k * n) for j in row for k, side in enumerate(SIDES)]
             rows.append((np.concatenate([ids for (ids, _), _ in parts]), np.concatenate([mask for (_, mask), _ in parts]),
                          np.cumsum([0] + [len(ids) for (ids, _), _ in parts])))
             sequence_ids.append([seq for _, seq in parts])
+        length = _padded(max(cu[-1] for _, _, cu in rows))
         batch = vars(packed_rows(rows, length, self.pad_id))
         batch["sequence"] = _sequence_map(rows, sequence_ids, length)
         batch["pairs"] = n
@@ -143,6 +160,20 @@ class PreferencePairs:
         """The chosen and the rejected sequence of each pair (each its own document)."""
         rows = np.asarray(indices, dtype=np.int64)
         return np.concatenate([np.diff(off)[rows] for (_, off), _ in self.columns.values()])
+
+
+def _next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Items in order into rows of `capacity`, a new row when the next does not fit: on rows
+    laid end to end it gives back those rows (or fewer, where one's items fit in the row
+    before)."""
+    rows, room = [], 0
+    for i, length in enumerate(lengths):
+        if length > room:
+            rows.append([])
+            room = capacity
+        rows[-1].append(i)
+        room -= length
+    return rows
 
 
 def _padded(length: int) -> int:

@@ -384,7 +384,7 @@ def validate(run: Run, objective: Objective, val: Dataset, seq_length: int, rows
     rows -= rows % (micro_size * run.dp_size)
     if rows <= 0:
         return None
-    micro = dp_micro_batches(np.arange(rows), micro_size, run.dp_rank, run.dp_size)
+    micro = dp_micro_batches(val, np.arange(rows), micro_size, run.dp_rank, run.dp_size)
     with eval_mode(run.chunks), torch.no_grad():
         total, count, metrics = forward_backward(run, objective, micro, val, seq_length, rows_per_item, forward_only=True)
     run.state.last_val_loss = total / max(count, 1.0)

@@ -34,7 +34,7 @@ def supervised(run: Run, data: Supervised, objective: Objective) -> TrainResult:
     while state.step < run.total_steps and not state.stopped_early:
         started = time.perf_counter()
         indices = run.batches.indices(state.position)
-        micro = dp_micro_batches(indices, cfg.micro_batch_size, run.dp_rank, run.dp_size)
+        micro = dp_micro_batches(data.train, indices, cfg.micro_batch_size, run.dp_rank, run.dp_size)
         stats = engine.optimizer_step(run, objective, micro, data.train, data.seq_length, data.rows_per_item)
         stats.tokens = engine.all_reduce_dp(sum(data.train.num_tokens(m) for m in micro))
         stats.flops = run.step_flops(data.train, indices)
