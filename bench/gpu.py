@@ -1,15 +1,20 @@
 """One command for a GPU machine: the environment, the GPU test subset, then alignflow's SFT,
-reference pass, DPO and GRPO generation against TRL + HF transformers on a Llama-3.2-1B shape.
+reference pass, DPO and GRPO generation against TRL + HF transformers on two Llama shapes.
 
 Run from the repository root (Python 3.12 and torch 2.11 as the machine has them, the wheels of
 `infra/gpu-wheels.sh` installed; no Prefect, no hydra):
-    PYTHONPATH=. python3 bench/gpu.py [--skip-tests] [--skip-bench] [--dry-run]
+    PYTHONPATH=. python3 bench/gpu.py [--skip-tests] [--skip-bench] [--shape 1b|short] [--dry-run]
 `--dry-run`: the same steps on CPU on the demo's tiny shape in fp32, the tests only collected.
 
-Shape: a random Llama (hidden 2048, 16 layers, 32 heads / 8 KV heads, FFN 8192, vocab 128256,
-tied embeddings: 1.24 B parameters) from a LlamaConfig, saved once and read by both sides; the
-demo tokenizer on generated chats, preference pairs and the demo's prompts; SFT rows packed to
-4096 tokens; bf16 with fp32 master weights on both sides; no recompute on either side.
+Shapes (`--shape`): `1b` (default), a random Llama of Llama-3.2-1B's sizes (hidden 2048, 16
+layers, 32 heads / 8 KV heads, FFN 8192, vocab 128256, tied embeddings: 1.24 B parameters),
+SFT rows packed to 4096 tokens, one row a micro batch; `short`, a shape less favourable to us: a
+Llama of Qwen2.5-0.5B's sizes (hidden 896, 24 layers, 14 heads / 2 KV heads, FFN 4864, vocab
+151936, tied: 0.49 B), rows of 1024 tokens, 8 a micro batch, short chats and pairs, where
+per-call overhead and the vocabulary's share of the FLOPs weigh more. Each is built from a
+LlamaConfig, saved once and read by both sides; the demo tokenizer on generated chats,
+preference pairs and the demo's prompts; bf16 with fp32 master weights on both sides; no
+recompute on either side.
 Each side runs in a fresh process; each measurement runs the shape's `warmup` steps (2; the
 reference pass and generation: one pass, one batch), then times `steps` steps (5; one pass, all
 batches) with the device synchronised at both ends; model build and data load are outside the
@@ -49,6 +54,11 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
 SHAPES = {  # model; SFT rows; preference pairs (pair_micro: TRL's pairs, our packed rows per micro batch); prompts x generations; made data
     "1b": dict(model=LLAMA_1B, seq=4096, micro=1, rows=8, pair_micro=4, pairs=16, gen_batch=64, prompts=64, generations=4,
                max_new=256, warmup=2, steps=5, chats=(500, 20, 120, 150, 900), pair_data=(160, 20, 60, 100, 500)),
+    "short": dict(model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                             head_dim=64, vocab_size=151936, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+                  seq=1024, micro=8, rows=32, pair_micro=8, pairs=64, gen_batch=128, prompts=128, generations=4,
+                  max_new=128, warmup=2, steps=5, chats=(1500, 5, 40, 20, 200), pair_data=(500, 5, 30, 10, 120)),
     "tiny": dict(model=None, seq=256, micro=2, rows=4, pair_micro=2, pairs=4, gen_batch=4, prompts=4, generations=2,
                  max_new=8, warmup=1, steps=2, chats=(60, 5, 20, 10, 60), pair_data=(12, 5, 10, 5, 30)),
 }
@@ -368,12 +378,12 @@ def attempt(kind: str, measure) -> list[dict]:
             torch.cuda.empty_cache()
 
 
-def side(who: str, work: Path, dry_run: bool) -> list[dict]:
+def side(who: str, work: Path, flags: list[str]) -> list[dict]:
     """One side's measurements in a fresh process (its own peak memory); its last line is JSON,
     its log (stderr) in the work folder, whose tail is shown when something failed."""
     log = work / f"{who}.log"
     with log.open("w") as stderr:
-        out = subprocess.run([sys.executable, __file__, "--side", who, str(work)] + (["--dry-run"] if dry_run else []),
+        out = subprocess.run([sys.executable, __file__, "--side", who, str(work), *flags],
                              stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines = out.stdout.strip().splitlines()
     print("\n".join(line for line in lines[:-1] if "settings" in line))
@@ -424,12 +434,13 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, the demo's tiny shape, fp32; tests only collected")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--shape", choices=[name for name in SHAPES if name != "tiny"], default="1b")
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("work", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
 
-    shape, on_gpu = SHAPES["tiny" if args.dry_run else "1b"], torch.cuda.is_available() and not args.dry_run
+    shape, on_gpu = SHAPES["tiny" if args.dry_run else args.shape], torch.cuda.is_available() and not args.dry_run
     if args.side:  # one side's measurements, in its own process
         measured = ours(Path(args.work), shape, "bf16" if on_gpu else "fp32") if args.side == "ours" else trl(Path(args.work), shape, on_gpu)
         print(json.dumps(measured))
@@ -453,7 +464,8 @@ def main() -> int:
     shape["footprint"] = estimate(Dimensions.of(config), layout)  # what `align plan` estimates for this SFT
     print(f"\nshape: {shape['params'] / 1e6:.1f}M parameters, rows of {shape['seq']} tokens; inputs made in {time.perf_counter() - started:.0f} s",
           flush=True)
-    return failed + report(shape, side("ours", work, args.dry_run), side("trl", work, args.dry_run), args.dry_run)
+    sides = [side(who, work, [f"--shape={args.shape}"] + (["--dry-run"] if args.dry_run else [])) for who in ("ours", "trl")]
+    return failed + report(shape, *sides, args.dry_run)
 
 
 if __name__ == "__main__":  # Megatron's checkpoint writer starts a spawn-context process: guard the entry point
