@@ -74,6 +74,7 @@ class Stage:
 class Pipeline:
     name: str
     stages: dict[str, Stage]  # in run order: every stage after its upstream stages
+    cfg: DictConfig  # the root config it was built from
 
     def __iter__(self):
         return iter(self.stages.values())
@@ -98,7 +99,7 @@ class Pipeline:
         order = _run_order(stages, problems) if not problems else []
         if problems:
             raise PipelineError(problems)
-        return cls(cfg.pipeline.name, {name: stages[name] for name in order})
+        return cls(cfg.pipeline.name, {name: stages[name] for name in order}, cfg)
 
 
 def name_problems(key: str, name, what: str) -> list[str]:

@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled
 
 from alignflow import runs
-from alignflow.config.compose import compose
+from alignflow.config.compose import build
 from alignflow.launch import cancel_jobs_on_interrupt, cpu_warning
 from alignflow.orphans import reap_on_exit
 from alignflow.pipeline import Pipeline
@@ -26,12 +26,24 @@ from alignflow.report import pipeline_report
 from alignflow.runner import StageResult
 from alignflow.store import options_for, store_of
 from tasks import dashboard
-from tasks.stage import Upstream, format_value, task_for
+from tasks.stage import Wiring, format_value, task_for
 
 RENAME_WAIT_S = 10.0  # how long a submitted task run may take to reach the server
 CANCEL_WAIT_S = 5.0  # how long a stopped run waits for its stages to end Cancelled (a Slurm job's cancel takes seconds)
 UI_WAIT_S = 2.0  # then for the UI to show it: the process ends launch.STOP_S after the signal in any case
 DRAIN_S = 30.0  # how long a finished run waits for the UI to catch up with a Prefect API that is down
+_VALIDATED: dict[tuple[str, tuple[str, ...]], Pipeline] = {}  # what `align run` validated before Prefect started, by run
+
+
+def align_validated(stages: Pipeline, pipeline: str, overrides: list[str]) -> dict[str, StageResult]:
+    """`align` on a pipeline this process has just built (the CLI's check before Prefect starts),
+    which the flow then takes instead of composing it again."""
+    key = (pipeline, tuple(overrides))
+    _VALIDATED[key] = stages
+    try:
+        return align(pipeline=pipeline, overrides=overrides)
+    finally:
+        _VALIDATED.pop(key, None)
 
 
 def run_name() -> str:
@@ -48,10 +60,9 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
     """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed."""
     reap_on_exit()  # if this process is killed, its helpers (the ephemeral Prefect server) die with it; its jobs run on
     overrides = [*(overrides or []), *([f"force=[{','.join(force)}]"] if force else [])]
-    cfg = compose(pipeline, overrides)
-    if (warning := cpu_warning(cfg.launcher)) is not None:
+    stages = _VALIDATED.pop((pipeline, tuple(overrides)), None) or build(pipeline, overrides)  # composed once per run
+    if (warning := cpu_warning(stages.cfg.launcher)) is not None:
         get_run_logger().warning(warning)
-    stages = Pipeline.build(cfg)
     progress = dashboard.Progress(None, f"align {pipeline}: stages done")
     progress.set(0.0)
 
@@ -60,7 +71,7 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
         with cancel_jobs_on_interrupt():  # the signal lands here, in the main thread, not in the tasks' threads
             for stage in stages:
                 upstream = {name: futures[name] for name in stage.upstream()}
-                futures[stage.name] = task_for(stage).submit(stage.name, pipeline, tuple(overrides), Upstream(upstream),
+                futures[stage.name] = task_for(stage).submit(stage.name, pipeline, tuple(overrides), Wiring(stage, upstream),
                                                              wait_for=list(upstream.values()))
             _name_task_runs(futures)
 
@@ -80,7 +91,7 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
 def _name_task_runs(futures: dict[str, PrefectFuture]) -> None:
     """Each stage's task run named after it from the start: Prefect records a task run under
     `dpo-ea7` and sends its name with its next state, which for a stage waiting on others
-    comes when they end (`tasks.stage.Upstream`)."""
+    comes when they end (`tasks.stage.Wiring`)."""
     for name, future in futures.items():
         dashboard.set_task_run_name(future.task_run_id, name, RENAME_WAIT_S)
 
@@ -119,7 +130,7 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
                      "uri": result.uri if done else "", "metrics": result.metrics if done else {}})
         metrics = ", ".join(f"{k}={format_value(v)}" for k, v in list(rows[-1]["metrics"].items())[:3])
         lines.append(f"| {name} | {stages[name].kind} | {state.name} | {f'`{result.fingerprint}`' if done else ''} | {metrics} |")
-    store = store_of(next(iter(stages)).cfg)
+    store = store_of(stages.cfg)
     report = _write_report(stages, rows)
     record = runs.write(store, flow_run.name or "align", {"pipeline": stages.name, "flow_run_id": str(flow_run.id),
                                                           "overrides": list(flow_run.parameters.get("overrides") or []), "stages": rows})
@@ -135,7 +146,7 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
 
 def _write_report(stages: Pipeline, rows: list[dict]) -> str:
     """`{store.root}/_reports/<run name>.html`, linking each stage's report.html."""
-    cfg = next(iter(stages)).cfg
+    cfg = stages.cfg
     uri = f"{cfg.store.root.rstrip('/')}/{runs.REPORTS}/{runs.slug(flow_run.name or 'align')}.html"
     with fsspec.open(uri, "w", auto_mkdir=True, **options_for(uri, cfg)) as f:
         f.write(pipeline_report(f"align {stages.name}: {flow_run.name}", rows))

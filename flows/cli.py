@@ -37,7 +37,7 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from alignflow import __version__  # noqa: E402
-from alignflow.config.compose import ConfigError, compose  # noqa: E402
+from alignflow.config.compose import ConfigError, build, compose  # noqa: E402
 from alignflow.config.slices import masked  # noqa: E402
 from alignflow.config.validate import memory_estimates  # noqa: E402
 from alignflow.gc import CATEGORIES, reclaim, survey  # noqa: E402
@@ -66,11 +66,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
-    cfg = compose(pipeline, overrides, check_paths=False)
-    shown = masked(cfg)
+    stages = build(pipeline, overrides, check_paths=False)
+    shown = masked(stages.cfg)
     shown["instances"] = {stage.name: {"kind": stage.kind, "inputs": {r: list(u) if isinstance(u, tuple) else u for r, u in stage.inputs.items()},
                                        stage.kind: masked(stage.cfg, (stage.kind,))[stage.kind]}
-                          for stage in Pipeline.build(cfg)}  # each instance's effective config
+                          for stage in stages}  # each instance's effective config
     console.print(yaml.safe_dump(shown, sort_keys=False), end="", markup=False, highlight=False)
     return 0
 
@@ -78,18 +78,19 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
     try:
-        cfg = compose(pipeline, overrides)
+        stages = build(pipeline, overrides)
     except ConfigError as err:
         if args.json:
             raise
         try:  # what the model's shape alone says (a preset's, before its checkpoint is downloaded)
-            light = compose(pipeline, overrides, check_paths=False)
+            light = build(pipeline, overrides, check_paths=False)
         except ConfigError as found:  # a layout that cannot fit is said beside a checkpoint that is not there
             raise (err if str(found) == str(err) else ConfigError(_together(err, found))) from None
-        _print_memory(memory_estimates(Pipeline.build(light), check_paths=False), light.launcher.gpu_memory_gib)
+        _print_memory(memory_estimates(light, check_paths=False), light.cfg.launcher.gpu_memory_gib)
         raise
-    memory = memory_estimates(Pipeline.build(cfg))
-    planned = plan(Pipeline.build(cfg))
+    cfg = stages.cfg
+    memory = memory_estimates(stages)
+    planned = plan(stages)
     store = survey(store_of(cfg), cfg)
     if args.json:
         print(json.dumps({"stages": [asdict(row) for row in planned], "store": store.as_dict(items=False),
@@ -135,16 +136,17 @@ def _print_memory(memory: dict, limit_gib: float | None) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.align import align
+    from flows.align import align_validated
 
     pipeline, overrides = _split(args.overrides)
-    compose(pipeline, overrides)  # a config error fails fast, before Prefect starts
+    pipeline = pipeline or "sft_dpo"
+    stages = build(pipeline, overrides)  # a config error fails fast, before Prefect starts; the flow takes what was built
     try:
-        results = align(pipeline=pipeline or "sft_dpo", overrides=overrides)
+        results = align_validated(stages, pipeline, overrides)
     except Exception as err:
         if not _api_unreachable(err):
             raise
-        return _finished_without_api(pipeline, overrides, err)
+        return _finished_without_api(stages, err)
     finally:
         _ui_caught_up()
     console.print("\n[bold]outputs[/]")
@@ -174,9 +176,9 @@ def _api_unreachable(err: BaseException | None) -> bool:
     return False
 
 
-def _finished_without_api(pipeline: str | None, overrides: list[str], err: Exception) -> int:
+def _finished_without_api(stages: Pipeline, err: Exception) -> int:
     """The run could not tell Prefect how it ended: the store says what it did."""
-    planned = plan(Pipeline.build(compose(pipeline, overrides)))
+    planned = plan(stages)
     done = [row for row in planned if row.status == "committed"]
     console.print(f"[yellow]the Prefect API ({os.environ.get('PREFECT_API_URL', 'ephemeral')}) stopped answering ({err}); "
                   "the UI does not show how this run ended.[/] From the store:", highlight=False)

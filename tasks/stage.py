@@ -13,16 +13,14 @@ per step as a table.
 import logging
 import re
 import time
-from functools import lru_cache
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Completed, State
 
-from alignflow.config.compose import compose
 from alignflow.launch import InfrastructureError, JobCancelled, JobError
-from alignflow.pipeline import Pipeline, Stage
+from alignflow.pipeline import Stage
 from alignflow.report import REPORT, curves_markdown, read_metrics
 from alignflow.runner import StageResult, run_stage
 from alignflow.store import options_for
@@ -32,11 +30,6 @@ from tasks import dashboard
 
 HEADLINE_METRICS = 5
 STEP_ROWS = 40  # per-step metrics shown per stage: evenly spaced, first and last included
-
-
-@lru_cache(maxsize=8)
-def _pipeline(pipeline: str, overrides: tuple[str, ...]) -> Pipeline:
-    return Pipeline.build(compose(pipeline, list(overrides)))
 
 
 def _infrastructure_failure(task, task_run, state) -> bool:
@@ -49,29 +42,31 @@ def _infrastructure_failure(task, task_run, state) -> bool:
     return False
 
 
-class Upstream:
-    """A stage's upstream futures, out of Prefect's sight. Prefect resolves the futures among a
-    task's parameters before it names the task run, so a stage waiting on others showed as
-    `dpo-ea7`; submitted with these futures as `wait_for`, it is named first, waits (and ends
-    NotReady if one failed), and reads their results here. A plain class: Prefect looks into
-    dicts, lists and dataclasses for futures."""
+class Wiring:
+    """A stage as the flow built it and its upstream futures, out of Prefect's sight. Prefect
+    resolves the futures among a task's parameters before it names the task run, so a stage
+    waiting on others showed as `dpo-ea7`; submitted with these futures as `wait_for`, it is
+    named first, waits (and ends NotReady if one failed), and reads their results here. A plain
+    class: Prefect looks into dicts, lists and dataclasses for futures. The task runs the
+    flow's stage (its config composed once per run), never a composition of its own."""
 
-    def __init__(self, futures: dict[str, PrefectFuture]):
-        self.futures = futures
+    def __init__(self, stage: Stage, futures: dict[str, PrefectFuture]):
+        self.stage, self.futures = stage, futures
 
     def results(self) -> dict[str, StageResult]:
         return {name: future.result() for name, future in self.futures.items()}
 
 
 @task(cache_policy=NO_CACHE, retry_condition_fn=_infrastructure_failure, retry_delay_seconds=5)
-def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], upstream: Upstream) -> State:
+def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], wiring: Wiring) -> State:
     """The stage's result in the state the UI should show: Completed, Cached (a committed
-    output, no job) or Cancelled (its flow run was); a failure raises, as Failed."""
-    stage = _pipeline(pipeline, tuple(overrides))[name]
+    output, no job) or Cancelled (its flow run was); a failure raises, as Failed. `name`,
+    `pipeline` and `overrides` are for the UI's task run parameters."""
+    stage = wiring.stage
     logger = get_run_logger()
     try:
         watcher = JobLogWatcher(name, logger)
-        result = run_stage(stage, upstream.results(), log=watcher, output=watcher.job_output)
+        result = run_stage(stage, wiring.results(), log=watcher, output=watcher.job_output)
     except JobCancelled as err:
         _publish_table(name, [{"field": "state", "value": "cancelled"}, *_job_rows(err.job)])
         return Cancelled(message=str(err))

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from alignflow import PROJECT_ROOT
 from alignflow.checkpoint import HF_DIR, MODEL_DIR
 from alignflow.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry, save_lazy
-from alignflow.config.compose import ConfigError, compose
+from alignflow.config.compose import ConfigError, build, compose
 from alignflow.convert import streaming
 from alignflow.fingerprint import fingerprint
 from alignflow.pipeline import Pipeline
@@ -156,8 +156,8 @@ def test_changing_one_source_tensor_reconverts(base_overrides, hf_dirs, tmp_path
     for f in hf_dirs["llama"].iterdir():
         (source / f.name).write_bytes(f.read_bytes())
     overrides = [*base_overrides, f"model.source={source}", "pipeline.stages={convert: {}}"]
-    first = run_stage(Pipeline.build(compose("demo", overrides))["convert"], {}, log=print)
-    assert run_stage(Pipeline.build(compose("demo", overrides))["convert"], {}, log=print).cached
+    first = run_stage(build("demo", overrides)["convert"], {}, log=print)
+    assert run_stage(build("demo", overrides)["convert"], {}, log=print).cached
     shard = sorted(source.glob("*.safetensors"))[0]
     tensors = load_file(shard)
     name = sorted(tensors)[0]

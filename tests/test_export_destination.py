@@ -9,10 +9,9 @@ import os
 import fsspec
 import pytest
 
-from alignflow.config.compose import ConfigError, compose
+from alignflow.config.compose import ConfigError, build, compose
 from alignflow.config.destinations import MARKER, DestinationError
 from alignflow.launch import StageFailed
-from alignflow.pipeline import Pipeline
 from alignflow.runner import run_stage
 from alignflow.stages.export import publish
 from flows.cli import main
@@ -271,7 +270,7 @@ def test_the_export_stage_publishes_twice_and_checks_again_in_its_job(base_overr
     (tmp_path / "published" / "README.md").write_text("beside the export")
     results = {}
     for dtype in ("float32", "bfloat16"):
-        pipeline = Pipeline.build(compose("convert", [*base_overrides, f"export.destination={dest}", f"export.dtype={dtype}"]))
+        pipeline = build("convert", [*base_overrides, f"export.destination={dest}", f"export.dtype={dtype}"])
         results["convert"] = run_stage(pipeline["convert"], {}, log=print)
         export = run_stage(pipeline["export"], {"convert": results["convert"]}, log=print)
         assert not export.cached
@@ -286,7 +285,7 @@ def test_the_export_stage_publishes_twice_and_checks_again_in_its_job(base_overr
     assert sorted(os.listdir(tmp_path / "published")) == ["README.md", "model"]
 
     second = ["export.destination=null", f"pipeline.stages.export_hf={{kind: export, inputs: {{model: convert}}, destination: {dest}}}"]
-    pipeline = Pipeline.build(compose("convert", [*base_overrides, *second]))  # a previous export: accepted
+    pipeline = build("convert", [*base_overrides, *second])  # a previous export: accepted
     (dest / "eval.json").write_text("{}")  # ... and then someone adds a file into it
     before = files(tmp_path / "published")
     with pytest.raises(StageFailed) as err:

@@ -382,10 +382,9 @@ def test_a_store_that_fails_for_a_while_does_not_lose_the_lease(s3_endpoint, tmp
 
 RUN_HELD = """
 import json, sys
-from alignflow.config.compose import compose
-from alignflow.pipeline import Pipeline
+from alignflow.config.compose import build
 from alignflow.runner import run_stage
-run_stage(Pipeline.build(compose("demo", sys.argv[1:]))["prep"], {}, log=lambda line: print(line, flush=True))
+run_stage(build("demo", sys.argv[1:])["prep"], {}, log=lambda line: print(line, flush=True))
 """
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from alignflow.config.compose import ConfigError, compose
+from alignflow.config.compose import ConfigError, build, compose
 from alignflow.fingerprint import canonical_json, code_identity, differences, fingerprint, source_identity
 from alignflow.pipeline import Pipeline
 from alignflow.runner import plan, stage_identity
@@ -15,7 +15,7 @@ from alignflow.runner import plan, stage_identity
 
 def fp(overrides, stage="prep", upstream=None):
     """Without the compose checks of paths and tools (launcher=slurm needs no sbatch here)."""
-    return fingerprint(stage_identity(Pipeline.build(compose("sft_dpo", overrides, check_paths=False))[stage], upstream or {}))
+    return fingerprint(stage_identity(build("sft_dpo", overrides, check_paths=False)[stage], upstream or {}))
 
 
 def test_canonical_json_is_order_independent_and_refuses_unknown_types():
@@ -57,15 +57,15 @@ def test_precision_auto_is_hashed_as_the_precision_it_resolves_to(base_overrides
     assert on_gpu == of(*gpu, f"{stage}.precision=bf16") == of(f"{stage}.precision=bf16")
     assert on_cpu == of(f"{stage}.precision=fp32") == of(*gpu, f"{stage}.precision=fp32")
     assert of("launcher=slurm") == on_cpu  # where it runs is not what it is, at the same precision
-    sections = [Pipeline.build(compose("sft_dpo", [*base_overrides, *extra], check_paths=False))[stage].section for extra in ([], gpu)]
+    sections = [build("sft_dpo", [*base_overrides, *extra], check_paths=False)[stage].section for extra in ([], gpu)]
     assert [s.precision for s in sections] == ["fp32", "bf16"]  # the job computes in what was hashed
 
 
 def test_an_instance_precision_auto_is_resolved_too(base_overrides):
     gpu = ["launcher=slurm", "launcher.gpus_per_node=1"]
     auto = ["sft.precision=fp32", "pipeline.stages.sft.precision=auto"]
-    assert Pipeline.build(compose("sft_dpo", [*base_overrides, *gpu, *auto], check_paths=False))["sft"].section.precision == "bf16"
-    assert Pipeline.build(compose("sft_dpo", [*base_overrides, *auto], check_paths=False))["sft"].section.precision == "fp32"
+    assert build("sft_dpo", [*base_overrides, *gpu, *auto], check_paths=False)["sft"].section.precision == "bf16"
+    assert build("sft_dpo", [*base_overrides, *auto], check_paths=False)["sft"].section.precision == "fp32"
 
 
 def test_keeping_the_optimizer_state_is_identity(base_overrides):
@@ -102,8 +102,8 @@ def test_source_identity_covers_directories_and_globs(tmp_path):
 
 
 def test_upstream_change_propagates_down_the_dag(base_overrides):
-    a = {p.stage: p.fingerprint for p in plan(Pipeline.build(compose("sft_dpo", base_overrides)))}
-    b = {p.stage: p.fingerprint for p in plan(Pipeline.build(compose("sft_dpo", [*base_overrides, "data.seq_length=128"])))}
+    a = {p.stage: p.fingerprint for p in plan(build("sft_dpo", base_overrides))}
+    b = {p.stage: p.fingerprint for p in plan(build("sft_dpo", [*base_overrides, "data.seq_length=128"]))}
     assert a["prep"] != b["prep"] and a["sft"] != b["sft"] and a["dpo"] != b["dpo"]
     assert a["convert"] == b["convert"]  # does not read data
 
@@ -193,18 +193,18 @@ def test_package_versions_are_part_of_identity(base_overrides):
 
 
 def test_an_instance_override_changes_that_instance_and_its_downstream_only(base_overrides):
-    before = {p.stage: p.fingerprint for p in plan(Pipeline.build(compose("iterative_dpo", base_overrides)))}
-    after = {p.stage: p.fingerprint for p in plan(Pipeline.build(compose("iterative_dpo", [*base_overrides, "pipeline.stages.dpo_round2.loss.beta=0.3"])))}
+    before = {p.stage: p.fingerprint for p in plan(build("iterative_dpo", base_overrides))}
+    after = {p.stage: p.fingerprint for p in plan(build("iterative_dpo", [*base_overrides, "pipeline.stages.dpo_round2.loss.beta=0.3"]))}
     assert before["dpo_round1"] != before["dpo_round2"] and before["ref_round1"] != before["ref_round2"]
     assert {s for s in before if before[s] != after[s]} == {"dpo_round2", "eval", "export"}
-    pipeline = Pipeline.build(compose("iterative_dpo", [*base_overrides, "pipeline.stages.dpo_round2.loss.beta=0.3"]))
+    pipeline = build("iterative_dpo", [*base_overrides, "pipeline.stages.dpo_round2.loss.beta=0.3"])
     assert (pipeline["dpo_round1"].section.loss.beta, pipeline["dpo_round2"].section.loss.beta) == (0.1, 0.3)
 
 
 def test_a_value_read_from_the_environment_is_identity_by_its_digest(base_overrides, monkeypatch):
     overrides = [*base_overrides, "sft.trainer.max_steps=${oc.env:STEPS}"]
     upstream = {"prep": "a", "convert": "b"}
-    sft = lambda: stage_identity(Pipeline.build(compose("sft_dpo", overrides))["sft"], upstream)  # noqa: E731
+    sft = lambda: stage_identity(build("sft_dpo", overrides)["sft"], upstream)  # noqa: E731
     monkeypatch.setenv("STEPS", "20")
     twenty = sft()
     assert fingerprint(sft()) == fingerprint(twenty)
@@ -213,14 +213,14 @@ def test_a_value_read_from_the_environment_is_identity_by_its_digest(base_overri
     assert fingerprint(forty) != fingerprint(twenty)
     tag = lambda value: "env:STEPS sha256:" + hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]  # noqa: E731
     assert differences(forty, twenty) == [f"config sft.trainer.max_steps: {tag(20)} -> {tag(40)}"]
-    assert fingerprint(stage_identity(Pipeline.build(compose("sft_dpo", [*base_overrides, "sft.trainer.max_steps=40"]))["sft"], upstream)) \
+    assert fingerprint(stage_identity(build("sft_dpo", [*base_overrides, "sft.trainer.max_steps=40"])["sft"], upstream)) \
         != fingerprint(forty)  # the value written out is another config: no value is taken for another
 
 
 def test_a_secret_read_from_the_environment_changes_no_fingerprint(base_overrides, monkeypatch):
     overrides = [*base_overrides, "grpo.environment=[{name: exact_match, kwargs: {api_key: '${oc.env:JUDGE_API_KEY}'}}]"]
     upstream = {"prep": "p", "sft": "s"}
-    grpo = lambda: fingerprint(stage_identity(Pipeline.build(compose("sft_grpo", overrides))["grpo"], upstream))  # noqa: E731
+    grpo = lambda: fingerprint(stage_identity(build("sft_grpo", overrides)["grpo"], upstream))  # noqa: E731
     monkeypatch.setenv("JUDGE_API_KEY", "one")
     first = grpo()
     monkeypatch.setenv("JUDGE_API_KEY", "two")
@@ -231,7 +231,7 @@ def test_grpo_loss_type_is_identity(base_overrides):
     """Its ancestor token_level_loss (a name holding "token") was once mistaken for a secret's
     and left out of the fingerprint; its value "token" (importance_sampling_level) must count too."""
     upstream = {"prep": "p", "sft": "s"}
-    grpo = lambda *o: fingerprint(stage_identity(Pipeline.build(compose("sft_grpo", [*base_overrides, *o]))["grpo"], upstream))  # noqa: E731
+    grpo = lambda *o: fingerprint(stage_identity(build("sft_grpo", [*base_overrides, *o])["grpo"], upstream))  # noqa: E731
     assert len({grpo(), grpo("grpo.loss.loss_type=grpo"), grpo("grpo.loss.importance_sampling_level=sequence")}) == 3
 
 

@@ -14,6 +14,8 @@ from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, F
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import ArtifactSort
 
+from alignflow.config import compose as compose_module
+from alignflow.pipeline import Pipeline
 from flows.align import align
 from flows.cli import main
 
@@ -53,7 +55,7 @@ async def flow_log_lines_per_task(flow_run_id) -> dict[str, list[str]]:
     return lines
 
 
-def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
+def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path, monkeypatch):
     state = align(pipeline="demo", overrides=base_overrides, return_state=True)
     results = state.result()
     assert list(results) == STAGES
@@ -92,6 +94,12 @@ def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path):
     models = asyncio.run(artifact("models-eval")).data
     rows = json.loads(models) if isinstance(models, str) else models
     assert {row["model"] for row in rows} == {"sft", "convert"} and {"accuracy", "val_loss", "perplexity"} <= set(rows[0])
+
+    hydra_calls, builds, hydra, build = [], [], compose_module._hydra, Pipeline.build  # counted; each still runs
+    monkeypatch.setattr(compose_module, "_hydra", lambda overrides: hydra_calls.append(overrides) or hydra(overrides))
+    monkeypatch.setattr(Pipeline, "build", classmethod(lambda cls, cfg: builds.append(cfg) or build(cfg)))
+    assert main(["run", "pipeline=demo", *base_overrides]) == 0  # `align run`, every stage a cache hit
+    assert (len(hydra_calls), len(builds)) == (1, 1)  # one composition, one pipeline: the CLI's, the flow's and the tasks'
 
 
 def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(base_overrides, tmp_path, capsys):

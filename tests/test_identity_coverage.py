@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import submitit
 
-from alignflow.config.compose import compose
+from alignflow.config.compose import build
 from alignflow.fingerprint import fingerprint, package_versions
 from alignflow.launch import StageFailed
-from alignflow.pipeline import Pipeline
 from alignflow.runner import StageResult, run_stage, stage_identity
 from alignflow.store import store_of
 from flows.cli import main
@@ -70,7 +69,7 @@ def committed(tmp_path_factory, demo_dir):
             patch.setenv(name, value)
         patch.setenv("PYTHONPATH", str(rewards))  # the jobs' Python path
         patch.syspath_prepend(str(rewards))  # this process's
-        pipeline, results = Pipeline.build(compose("sft_grpo", overrides)), {}
+        pipeline, results = build("sft_grpo", overrides), {}
         for name in TRAINED:
             stage = pipeline[name]
             results[name] = run_stage(stage, {up: results[up] for up in stage.upstream()}, log=lambda line: None)
@@ -163,7 +162,7 @@ def test_a_job_refuses_user_code_other_than_its_run_fingerprinted(committed, tmp
     monkeypatch.syspath_prepend(str(committed.rewards))  # the run fingerprints the original
     monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(copy))
-    grpo = Pipeline.build(compose("sft_grpo", [*committed.overrides, "grpo.trainer.max_steps=2"]))["grpo"]
+    grpo = build("sft_grpo", [*committed.overrides, "grpo.trainer.max_steps=2"])["grpo"]
     upstream = {name: committed.results[name] for name in grpo.upstream()}
     message, staged = refused_job(grpo, upstream)
     assert "the code of stage grpo changed since its run fingerprinted it (reward_helpers.py: changed): run the pipeline again" in message
@@ -180,7 +179,7 @@ def test_a_job_refuses_package_versions_other_than_its_run_fingerprinted(base_ov
     site.mkdir(parents=True)
     (site / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 9.9.9\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
-    message, staged = refused_job(Pipeline.build(compose("demo", base_overrides))["prep"], {})
+    message, staged = refused_job(build("demo", base_overrides)["prep"], {})
     torch = package_versions()["torch"]
     assert f"this job runs under other package versions than its run fingerprinted (torch 9.9.9 here, {torch} in the run): install " \
            "the run's versions in the job's environment (launcher.setup, launcher.container_image)" in message

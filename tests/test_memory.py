@@ -14,10 +14,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from alignflow import PROJECT_ROOT
-from alignflow.config.compose import ConfigError, compose
+from alignflow.config.compose import ConfigError, build, compose
 from alignflow.config.memory import GIB, Dimensions, Layout, estimate, layer_activation_bytes
 from alignflow.config.validate import memory_estimates
-from alignflow.pipeline import Pipeline
 from flows.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -100,7 +99,7 @@ def test_a_layer_keeps_what_the_estimate_counts(one_rank, dtype):
 
 
 def plan_memory(overrides: list[str], pipeline: str = "sft_dpo", check_paths: bool = False) -> dict:
-    return memory_estimates(Pipeline.build(compose(pipeline, overrides, check_paths=check_paths)), check_paths=check_paths)
+    return memory_estimates(build(pipeline, overrides, check_paths=check_paths), check_paths=check_paths)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -112,11 +112,10 @@ pipeline:
 '''
 RUN_PIPELINE = """
 import json, sys
-from alignflow.config.compose import compose
-from alignflow.pipeline import Pipeline
+from alignflow.config.compose import build
 from alignflow.runner import run_stage
 results = {}
-for stage in Pipeline.build(compose("count", sys.argv[1:])):
+for stage in build("count", sys.argv[1:]):
     results[stage.name] = run_stage(stage, {u: results[u] for u in stage.upstream()}, log=print)
 print(json.dumps({"count": results["count"].metrics, "packs": results["prep"].metrics["sft.train.packs"]}))
 """

@@ -561,10 +561,9 @@ def test_a_bad_row_deep_in_a_large_file_is_skipped_and_counted(assets, tmp_path)
 
 
 def prep_stage(overrides):
-    from alignflow.config.compose import compose
-    from alignflow.pipeline import Pipeline
+    from alignflow.config.compose import build
 
-    return Pipeline.build(compose("demo", overrides))["prep"]
+    return build("demo", overrides)["prep"]
 
 
 @pytest.mark.slow

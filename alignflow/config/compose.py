@@ -1,9 +1,10 @@
 """Compose and validate the Hydra config (orchestrator side: no torch).
 
-`compose(pipeline, overrides)` is the one entry point: Hydra's compose API over `conf/`
-with `AlignConfig` (`alignflow.stages`) as the typed schema, then the pipeline is built and
-every cross-field rule checked (`alignflow.config.validate`). The returned config is
-read-only: nothing mutates it after validation. Hugging Face Hub ids under `model` are replaced
+`build(pipeline, overrides)` is the one entry point: Hydra's compose API over `conf/` with
+`AlignConfig` (`alignflow.stages`) as the typed schema, then the pipeline is built and every
+cross-field rule checked (`alignflow.config.validate`); it returns that pipeline, whose `cfg` is
+the read-only root config (nothing mutates it after validation), so a run composes once and
+the flow, the plan and the tasks share what was built. `compose` is its config alone. Hugging Face Hub ids under `model` are replaced
 by their folders in the local HF cache first (`alignflow.config.hub`). Overrides of a pipeline's stages
 (`pipeline.stages.<name>.<key>=...`) add or replace, whether or not the pipeline file sets
 that key (Hydra's `++`); a misspelled key is refused by the pipeline's own checks.
@@ -22,14 +23,14 @@ from omegaconf.errors import OmegaConfBaseException
 from alignflow import PROJECT_ROOT
 from alignflow.config.hub import resolve_hub_ids
 from alignflow.config.validate import ConfigError, validate
-from alignflow.pipeline import name_problems
+from alignflow.pipeline import Pipeline, name_problems
 from alignflow.stages import AlignConfig
 
 CONF_DIR = PROJECT_ROOT / "conf"
 
 ConfigStore.instance().store(name="align_schema", node=AlignConfig)
 
-__all__ = ["ConfigError", "compose", "pipeline_names"]
+__all__ = ["ConfigError", "build", "compose", "pipeline_names"]
 
 
 def pipeline_names() -> list[str]:
@@ -38,6 +39,11 @@ def pipeline_names() -> list[str]:
 
 def compose(pipeline: str | None = None, overrides: list[str] | None = None, check_paths: bool = True) -> DictConfig:
     """The validated, read-only config for `pipeline` with Hydra `overrides` applied."""
+    return build(pipeline, overrides, check_paths).cfg
+
+
+def build(pipeline: str | None = None, overrides: list[str] | None = None, check_paths: bool = True) -> Pipeline:
+    """The validated pipeline `pipeline` with Hydra `overrides` applied."""
     overrides = [f"++{o}" if o.startswith("pipeline.stages.") else o for o in overrides or []]
     if pipeline and (problems := name_problems(f"pipeline={pipeline}", pipeline, "a pipeline file's")):
         raise ConfigError(problems[0])  # it names the flow's artifacts
@@ -55,9 +61,9 @@ def compose(pipeline: str | None = None, overrides: list[str] | None = None, che
     hub_problems = resolve_hub_ids(cfg)
     if hub_problems and check_paths:  # everything else reads the model: its source comes first
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in hub_problems))
-    validate(cfg, check_paths=check_paths)
+    built = validate(cfg, check_paths=check_paths)
     OmegaConf.set_readonly(cfg, True)
-    return cfg
+    return built
 
 
 def _hydra(overrides: list[str]) -> DictConfig:
