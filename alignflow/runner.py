@@ -23,7 +23,7 @@ from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
 from alignflow.train.utilization import HARDWARE_METRICS
-from alignflow.stages import OUTPUTS, user_imports, worker_module
+from alignflow.stages import OUTPUTS, job_paths, user_imports, worker_module
 from alignflow.store import TRAINING_STATE, Store, options_for, store_of
 from alignflow.worker import run_stage_job
 
@@ -122,7 +122,7 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
     spec, cfg, name, started, fp = stage.spec, stage.cfg, stage.name, time.time(), fingerprint(ident)
     inputs = _by_role(stage, {up: r.uri for up, r in upstream.items()})
     staging = store.uri(store.staging_path(name, fp))
-    paths = (*stage_paths(stage.kind, spec.reads), *spec.context)
+    paths = job_paths(stage.kind)
     job, record, fresh = _start_or_adopt(stage, store, ident, inputs, paths, lease, log)
     try:
         metrics = wait(job, log, poll_s=min(cfg.store.poll_interval_s, 1.0), record=record, output=output, from_start=fresh)

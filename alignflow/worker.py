@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from alignflow.fingerprint import NUMERIC_PACKAGES, code_identity, package_versions
 from alignflow.lease import holds, watch
 from alignflow.orphans import reap_on_exit
-from alignflow.stages import AlignConfig, user_imports, worker_module
+from alignflow.stages import AlignConfig, job_paths, user_imports, worker_module
 
 FENCED_EXIT_CODE = 75  # EX_TEMPFAIL: the job was stopped because its run is gone; nothing of it is committed
 
@@ -62,7 +62,7 @@ def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options:
     _configure_storage(out, storage_options)
     if fence is not None:  # the lease is in the store, whose options are fsspec's defaults now
         _check_fence(fence)
-    config = typed(cfg)
+    config = typed(cfg, kind)
     if identity is not None:
         _check_code(kind, config[kind], identity["code"])
         _check_packages(identity["packages"])
@@ -107,10 +107,21 @@ def _full_disk(out: str, reserve: int = 16 << 20) -> str | None:
     return path if path and shutil.disk_usage(path).free < reserve else None
 
 
-def typed(cfg: dict) -> DictConfig:
+def typed(cfg: dict, kind: str | None = None) -> DictConfig:
     """The job's config slice typed by the schema (enums intact) and read-only; secrets are still
-    `${oc.env:...}` here and resolve from this job's environment."""
+    `${oc.env:...}` here and resolve from this job's environment. With `kind`, only the paths the
+    kind declares are there (`alignflow.stages.job_paths`, schema defaults filled in) and reading
+    any other raises (OmegaConf's ConfigAttributeError, naming the key); without, every section."""
     config = OmegaConf.merge(OmegaConf.structured(AlignConfig), cfg)
+    if kind is not None:
+        declared: dict = {}
+        for path in job_paths(kind):
+            *parents, key = path.split(".")
+            target = declared
+            for part in parents:
+                target = target.setdefault(part, {})
+            target[key] = OmegaConf.select(config, path)
+        config = OmegaConf.create(declared, flags={"struct": True})
     OmegaConf.set_readonly(config, True)
     return config
 

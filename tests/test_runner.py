@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from alignflow.config.compose import compose
+from alignflow.config.compose import build, compose
 from alignflow.config.schema import LauncherConfig
 from alignflow.launch import StageFailed, submit
 from alignflow.pipeline import Pipeline
@@ -26,10 +26,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this fil
 
 RUN_PREP = """
 import json, sys
-from alignflow.config.compose import compose
-from alignflow.pipeline import Pipeline
+from alignflow.config.compose import build
 from alignflow.runner import run_stage
-result = run_stage(Pipeline.build(compose("demo", sys.argv[1:]))["prep"], {}, log=lambda line: None)
+result = run_stage(build("demo", sys.argv[1:])["prep"], {}, log=lambda line: None)
 print(json.dumps({"cached": result.cached, "fingerprint": result.fingerprint}))
 """
 
@@ -63,7 +62,7 @@ def test_a_bad_row_fails_the_stage_naming_file_line_field_and_commits_nothing(ba
 
 
 def test_a_failed_forced_rerun_keeps_the_committed_output(base_overrides, tmp_path):
-    good = run_stage(Pipeline.build(compose("demo", base_overrides))["prep"], {}, log=lambda line: None)
+    good = run_stage(build("demo", base_overrides)["prep"], {}, log=lambda line: None)
     manifest = (tmp_path / "store" / "prep" / good.fingerprint / "_SUCCESS.json").read_text()
     # Same fingerprint (where jobs run is not identity), but the job cannot even start.
     cfg = compose("demo", [*base_overrides, "force=[prep]", "launcher.folder=/dev/null/jobs"])
@@ -85,12 +84,12 @@ def run(cfg, inputs, out):
 }
 RUN_FORGETFUL = """
 import sys
-from alignflow.config.compose import compose
+from alignflow.config.compose import build, compose
 from alignflow.pipeline import Pipeline
 from alignflow.runner import run_stage
 from alignflow.verify import IncompleteOutput
 try:
-    run_stage(Pipeline.build(compose("forgetful", sys.argv[1:]))["forgetful"], {}, log=lambda line: None)
+    run_stage(build("forgetful", sys.argv[1:])["forgetful"], {}, log=lambda line: None)
 except IncompleteOutput as err:
     print(err)
 """
@@ -163,3 +162,24 @@ def test_a_killed_job_leaves_none_of_its_processes_behind(demo_dir, tmp_path):
     rank.kill()
     gone, alive_ = psutil.wait_procs(started, timeout=15)
     assert alive(alive_) == [], alive(alive_)
+
+
+def test_a_job_reads_only_the_sections_its_kind_declares(base_overrides):
+    """A job's config holds its section, what it reads and its context, with the schema's
+    defaults; reading anything else raises instead of silently taking a default that the
+    fingerprint never saw."""
+    from omegaconf.errors import ConfigAttributeError
+
+    from alignflow.config.slices import for_job
+    from alignflow.stages import job_paths
+    from alignflow.worker import typed
+
+    cfg = build("sft_dpo", [*base_overrides, "ref_logprobs.micro_batch_size=3"], check_paths=False)["ref_logprobs"].cfg
+    job = typed(for_job(cfg, job_paths("ref_logprobs")), "ref_logprobs")
+    assert job.ref_logprobs.micro_batch_size == 3 and job.model.source == cfg.model.source and "cache_dir" in job.store
+    for undeclared in ("launcher", "dpo", "logging", "data"):
+        with pytest.raises(ConfigAttributeError, match=undeclared):
+            getattr(job, undeclared)
+    with pytest.raises(ConfigAttributeError, match="store.root"):
+        _ = job.store.root
+    assert typed({}, "ref_logprobs").ref_logprobs.micro_batch_size == 4  # declared sections are filled with the schema's defaults

@@ -128,6 +128,14 @@ def worker_module(kind: str) -> str:
     return f"alignflow.stages.{kind}"
 
 
+def job_paths(kind: str) -> tuple[str, ...]:
+    """The config a job of `kind` receives: its section, what it `reads` (in its fingerprint) and
+    its `context` (not): nothing else, so a setting read but not declared fails, never silently
+    defaults outside the fingerprint."""
+    spec = STAGES[kind]
+    return (kind, *spec.reads, *spec.context)
+
+
 def user_imports(kind: str, section) -> list[str]:
     """The `module:function` import paths that `kind`'s `imports` paths hold in its config
     `section` (a name without a colon is one of alignflow's own)."""
