@@ -12,4 +12,5 @@ demo: install
 	.venv/bin/align run pipeline=sft_dpo
 
 test: install-dev
+	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -x -q -rs --timeout=900

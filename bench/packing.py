@@ -91,12 +91,12 @@ try:
     from trl import pack_dataset
 except ImportError as e:
     print(f"TRL not measured ({e}); install the bench extra: pip install -c constraints.txt trl datasets")
-    raise SystemExit(0)
+    raise SystemExit(0) from None
 
 disable_progress_bar()
 dataset = Dataset(pa.table({"input_ids": column}))
 
 for label, map_kwargs in (("trl bfd (batch_size=1000)", {}), ("trl bfd (batch_size=None)", {"batch_size": None})):
-    seconds, peak, packed = measure(lambda: pack_dataset(dataset, CAPACITY, strategy="bfd", map_kwargs=map_kwargs))
+    seconds, peak, packed = measure(lambda kwargs=map_kwargs: pack_dataset(dataset, CAPACITY, strategy="bfd", map_kwargs=kwargs))
     report(label, seconds, peak, packed.num_rows)
     del packed

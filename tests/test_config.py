@@ -5,6 +5,7 @@ import hashlib
 import json
 
 import pytest
+from omegaconf.errors import ReadonlyConfigError
 from omegaconf import OmegaConf
 
 from alignflow.config.compose import ConfigError, compose
@@ -74,7 +75,7 @@ def test_min_lr_defaults_to_a_tenth_of_lr(base_overrides):
 
 def test_config_is_read_only(base_overrides):
     cfg = compose("sft_dpo", base_overrides)
-    with pytest.raises(Exception):
+    with pytest.raises(ReadonlyConfigError):
         cfg.sft.optim.lr = 1.0
 
 

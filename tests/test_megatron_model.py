@@ -171,7 +171,7 @@ def test_fp32_matmuls_take_tf32_on_cuda_only(monkeypatch):
     exact (the same switch would let oneDNN round them too)."""
     try:
         for cuda, expected in ((False, "highest"), (True, "high")):
-            monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+            monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
             runtime.fast_fp32_matmuls()
             assert torch.get_float32_matmul_precision() == expected
     finally:

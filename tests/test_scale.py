@@ -50,7 +50,7 @@ def test_activation_recompute_gives_the_same_steps(demo_dir, inputs, tmp_path, m
     recomputed = {}
     for name, knobs in settings.items():
         calls = []
-        monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *args, checkpoint=tensor_parallel.checkpoint: calls.append(1) or checkpoint(*args))
+        monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *args, checkpoint=tensor_parallel.checkpoint, calls=calls: calls.append(1) or checkpoint(*args))
         cfg = sft_cfg(demo_dir, precision="bf16", hidden_dropout=0.1, attention_dropout=0.1, trainer={"max_steps": 3}, **knobs)
         run_sft(cfg, inputs, tmp_path / name)
         monkeypatch.undo()

@@ -123,18 +123,18 @@ class DistCheckpointReader:
         index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
         lo = list(index) + [0] * (len(shape) - len(index))
         hi = [i + 1 for i in index] + list(shape[len(index):])
-        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=self.dtype(key), device="cpu")
+        out = torch.empty([h - low for low, h in zip(lo, hi)], dtype=self.dtype(key), device="cpu")
         for chunk in self.metadata.state_dict_metadata[key].chunks:
             c_lo = list(chunk.offsets)
             c_hi = [o + s for o, s in zip(chunk.offsets, chunk.sizes)]
-            if any(ch <= l or cl >= h for cl, ch, l, h in zip(c_lo, c_hi, lo, hi)):
+            if any(ch <= low or cl >= h for cl, ch, low, h in zip(c_lo, c_hi, lo, hi)):
                 continue
             data = self.read_chunk(key, chunk.offsets)
             src, dst = data, out
-            for dim, (cl, ch, l, h) in enumerate(zip(c_lo, c_hi, lo, hi)):
-                start, stop = max(cl, l), min(ch, h)
+            for dim, (cl, ch, low, h) in enumerate(zip(c_lo, c_hi, lo, hi)):
+                start, stop = max(cl, low), min(ch, h)
                 src = src.narrow(dim, start - cl, stop - start)
-                dst = dst.narrow(dim, start - l, stop - start)
+                dst = dst.narrow(dim, start - low, stop - start)
             dst.copy_(src)
         return out.reshape(out.shape[len(index):])
 
