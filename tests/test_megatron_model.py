@@ -23,9 +23,10 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
-# every family trait over TP and PP (OLMo 2's whole-projection q/k norms all-reduced over TP, Phi-4-mini's partial rotary, longrope)
+# every family trait over TP and PP (OLMo 2's whole-projection q/k norms all-reduced over TP, Phi-4-mini's partial rotary, longrope,
+# and the two together: longrope's attention factor on the rotated dims only)
 TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "gemma2", "gemma3",
-                  "olmo2_tied_bias", "phi4_partial_tied", "phi3_longrope", "qwen3_moe"]
+                  "olmo2_tied_bias", "phi4_partial_tied", "phi3_longrope", "phi4_mini_longrope", "qwen3_moe"]
 EP_CASES = ["mixtral", "qwen3_moe_unnormed"]  # the two routers, experts split over EP
 
 
