@@ -6,17 +6,21 @@ scaling with any constants), MistralForCausalLM (sliding window on all layers),
 Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm), Olmo2ForCausalLM
 (post-norm layers, q/k RMSNorm over the whole projection, attention biases), Phi3ForCausalLM
 (Phi-3 and Phi-4: HF's fused qkv_proj and gate_up_proj, partial rotary, sliding window,
-longrope within its original positions, with partial rotary too: Phi-4-mini); GQA, tied or untied embeddings, RMSNorm, SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x * (1 + w)
-(weights stored as HF holds them), sandwich norms, GeGLU (tanh), embeddings scaled by
-sqrt(hidden), query_pre_attn_scalar, attention and final logit soft-capping, sliding-window
-layers by `layer_types`, Gemma 3's per-head q/k norms and its own RoPE base on sliding layers.
+longrope within its original positions, its attention factor on the rotated dims of q and k
+only, so with partial rotary too: Phi-4-mini); GQA, tied or untied embeddings, RMSNorm,
+SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x * (1 + w) (weights stored as HF
+holds them), sandwich norms, GeGLU (tanh), embeddings scaled by sqrt(hidden),
+query_pre_attn_scalar, attention and final logit soft-capping, sliding-window layers by
+`layer_types`, Gemma 3's per-head q/k norms and its own RoPE base on sliding layers.
 The mixture-of-experts MixtralForCausalLM and Qwen3MoeForCausalLM: a softmax top-k router,
 renormalized over the top k or not as `norm_topk_prob` says, SwiGLU experts, every layer sparse.
 Refused with a ValueError that says why: any other architecture (Gemma3ForConditionalGeneration
 by name) or activation, other rope types, a partial rotary factor outside Phi-3, longrope past
-its original positions (HF's long factors), Qwen2/Qwen3 per-layer sliding windows, Gemma's attention biases and
-bidirectional attention, Qwen3-MoE dense layers among the sparse ones (`mlp_only_layers`,
-`decoder_sparse_step`), Mixtral's router jitter. Each would otherwise convert into a different model.
+its original positions (HF switches to its long factors there; `alignflow.config.validate` and
+`alignflow.megatron.model.LongRoPE` refuse it) or with short factors that do not match the
+rotary dims, Qwen2/Qwen3 per-layer sliding windows, Gemma's attention biases and bidirectional
+attention, Qwen3-MoE dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step`),
+Mixtral's router jitter. Each would otherwise convert into a different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;

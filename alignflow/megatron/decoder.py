@@ -34,11 +34,11 @@ parallelism is not (each rank would hold only some experts): refused.
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
 window, Qwen2's qkv bias, Qwen3's q/k norms, Gemma 2 / 3, OLMo 2's post-norm layers and
-whole-projection q/k norms, Phi-3's partial rotary and longrope (its attention factor on cos and
-sin, as HF applies it: the rotated dims of q and k, `RotaryScale`'s product), tied embeddings, linear / llama3 RoPE scaling, Mixtral's and
-Qwen3-MoE's experts at EP1), on the local spec (SequentialMLP experts) and, by the same
-weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
-run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
+whole-projection q/k norms, Phi-3's partial rotary and longrope (its attention factor on cos
+and sin as HF applies it: the product `RotaryScale` gives Megatron's layers), tied embeddings,
+linear / llama3 RoPE scaling, Mixtral's and Qwen3-MoE's experts at EP1), on the local spec
+(SequentialMLP experts) and, by the same weights under TE's names (`linear_qkv.layer_norm_weight`),
+the Transformer Engine spec (not run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
 """
 
