@@ -179,12 +179,13 @@ def test_fp32_matmuls_take_tf32_on_cuda_only(monkeypatch):
         torch.set_float32_matmul_precision("highest")
 
 
-def test_longrope_past_its_original_positions_is_refused(one_rank, tmp_path):
+@pytest.mark.parametrize("case", ["phi3_longrope", "phi4_mini_longrope"])
+def test_longrope_past_its_original_positions_is_refused(one_rank, case, tmp_path):
     """Past original_max_position_embeddings (32 here) HF switches the whole sequence to
     long_factor: a forward or a generation that long fails naming the lengths."""
     from alignflow.generation import Sampling, generate
 
-    hf_model, config = tiny_hf_model("phi3_longrope")
+    hf_model, config = tiny_hf_model(case)
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
     with torch.no_grad(), pytest.raises(ValueError, match="a sequence of 33 positions passes the longrope model's original_max_position_embeddings=32"):
         model(tokens(batch=1, seq=33), None, None)
