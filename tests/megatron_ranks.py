@@ -70,6 +70,12 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
         "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
         **PHI3_TOKENS,
     }),
+    "phi4_mini_longrope": (Phi3Config, Phi3ForCausalLM, {  # Phi-4-mini: longrope on 3/4 of each head (12 of 16 dims: 6 factors), tied
+        "tie_word_embeddings": True, "max_position_embeddings": 64, "original_max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,
+                            "short_factor": [1.0, 1.4, 1.9, 2.6, 3.3, 4.5], "long_factor": [2.0] * 6},
+        **PHI3_TOKENS,
+    }),
     # Sliding (4 tokens) and full layers alternating, head_dim != hidden / heads != query_pre_attn_scalar,
     # soft-caps small enough to bend the scores and logits.
     "gemma2": (Gemma2Config, Gemma2ForCausalLM, {

@@ -145,9 +145,9 @@ def config_changed(**changes) -> Callable[[Path], None]:
 
 PHI3_LONGROPE = config_changed(architectures=["Phi3ForCausalLM"], model_type="phi3", original_max_position_embeddings=256, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "original_max_position_embeddings": 256})
-PHI4_MINI_LONGROPE = config_changed(architectures=["Phi3ForCausalLM"], model_type="phi3", rope_parameters={
+PHI4_MINI_LONGROPE = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "original_max_position_embeddings": 128, "rope_parameters": {
     "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "short_factor": [1.0] * 6, "long_factor": [4.0] * 6,
-    "original_max_position_embeddings": 128})
+    "original_max_position_embeddings": 128}}  # 12 of the demo's 16 dims per head rotate: 6 factors
 
 
 def an_export_marker(files_listed: list[str]) -> Callable[[Path, Path], None]:
@@ -250,9 +250,14 @@ CASES = {
     "longrope-rows-past-original-positions": Case(("model.source={W}/model", "data.seq_length=512"),
                                                   ("data.seq_length: 512 passes the model's original_max_position_embeddings=256 "
                                                    "(model.source: longrope)",), model_copy(PHI3_LONGROPE)),
-    "source-phi4-mini-longrope": Case((*CONVERT, "model.source={W}/model"),
-                                      ("model.source: {W}/model/config.json: unsupported rope_type 'longrope' with "
-                                       "partial_rotary_factor=0.75 (Phi-4-mini)",), model_copy(PHI4_MINI_LONGROPE)),
+    "longrope-phi4-mini-rows-past-original-positions": Case(("model.source={W}/model", "data.seq_length=256"),
+                                                            ("data.seq_length: 256 passes the model's original_max_position_embeddings=128 "
+                                                             "(model.source: longrope)",), model_copy(config_changed(**PHI4_MINI_LONGROPE))),
+    "source-longrope-short-factors-of-whole-heads": Case(
+        (*CONVERT, "model.source={W}/model"),
+        ("model.source: {W}/model/config.json: longrope rope_parameters.short_factor has 8 factors; the model's 12 rotary dims per head "
+         "(head_dim x partial_rotary_factor 0.75) take 6",),
+        model_copy(config_changed(**{**PHI4_MINI_LONGROPE, "rope_parameters": {**PHI4_MINI_LONGROPE["rope_parameters"], "short_factor": [1.0] * 8}}))),
     "source-partial-rotary-outside-phi3": Case((*CONVERT, "model.source={W}/model"),
                                                ("model.source: {W}/model/config.json: unsupported HF config partial_rotary_factor=0.5: "
                                                 "LlamaForCausalLM is mapped with RoPE over whole heads",),

@@ -27,8 +27,8 @@ from megatron_ranks import tiny_hf_model  # noqa: E402
 
 RANKS = Path(__file__).with_name("checkpoint_ranks.py")
 TOLERANCE = 1e-5
-# q/k norms, biases, sandwich norms, post-norm, fused qkv_proj, experts
-STREAMED = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "olmo2_tied_bias", "phi3_window", "mixtral", "qwen3_moe"]
+# q/k norms, biases, sandwich norms, post-norm, fused qkv_proj, Phi-4-mini's config (partial rotary longrope), experts
+STREAMED = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "olmo2_tied_bias", "phi3_window", "phi4_mini_longrope", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")

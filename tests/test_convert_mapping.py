@@ -173,13 +173,16 @@ def test_phi3_config_reads_window_and_partial_rotary():
     assert model_shape(older).rotary_percent == 0.5  # a config.json from before transformers 5
 
 
-def test_longrope_reads_hf_attention_factor():
-    """HF's default: sqrt(1 + ln(max / original max) / ln(original max)); Phi3Config's own
-    original_max_position_embeddings wins over rope_parameters' (the tiny case sets both)."""
-    shape = model_shape(tiny_hf_model("phi3_longrope")[1])
-    assert (shape.rope_type, shape.rope_original_max, len(shape.rope_short_factor)) == ("longrope", 32, 8)
-    attention_factor = (1 + math.log(64 / 32) / math.log(32)) ** 0.5  # it scales cos and sin: the scores by its square
-    assert shape.softmax_scale == pytest.approx(attention_factor ** 2 / 16 ** 0.5, rel=1e-12)
+@pytest.mark.parametrize("case,rotary_dim", [("phi3_longrope", 16), ("phi4_mini_longrope", 12)])
+def test_longrope_reads_hf_attention_factor(case, rotary_dim):
+    """HF's default: sqrt(1 + ln(max / original max) / ln(original max)), read back from HF's
+    own rotary embedding; Phi3Config's own original_max_position_embeddings wins over
+    rope_parameters' (the tiny cases set both). Phi-4-mini rotates 12 of 16 dims: 6 factors."""
+    hf_model, config = tiny_hf_model(case)
+    shape = model_shape(config)
+    assert (shape.rope_type, shape.rope_original_max, shape.rotary_dim, len(shape.rope_short_factor)) == ("longrope", 32, rotary_dim, rotary_dim // 2)
+    assert shape.rope_attention_factor == hf_model.model.rotary_emb.attention_scaling == pytest.approx((1 + math.log(2) / math.log(32)) ** 0.5)
+    assert shape.softmax_scale is None  # the factor is on the rotated dims (`RotaryScale`), not on the scores
 
 
 def test_fc1_merge_and_split_are_exact_inverses():
@@ -283,8 +286,8 @@ def test_gemma_configs_without_layer_types_read_as_transformers_reads_them(confi
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
     ("qwen3", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
     ("phi4_partial_tied", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
-                                               "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "original_max_position_embeddings": 32}},
-     "rope_type 'longrope' with partial_rotary_factor=0.75 .*: its attention factor scales the rotated dims of q and k only"),
+                                               "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}},
+     r"longrope rope_parameters.short_factor has 8 factors; the model's 12 rotary dims per head \(head_dim x partial_rotary_factor 0.75\) take 6"),
     ("phi3_window", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}, "original_max_position_embeddings": None},
      "longrope rope scaling without original_max_position_embeddings or short_factor"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5: LlamaForCausalLM is mapped with RoPE over whole heads"),

@@ -37,10 +37,12 @@ GEMMA = {
 }
 DEMO_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-# case -> `megatron_ranks.CASES` entry, for the families the demo has no model of
+# case -> (`megatron_ranks.CASES` entry, config changes), for the families the demo has no model of
 RANKS_CASES = {
-    "olmo2-biased": "olmo2_tied_bias",  # post-norm, whole-projection q/k norms, attention biases, tied
-    "phi4-mini-shape": "phi4_partial_tied",  # fused qkv_proj / gate_up_proj, RoPE on 3/4 of each head, tied
+    "olmo2-biased": ("olmo2_tied_bias", {}),  # post-norm, whole-projection q/k norms, attention biases, tied
+    # fused qkv_proj / gate_up_proj, longrope on 3/4 of each head (its attention factor on those dims), tied;
+    # the data's 64-token rows within the original positions
+    "phi4-mini": ("phi4_mini_longrope", {"original_max_position_embeddings": 64}),
 }
 
 
@@ -61,7 +63,7 @@ def data(demo_dir, tmp_path_factory):
 def inputs_of(case: str, stage: str, demo_dir: Path, data: str, root: Path) -> dict:
     """The case's model converted (and, for DPO, its reference log-probs on the data)."""
     if case in RANKS_CASES:
-        model = convert_case(demo_dir, root / "model", RANKS_CASES[case])
+        model = convert_case(demo_dir, root / "model", RANKS_CASES[case][0], **RANKS_CASES[case][1])
     else:
         folder, changes = CASES[case]
         if folder in GEMMA:

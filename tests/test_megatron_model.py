@@ -23,9 +23,10 @@ from alignflow.stages.sft import sft_forward
 from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
-# every family trait over TP and PP (OLMo 2's whole-projection q/k norms all-reduced over TP, Phi-4-mini's partial rotary, longrope)
+# every family trait over TP and PP (OLMo 2's whole-projection q/k norms all-reduced over TP, Phi-4-mini's partial rotary, longrope,
+# and the two together: longrope's attention factor on the rotated dims only)
 TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "gemma2", "gemma3",
-                  "olmo2_tied_bias", "phi4_partial_tied", "phi3_longrope", "qwen3_moe"]
+                  "olmo2_tied_bias", "phi4_partial_tied", "phi3_longrope", "phi4_mini_longrope", "qwen3_moe"]
 EP_CASES = ["mixtral", "qwen3_moe_unnormed"]  # the two routers, experts split over EP
 
 
@@ -178,12 +179,13 @@ def test_fp32_matmuls_take_tf32_on_cuda_only(monkeypatch):
         torch.set_float32_matmul_precision("highest")
 
 
-def test_longrope_past_its_original_positions_is_refused(one_rank, tmp_path):
+@pytest.mark.parametrize("case", ["phi3_longrope", "phi4_mini_longrope"])
+def test_longrope_past_its_original_positions_is_refused(one_rank, case, tmp_path):
     """Past original_max_position_embeddings (32 here) HF switches the whole sequence to
     long_factor: a forward or a generation that long fails naming the lengths."""
     from alignflow.generation import Sampling, generate
 
-    hf_model, config = tiny_hf_model("phi3_longrope")
+    hf_model, config = tiny_hf_model(case)
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
     with torch.no_grad(), pytest.raises(ValueError, match="a sequence of 33 positions passes the longrope model's original_max_position_embeddings=32"):
         model(tokens(batch=1, seq=33), None, None)

@@ -81,14 +81,14 @@ def convert_hf(demo_dir: Path, source: Path, out: Path) -> Path:
     return out
 
 
-def convert_case(demo_dir: Path, out: Path, case: str) -> Path:
+def convert_case(demo_dir: Path, out: Path, case: str, **changes) -> Path:
     """A tiny random HF model of `megatron_ranks.CASES[case]` (a family the demo has no model
-    of) over the demo tokenizer's vocabulary, initialized as the demo's, converted as a model
-    stage output."""
+    of) over the demo tokenizer's vocabulary, initialized as the demo's, `changes` over its
+    config, converted as a model stage output."""
     from megatron_ranks import tiny_hf_model
 
     source = out.with_name(out.name + "-hf")
-    tiny_hf_model(case, vocab_size=512, max_position_embeddings=512, initializer_range=0.02)[0].save_pretrained(source)
+    tiny_hf_model(case, **{"vocab_size": 512, "max_position_embeddings": 512, "initializer_range": 0.02, **changes})[0].save_pretrained(source)
     return convert_hf(demo_dir, source, out)
 
 

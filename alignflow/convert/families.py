@@ -6,17 +6,21 @@ scaling with any constants), MistralForCausalLM (sliding window on all layers),
 Qwen2ForCausalLM (qkv bias), Qwen3ForCausalLM (per-head q/k RMSNorm), Olmo2ForCausalLM
 (post-norm layers, q/k RMSNorm over the whole projection, attention biases), Phi3ForCausalLM
 (Phi-3 and Phi-4: HF's fused qkv_proj and gate_up_proj, partial rotary, sliding window,
-longrope within its original positions); GQA, tied or untied embeddings, RMSNorm, SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x * (1 + w)
-(weights stored as HF holds them), sandwich norms, GeGLU (tanh), embeddings scaled by
-sqrt(hidden), query_pre_attn_scalar, attention and final logit soft-capping, sliding-window
-layers by `layer_types`, Gemma 3's per-head q/k norms and its own RoPE base on sliding layers.
+longrope within its original positions, its attention factor on the rotated dims of q and k
+only, so with partial rotary too: Phi-4-mini); GQA, tied or untied embeddings, RMSNorm,
+SwiGLU. Gemma2ForCausalLM and Gemma3ForCausalLM: RMSNorm x * (1 + w) (weights stored as HF
+holds them), sandwich norms, GeGLU (tanh), embeddings scaled by sqrt(hidden),
+query_pre_attn_scalar, attention and final logit soft-capping, sliding-window layers by
+`layer_types`, Gemma 3's per-head q/k norms and its own RoPE base on sliding layers.
 The mixture-of-experts MixtralForCausalLM and Qwen3MoeForCausalLM: a softmax top-k router,
 renormalized over the top k or not as `norm_topk_prob` says, SwiGLU experts, every layer sparse.
 Refused with a ValueError that says why: any other architecture (Gemma3ForConditionalGeneration
-by name) or activation, other rope types, a partial rotary factor outside Phi-3, longrope with
-one (Phi-4-mini), Qwen2/Qwen3 per-layer sliding windows, Gemma's attention biases and
-bidirectional attention, Qwen3-MoE dense layers among the sparse ones (`mlp_only_layers`,
-`decoder_sparse_step`), Mixtral's router jitter. Each would otherwise convert into a different model.
+by name) or activation, other rope types, a partial rotary factor outside Phi-3, longrope past
+its original positions (HF switches to its long factors there; `alignflow.config.validate` and
+`alignflow.megatron.model.LongRoPE` refuse it) or with short factors that do not match the
+rotary dims, Qwen2/Qwen3 per-layer sliding windows, Gemma's attention biases and bidirectional
+attention, Qwen3-MoE dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step`),
+Mixtral's router jitter. Each would otherwise convert into a different model.
 
 Megatron names are the ones Megatron-Core checkpoints hold: Transformer Engine's names
 (`self_attention.linear_qkv.layer_norm_weight`, ...) whatever the layer spec;
@@ -76,8 +80,6 @@ GELU_TANH = "gelu_pytorch_tanh"  # GeGLU with torch's tanh approximation of GELU
 ROPE_TYPES = ("default", "linear", "llama3")
 PHI3_ROPE_TYPES = ("default", "longrope")  # Phi3Config's
 LLAMA3_ROPE_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-LONGROPE_WHY = ("its attention factor scales the rotated dims of q and k only, which is not one softmax scale; "
-                "Megatron-Core's attention has no such term")
 
 
 def _rope(cfg: Mapping[str, Any], rope_types: tuple[str, ...] = ROPE_TYPES, partial_rotary: bool = False) -> dict[str, Any]:
@@ -94,34 +96,36 @@ def _rope(cfg: Mapping[str, Any], rope_types: tuple[str, ...] = ROPE_TYPES, part
     missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
     if missing:
         raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
-    if rope_type == "longrope" and partial_factor != 1.0:
-        raise ValueError(f"unsupported rope_type 'longrope' with partial_rotary_factor={partial_factor} (Phi-4-mini): {LONGROPE_WHY}")
     return {
         "rope_theta": float(params.get("rope_theta", cfg["rope_theta"])),
         "rope_type": rope_type,
         "rope_factor": float(params.get("factor", 1.0)),
         "rope_llama3": tuple(float(params[k]) for k in LLAMA3_ROPE_KEYS) if rope_type == "llama3" else (),
         "rotary_percent": partial_factor,
-        **(_longrope(cfg, params) if rope_type == "longrope" else {}),
+        **(_longrope(cfg, params, partial_factor) if rope_type == "longrope" else {}),
     }
 
 
-def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any], partial_factor: float) -> dict[str, Any]:
     """Phi-3's long-context RoPE as HF computes it (`_compute_longrope_parameters`) up to
-    original_max_position_embeddings positions: each frequency divided by its short_factor,
-    cos and sin scaled by the attention factor (so the scores by its square: the softmax
-    scale). Past them HF switches the whole sequence to long_factor: refused at compose
+    original_max_position_embeddings positions: each rotary frequency divided by its
+    short_factor, cos and sin scaled by the attention factor, so the rotated dims of q and k
+    (all of them, or the first ones under a partial rotary factor: Phi-4-mini) and not the
+    others. Past them HF switches the whole sequence to long_factor: refused at compose
     (`data.seq_length`) and at run time (`alignflow.megatron.model.LongRoPE`)."""
     original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
     if original is None or params.get("short_factor") is None:
         raise ValueError("longrope rope scaling without original_max_position_embeddings or short_factor in rope_parameters")
+    rotary_dim = int((cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial_factor)  # HF's
+    if len(params["short_factor"]) != rotary_dim // 2:
+        raise ValueError(f"longrope rope_parameters.short_factor has {len(params['short_factor'])} factors; the model's "
+                         f"{rotary_dim} rotary dims per head (head_dim x partial_rotary_factor {partial_factor}) take {rotary_dim // 2}")
     factor = params.get("factor") or cfg["max_position_embeddings"] / original
     attention = params.get("attention_factor")
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
-    head_dim = cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]
     return {"rope_short_factor": tuple(float(f) for f in params["short_factor"]), "rope_original_max": int(original),
-            "softmax_scale": attention ** 2 / math.sqrt(head_dim)}
+            "rope_attention_factor": float(attention)}
 
 
 def _layer_type_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -262,6 +266,7 @@ class ModelShape:
     rotary_percent: float = 1.0  # the share of each head's dims RoPE rotates (the first ones)
     rope_short_factor: tuple[float, ...] = ()  # longrope: each rotary frequency divided by its factor
     rope_original_max: Optional[int] = None  # longrope: past this many positions HF switches to long_factor (refused)
+    rope_attention_factor: float = 1.0  # longrope: cos and sin times this, so the rotated dims of q and k
     sliding_window: Optional[int] = None
     window_layers: tuple[bool, ...] = ()  # which layers have the window (empty: all, where there is one)
     local_rope_theta: Optional[float] = None  # RoPE base of the window layers where it differs (Gemma 3)
@@ -276,6 +281,11 @@ class ModelShape:
     moe_norm_topk: bool = False  # renormalize the top-k router probabilities (HF's norm_topk_prob)
     moe_aux_loss_coef: float = 0.0  # HF's load-balancing loss weight in its training loss (0: not added)
     expert_names: str = ""  # which EXPERT_NAMES the HF checkpoint uses
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many first dims of each head RoPE rotates (HF's and Megatron's int(head_dim x factor))."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def untied_embeddings(self) -> bool:

@@ -34,11 +34,11 @@ parallelism is not (each rank would hold only some experts): refused.
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
 window, Qwen2's qkv bias, Qwen3's q/k norms, Gemma 2 / 3, OLMo 2's post-norm layers and
-whole-projection q/k norms, Phi-3's partial rotary and longrope (its attention factor is the
-config's softmax scale), tied embeddings, linear / llama3 RoPE scaling, Mixtral's and
-Qwen3-MoE's experts at EP1), on the local spec (SequentialMLP experts) and, by the same
-weights under TE's names (`linear_qkv.layer_norm_weight`), the Transformer Engine spec (not
-run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
+whole-projection q/k norms, Phi-3's partial rotary and longrope (its attention factor on cos
+and sin as HF applies it: the product `RotaryScale` gives Megatron's layers), tied embeddings,
+linear / llama3 RoPE scaling, Mixtral's and Qwen3-MoE's experts at EP1), on the local spec
+(SequentialMLP experts) and, by the same weights under TE's names (`linear_qkv.layer_norm_weight`),
+the Transformer Engine spec (not run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
 """
 
@@ -197,7 +197,9 @@ class Decoder:
         rope = model.rotary_pos_emb
         ropes = [rope, rope.local] if isinstance(rope, LayerTypeRotaryEmbedding) else [rope]  # LayerWeights.rope indexes them
         angles = [r.get_emb(max_length)[:, 0, 0].to(device) for r in ropes]  # [max_length, head_dim], fp32
-        self.cos_tables, self.sin_tables = [a.cos().to(self.dtype) for a in angles], [_signed_sin(a).to(self.dtype) for a in angles]
+        scale = shape.rope_attention_factor  # longrope's, on cos and sin in fp32 as HF's
+        self.cos_tables = [(a.cos() * scale).to(self.dtype) for a in angles]
+        self.sin_tables = [(_signed_sin(a) * scale).to(self.dtype) for a in angles]
         self.rotary_dim = angles[0].shape[-1]  # the first dims of each head, all of it unless partial
         pads = torch.tensor(pad, dtype=torch.long, device=device)
         self.ropes = self._rope(pads, max_length)  # (cos, sin) [b, max_length, 1, 1, d] per row, per RoPE

@@ -5,7 +5,8 @@ tied or untied embeddings, qkv / attention output / MLP biases, per-head q/k RMS
 RoPE with linear or llama3 scaling, Mistral's sliding window; Gemma 2 / 3 with the pieces of
 `alignflow.megatron.gemma` and per-layer windows; OLMo 2's post-norm layers and
 whole-projection q/k norms, `PostNormTransformerLayer` and `ProjectionRMSNorm`, pieces
-Megatron-Core lacks; Phi-3's partial rotary and longrope, `LongRoPE`; Mixtral and Qwen3-MoE:
+Megatron-Core lacks; Phi-3's partial rotary and longrope, `LongRoPE` and `RotaryScale` (its
+attention factor on the rotated dims of q and k only, Phi-4-mini's too); Mixtral and Qwen3-MoE:
 Megatron's MoELayer, a softmax top-k router as HF's (`MOE_SETTINGS`), no token dropping), under
 TP, PP (with virtual chunks), EP for the experts and, with Transformer Engine, CP (not with
 attention soft-capping: its attention is ours).
@@ -304,6 +305,9 @@ def layer_spec(shape: ModelShape) -> ModuleSpec:
     if shape.qk_norm_whole:
         attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "query"})
         attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "key"})
+    if shape.rope_attention_factor != 1.0:  # longrope (Phi-3 has no q/k norms to share the slot with)
+        attention.q_layernorm = attention.k_layernorm = ModuleSpec(
+            module=RotaryScale, params={"factor": shape.rope_attention_factor, "rotary_dim": shape.rotary_dim})
     return _post_norm(spec) if shape.post_norm else spec
 
 
@@ -366,11 +370,29 @@ def _llama3_rope(model: GPTModel, shape: ModelShape) -> None:
                                             high_freq_factor=high, original_max_position_embeddings=original)
 
 
+class RotaryScale(torch.nn.Module):
+    """Longrope's attention factor (Phi-3-*-128k, Phi-3.5-mini, Phi-4-mini): HF multiplies cos
+    and sin by it, so RoPE's output, the first `rotary_dim` dims of each head of q and k; the
+    dims RoPE passes through (a partial rotary factor) keep their scale, so it is not one
+    softmax scale. Megatron-Core applies such a factor only as YaRN's `mscale`, derived from
+    YaRN's own config fields. RoPE being linear, scaling the rotated dims before it is the
+    same product: built by Megatron's SelfAttention in the q/k norm slot, which it applies to
+    q and k right before RoPE (TE and THD batches alike); no weights."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float, factor: float, rotary_dim: int):
+        super().__init__()
+        self.factor, self.rotary_dim = factor, rotary_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[..., head dim] -> the same, its first rotary_dim dims times the factor."""
+        return torch.cat([x[..., : self.rotary_dim] * self.factor, x[..., self.rotary_dim :]], -1)
+
+
 class LongRoPE(RotaryEmbedding):
-    """HF's longrope (Phi-3-*-128k, Phi-3.5-mini) where HF keeps its short factors: up to
-    original_max_position_embeddings positions (its attention factor is the config's
-    softmax_scale, `transformer_config`). Past them HF switches the whole sequence to long_factor
-    (and a KV-cached generation to a mix of both): refused, naming the lengths."""
+    """HF's longrope where HF keeps its short factors: up to original_max_position_embeddings
+    positions (its attention factor is `RotaryScale`'s). Past them HF switches the whole
+    sequence to long_factor (and a KV-cached generation to a mix of both): refused, naming the
+    lengths."""
 
     original_max: int
 
