@@ -141,7 +141,7 @@ class Store:
         if os.path.exists(output):  # a forced re-run: the old output stays whole until the new one is in
             os.rename(output, replaced)
         os.rename(staging, output)
-        _fsync(os.path.dirname(output))
+        fsync(os.path.dirname(output))
         if os.path.exists(replaced):
             self.fs.rm(replaced, recursive=True)
         for path in leave_out:  # after the rename: until then a retry may still resume from them
@@ -234,11 +234,12 @@ def _fsync_tree(root: str, leave_out: tuple[str, ...] = ()) -> None:
         subfolders[:] = [d for d in subfolders if not under(os.path.normpath(os.path.join(relative, d)), leave_out)]
         for name in files:
             if not under(os.path.normpath(os.path.join(relative, name)), leave_out):
-                _fsync(os.path.join(folder, name))
-        _fsync(folder)
+                fsync(os.path.join(folder, name))
+        fsync(folder)
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str | os.PathLike) -> None:
+    """Flush a file's or a folder's entries to disk (a folder: so a rename in it survives a crash)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -54,7 +54,7 @@ from megatron.core.optimizer import MegatronOptimizer
 
 from alignflow.checkpoint.untrusted import load_plain
 from alignflow.megatron import checkpoint as megatron_checkpoint
-from alignflow.store import COMPLETE
+from alignflow.store import COMPLETE, fsync
 from alignflow.train.data import DataPosition
 
 log = logging.getLogger("alignflow.train")
@@ -164,7 +164,7 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, 
     if rank == 0:
         (tmp / "trainer.json").write_text(json.dumps(state.to_json(), indent=2) + "\n")
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync(root)
         (final / COMPLETE).write_text("")
     dist.barrier()
     return final
@@ -216,11 +216,3 @@ def pruned_steps(steps: list[int], trainer_state: Callable[[int], dict], keep_to
 
 # monitor names -> TrainerState fields holding them at checkpoint time
 _STATE_KEYS = {"val_loss": "last_val_loss", "loss": "last_loss", "train_loss": "last_loss"}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
