@@ -211,15 +211,40 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
     if "finetuning_type" in section and section.finetuning_type != FinetuningType.all_weights:
         problems += _check_lora(key, section, shape)
     if "optim" in section and shape is not None and shape.moe_aux_loss_coef:
-        problems.append(f"{key}: the model's config.json (model.source) sets output_router_logits=true, so HF's training loss adds "
-                        f"router_aux_loss_coef ({shape.moe_aux_loss_coef}) x its load-balancing loss, which alignflow does not compute; "
-                        "set output_router_logits to false (HF's default) to train on the language-model loss alone")
+        problems += _check_load_balancing(kind, key, section, shape)
     if kind == "dpo":
         problems += _check_dpo_loss(f"{key}.loss", section.loss)
     if kind == "grpo":
         problems += _check_grpo(key, section)
     if shape is not None and shape.rope_original_max is not None and "data" in stage.inputs:
         problems += _check_longrope(stage.cfg.data.seq_length, shape.rope_original_max)
+    return problems
+
+
+# Training kinds whose objective adds HF's load-balancing loss (`alignflow.stages.sft.with_load_balancing`).
+LOAD_BALANCING_KINDS = ("sft", "dpo")
+
+
+def _check_load_balancing(kind: str, key: str, section: DictConfig, shape: ModelShape) -> list[str]:
+    """A MoE model whose config.json sets output_router_logits: HF's training loss adds
+    router_aux_loss_coef x its load-balancing loss, over every layer's routing of a micro batch
+    at once; alignflow adds it where the whole model and its forward's router logits are at hand."""
+    why = (f"the model's config.json (model.source) sets output_router_logits=true, so HF's training loss adds router_aux_loss_coef "
+           f"({shape.moe_aux_loss_coef}) x its load-balancing loss")
+    off = "or set output_router_logits to false (HF's default) to train on the language-model loss alone"
+    if kind not in LOAD_BALANCING_KINDS:
+        return [f"{key}: {why}, which {kind} does not add (only {' and '.join(LOAD_BALANCING_KINDS)} do); {off}"]
+    problems, par = [], section.parallel
+    if par.pipeline_model_parallel_size > 1:
+        problems.append(f"{key}.parallel.pipeline_model_parallel_size: {par.pipeline_model_parallel_size}, but {why}, computed over "
+                        f"all layers' router logits of a micro batch together, which alignflow adds with every layer on one pipeline "
+                        f"stage; set it to 1, {off}")
+    if section.recompute_granularity == RecomputeGranularity.full:
+        problems.append(f"{key}.recompute_granularity: full recomputes each layer in the backward pass, but {why}, which needs the "
+                        f"router logits of every layer's forward with their gradients; use selective or none, {off}")
+    if par.sequence_parallel:
+        problems.append(f"{key}.parallel.sequence_parallel: each tensor-parallel rank routes a slice of the tokens, but {why} over "
+                        f"all the micro batch's tokens (not built with sequence parallelism); turn it off, {off}")
     return problems
 
 

@@ -207,6 +207,7 @@ class Decoder:
         self.padding_bias = (torch.zeros(padding.shape, dtype=self.dtype, device=device).masked_fill(padding, float("-inf"))
                              if any(pad) else None)  # added to the scores of decode steps
         self.length, self.device = 0, device
+        self.router_logits: Optional[list[Tensor]] = None  # each MoE layer's, where a `LeanForward` keeps them
 
     def prefill(self, prompts: Tensor, pad: list[int], rows: Tensor) -> Optional[Tensor]:
         """Run the distinct prompts [u, s] (left-padded by `pad` [u]) and cache prompt rows[i] in
@@ -305,6 +306,8 @@ class Decoder:
         on its tokens, its output scaled by their probabilities and summed per token."""
         flat = h.reshape(-1, h.shape[-1])
         logits = F.linear(flat, w.router)
+        if self.router_logits is not None:
+            self.router_logits.append(logits)
         if self.pre_softmax:
             probs, chosen = torch.softmax(logits, -1, dtype=torch.float32).type_as(logits).topk(self.top_k, -1)
         else:
@@ -394,6 +397,7 @@ class LeanForward:
 
     def __init__(self, model, max_length: int):
         self.decoder = Decoder(model, [], max_length)
+        self.records_routing = model.hf_shape.moe_aux_loss_coef != 0  # as `RecordingRouter`s do
 
     @classmethod
     def of(cls, chunks: list, max_length: int) -> Optional["LeanForward"]:
@@ -426,6 +430,7 @@ class LeanForward:
             return out.view(b, s, -1)
 
         ropes = d.rope_at(position_ids)
+        d.router_logits = [] if self.records_routing else None
         # With gradients, a LoRA layer's merged weight is computed again for each micro batch:
         # each backward frees the graph it was computed in.
         layers = [layer_weights(layer) for layer in d.model.decoder.layers] if torch.is_grad_enabled() else d.layers
@@ -433,3 +438,12 @@ class LeanForward:
         for i, weights in enumerate(layers):
             x = d._layer(x, i, weights, ropes, attend)
         return mask_padded(d.head(x), d.model.real_vocab_size)
+
+
+def router_logits(model) -> list[Tensor]:
+    """Each MoE layer's router logits [tokens, experts] of the last forward through `model` (a
+    `LeanForward`, or a GPTModel chunk, DDP-wrapped or not, with `RecordingRouter`s), tokens in
+    the order of the micro batch's [rows, length] positions, with their graph."""
+    if isinstance(model, LeanForward):
+        return model.decoder.router_logits
+    return [layer.mlp.router.logits for layer in unwrap_model(model).decoder.layers]

@@ -39,6 +39,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -74,9 +75,10 @@ CPU_SETTINGS = {
 # TransformerConfig settings of a MoE model, given its shape: HF's router. Top-k of the
 # softmax; renormalized over the top k (norm_topk_prob, Mixtral) is Megatron's softmax over the
 # top-k logits, else the softmax over all experts before the top-k (pre-softmax). No capacity,
-# so no token is dropped. No load-balancing loss: HF adds its own (over all layers together,
-# unlike Megatron's per layer) only with output_router_logits, which compose refuses for
-# training (alignflow.config.validate). The alltoall dispatcher runs on gloo (CPU) as on NCCL.
+# so no token is dropped. Megatron's load-balancing loss stays off: HF's (with
+# output_router_logits) is computed over all layers' routing of a micro batch together, unlike
+# Megatron's per layer; the training objective adds it from the logits `RecordingRouter` keeps
+# (`alignflow.losses.load_balancing`). The alltoall dispatcher runs on gloo (CPU) as on NCCL.
 def moe_settings(shape: ModelShape, ep_size: int) -> dict[str, Any]:
     if not shape.moe:
         return {"moe_token_dispatcher_type": "alltoall"}  # variable_seq_lengths refuses the default even without experts
@@ -92,6 +94,20 @@ def moe_settings(shape: ModelShape, ep_size: int) -> dict[str, Any]:
         "moe_grouped_gemm": packed_thd(),  # TEGroupedMLP with Transformer Engine, SequentialMLP on the local spec
         "expert_model_parallel_size": ep_size,
     }
+
+
+class RecordingRouter(TopKRouter):
+    """Megatron's router that keeps the router logits of its last forward (`logits`, [tokens,
+    experts] in the order of the micro batch's [rows, length] positions, with their graph), for
+    HF's load-balancing loss over all layers (`alignflow.losses.load_balancing`). Built where
+    the model's config sets output_router_logits (`layer_spec`)."""
+
+    logits: Optional[Tensor] = None
+
+    def gating(self, input: Tensor) -> Tensor:
+        logits = super().gating(input)  # [s, b, experts]; THD: [b * s, 1, experts]
+        self.logits = logits.transpose(0, 1).reshape(-1, logits.shape[-1])
+        return logits
 
 
 # HF rope type -> GPTModel arguments, given the HF scaling factor (llama3: see `_llama3_rope`).
@@ -283,7 +299,7 @@ def layer_spec(shape: ModelShape) -> ModuleSpec:
     shape has them (see `alignflow.megatron.gemma`). MoE layers: TEGroupedMLP experts with TE,
     SequentialMLP on the local spec; both store the experts under one checkpoint key, and the
     pre-MLP norm under `pre_mlp_layernorm` (TE's MoE spec keeps it apart from fc1; the local
-    spec would save it under fc1's name)."""
+    spec would save it under fc1's name); with HF's load-balancing loss, `RecordingRouter`s."""
     experts = dict(num_experts=shape.num_experts or None, moe_grouped_gemm=shape.moe and packed_thd())
     if packed_thd():
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm, **experts)
@@ -293,6 +309,8 @@ def layer_spec(shape: ModelShape) -> ModuleSpec:
         if shape.moe:
             spec.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.")
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    if shape.moe_aux_loss_coef:
+        mlp.router = RecordingRouter
     attention.linear_proj = _biased(attention.linear_proj, shape.proj_bias)
     if shape.dense:
         mlp.linear_fc1, mlp.linear_fc2 = _biased(mlp.linear_fc1, shape.mlp_bias), _biased(mlp.linear_fc2, shape.mlp_bias)

@@ -15,7 +15,10 @@ sequences of a pair share a packed row (`alignflow.train.datasets.PreferencePair
 packed into rows, no padding to the data set's longest), so a pair's loss is computed where
 both are.
 Metrics per step (and per validation): loss, reward_accuracy, chosen_reward,
-rejected_reward, reward_margin, preference_loss, sft_loss.
+rejected_reward, reward_margin, preference_loss, sft_loss. A mixture-of-experts model whose
+config sets output_router_logits adds router_aux_loss_coef x HF's load-balancing loss of each
+micro batch (its pairs' chosen and rejected tokens), as TRL's DPOTrainer does, and `aux_loss`
+(`alignflow.stages.sft.with_load_balancing`).
 
 Output: the final policy in the `alignflow.checkpoint` layout, and metrics.jsonl.
 """
@@ -25,7 +28,7 @@ import torch
 from alignflow.config.schema import DPOLossConfig
 from alignflow.data.prepared import SIDES, Prepared
 from alignflow.losses.preference import PairLogps, PreferenceLoss, preference_loss
-from alignflow.stages.sft import sft_forward
+from alignflow.stages.sft import sft_forward, with_load_balancing
 from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
 from alignflow.train.engine import LossTerms, Objective, finish, training
 from alignflow.train.loop import Supervised, supervised
@@ -62,5 +65,5 @@ def load_data(data: Prepared, reference_uri: str) -> Supervised:
 def run(cfg, inputs: dict, out: str) -> dict:
     data = load_data(Prepared(inputs["data"]), inputs["ref_logprobs"])
     with training("dpo", cfg, inputs, out, len(data.train), cfg.dpo.global_batch_size) as run:
-        result = supervised(run, data, dpo_objective(cfg.dpo.loss))
+        result = supervised(run, data, with_load_balancing(dpo_objective(cfg.dpo.loss), run.init.hf_config))
     return finish(run, result)

@@ -20,7 +20,8 @@ attends on its own through a fused kernel, with no mask (`DocumentWindowAttentio
 `alignflow.megatron.attention`), in training and forward-only passes alike; either narrowed
 by a sliding window where the model has one. Labels are the
 next token, trained only where loss_mask marks it and within the same document; the loss is
-averaged over the loss tokens of the whole global batch.
+averaged over the loss tokens of the whole global batch. A mixture-of-experts model whose
+config sets output_router_logits adds HF's load-balancing loss (`with_load_balancing`).
 
 Simplified:
 - On the local spec, position ids restart at each document and are passed to the model, but
@@ -36,8 +37,12 @@ Simplified:
 """
 
 import torch
+from megatron.core import parallel_state
 
+from alignflow.convert.families import model_shape
 from alignflow.data.prepared import Prepared
+from alignflow.losses.load_balancing import load_balancing_loss
+from alignflow.megatron.decoder import router_logits
 from alignflow.megatron.model import document_params, packed_thd, token_nll
 from alignflow.train.datasets import PackedSFT, optional
 from alignflow.train.engine import LossTerms, Objective, finish, training
@@ -62,6 +67,41 @@ def sft_loss(per_token: torch.Tensor, batch: dict) -> LossTerms:
 SFT = Objective(forward=sft_forward, loss=sft_loss)
 
 
+def with_load_balancing(objective: Objective, hf_config: dict) -> Objective:
+    """`objective` plus HF's load-balancing loss where the model's config.json sets
+    output_router_logits: router_aux_loss_coef x `load_balancing_loss` of each micro batch (its
+    documents' tokens, padding left out), reported as `aux_loss`. A micro batch adds it times
+    its count (loss tokens for SFT, pairs for DPO), so a step's loss is the objective's plus coef
+    x the count-weighted mean of its micro batches' aux losses: with one micro batch, HF's model
+    loss exactly; for DPO (every micro batch holds micro_batch_size pairs) TRL 1.16's, which
+    adds coef x aux to each micro batch's mean loss and averages them. SFT's micro batches hold
+    different numbers of loss tokens: TRL averages their aux losses plainly (each / accumulation
+    steps), alignflow weights each by its loss tokens, as the token mean it is added to (equal
+    when the micro batches hold as many loss tokens). Needs every layer's router logits of the
+    forward, with their gradients: one pipeline stage, no full recompute (refused at compose)."""
+    shape = model_shape(hf_config)
+    if not shape.moe_aux_loss_coef:
+        return objective
+    coef = shape.moe_aux_loss_coef
+
+    def forward(model, batch: dict):
+        out = objective.forward(model, batch)
+        logits = router_logits(model)
+        recomputed = torch.is_grad_enabled() and not all(layer.requires_grad for layer in logits)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1 or recomputed:
+            raise NotImplementedError("HF's load-balancing loss (output_router_logits) needs every layer's router logits of the "
+                                      "forward with their gradients: pipeline_model_parallel_size 1, no full activation recompute")
+        return out, load_balancing_loss(logits, batch["token_mask"], shape.num_experts, shape.moe_top_k)
+
+    def loss(output, batch: dict) -> LossTerms:
+        out, aux = output
+        terms = objective.loss(out, batch)
+        weight = terms.count.to(aux.dtype)
+        return LossTerms(terms.total + coef * aux * weight, terms.count, terms.metrics | {"aux_loss": aux.detach() * weight})
+
+    return Objective(forward, loss, (*objective.metric_names, "aux_loss"))
+
+
 def load_data(data: Prepared) -> Supervised:
     return Supervised(train=PackedSFT(data, "train"), val=optional(PackedSFT, data, "val"), seq_length=data.seq_length)
 
@@ -69,5 +109,5 @@ def load_data(data: Prepared) -> Supervised:
 def run(cfg, inputs: dict, out: str) -> dict:
     data = load_data(Prepared(inputs["data"]))
     with training("sft", cfg, inputs, out, len(data.train), cfg.sft.global_batch_size) as run:
-        result = supervised(run, data, SFT)
+        result = supervised(run, data, with_load_balancing(SFT, run.init.hf_config))
     return finish(run, result)

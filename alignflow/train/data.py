@@ -86,6 +86,7 @@ class PackedRows:
     position_ids: torch.Tensor  # [b, s] restart at 0 in each document
     cu_seqlens: torch.Tensor  # [documents + 1] int32: document (and padding) starts in the flat [b * s] batch
     max_seqlen: int  # the longest document (with cu_seqlens: varlen / THD attention's arguments)
+    token_mask: torch.Tensor  # [b, s] bool: a document's token, False on the padding (HF's attention_mask)
 
 
 def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], length: int, pad_id: int) -> PackedRows:
@@ -117,4 +118,5 @@ def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], lengt
     return PackedRows(
         torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions),
         torch.from_numpy(cu_seqlens.astype(np.int32)), int(np.diff(cu_seqlens).max()),
+        torch.arange(length)[None, :] < torch.tensor([len(ids) for ids, _, _ in rows])[:, None],
     )
