@@ -319,8 +319,22 @@ CASES = {
     "expert-parallel-beyond-data-parallel": Case(("model=tiny_qwen3_moe", "dpo.parallel.expert_model_parallel_size=2",
                                                   "dpo.parallel.tensor_model_parallel_size=2", "dpo.resources.tasks_per_node=2"),
                                                  ("dpo.parallel.expert_model_parallel_size: 2 does not divide the data-parallel size 1",)),
-    "moe-load-balancing-loss": Case(("model.source={W}/moe",), ("sft: the model's config.json (model.source) sets output_router_logits=true",
-                                                                "dpo: the model's config.json"), moe_with_router_logits),
+    "moe-load-balancing-loss-in-grpo": Case(("pipeline=sft_grpo", "model.source={W}/moe"),
+                                            ("grpo: the model's config.json (model.source) sets output_router_logits=true, so HF's training "
+                                             "loss adds router_aux_loss_coef (0.001) x its load-balancing loss, which grpo does not add",),
+                                            moe_with_router_logits),
+    "moe-load-balancing-loss-over-pipeline-stages": Case(("model.source={W}/moe", "sft.parallel.pipeline_model_parallel_size=2",
+                                                          "sft.resources.tasks_per_node=2"),
+                                                         ("sft.parallel.pipeline_model_parallel_size: 2, but the model's config.json "
+                                                          "(model.source) sets output_router_logits=true",), moe_with_router_logits),
+    "moe-load-balancing-loss-with-full-recompute": Case(("model.source={W}/moe", "dpo.recompute_granularity=full"),
+                                                        ("dpo.recompute_granularity: full recomputes each layer in the backward pass, "
+                                                         "but the model's config.json (model.source) sets output_router_logits=true",),
+                                                        moe_with_router_logits),
+    "moe-load-balancing-loss-with-sequence-parallel": Case(("model.source={W}/moe", "sft.parallel.tensor_model_parallel_size=2",
+                                                            "sft.parallel.sequence_parallel=true", "sft.resources.tasks_per_node=2"),
+                                                           ("sft.parallel.sequence_parallel: each tensor-parallel rank routes a slice of "
+                                                            "the tokens",), moe_with_router_logits),
     "lora-on-experts": Case(("pipeline=sft_lora_dpo", "model=tiny_qwen3_moe"),
                             ("sft.lora.target_modules: ['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2'] adapts the MLP, but the model's MLPs are experts",)),
     "expert-parallel-in-generation": Case(("pipeline=sft_grpo", "model=tiny_qwen3_moe", "grpo.parallel.expert_model_parallel_size=2",

@@ -3,6 +3,8 @@ SFT's and DPO's objectives on one micro batch give HF's own model loss (its LM l
 router_aux_loss_coef x aux loss, HF's code on the same weights, fp32) within 1e-5, and the router
 weights HF's gradients, on Megatron's forward and on the lean one; EP2 trains as EP1."""
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from megatron_ranks import tiny_hf_model
 
+from alignflow.config.compose import compose
 from alignflow.config.schema import DPOLossConfig
 from alignflow.device import to_device
 from alignflow.megatron.decoder import LeanForward
@@ -121,6 +124,14 @@ def test_dpo_adds_hfs_aux_loss_of_the_pairs(one_rank, converted, tmp_path):
         aux = hf_model(input_ids=ids, attention_mask=mask).aux_loss
     assert COEF * aux.item() > 0.1
     assert abs(terms.total.item() / 2 - (expected.total.item() / 2 + COEF * aux.item())) < 1e-5
+
+
+def test_sft_dpo_of_a_model_with_router_logits_composes(demo_dir, base_overrides, tmp_path):
+    """The old refusal is gone where the loss is added: sft and dpo at the defaults compose."""
+    shutil.copytree(demo_dir / "tiny-qwen3-moe", tmp_path / "moe")
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    assert compose("sft_dpo", [*base_overrides, f"model.source={tmp_path / 'moe'}"]).model.source == str(tmp_path / "moe")
 
 
 @pytest.mark.slow
