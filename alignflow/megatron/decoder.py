@@ -391,7 +391,9 @@ class LeanForward:
     their accumulation hooks as before): one rank of TP, PP and CP (DP any), the local spec (TE's
     batches are THD), fp32 weights (in bf16 the two differ in rounding), no dropout, and with
     gradients no activation recompute; not where Megatron's DDP gathers weights in forward
-    hooks (overlapped parameter gathers). Elsewhere None: Megatron's forward runs."""
+    hooks (overlapped parameter gathers). Elsewhere None: Megatron's forward runs. A MoE model
+    whose config sets output_router_logits keeps each layer's router logits of the call
+    (`router_logits`), as `RecordingRouter`s do on Megatron's forward."""
 
     post_process = True
 

@@ -7,7 +7,8 @@ RoPE with linear or llama3 scaling, Mistral's sliding window; Gemma 2 / 3 with t
 whole-projection q/k norms, `PostNormTransformerLayer` and `ProjectionRMSNorm`, pieces
 Megatron-Core lacks; Phi-3's partial rotary and longrope, `LongRoPE` and `RotaryScale` (its
 attention factor on the rotated dims of q and k only, Phi-4-mini's too); Mixtral and Qwen3-MoE:
-Megatron's MoELayer, a softmax top-k router as HF's (`MOE_SETTINGS`), no token dropping), under
+Megatron's MoELayer, a softmax top-k router as HF's (`moe_settings`; `RecordingRouter` keeps
+its logits for HF's load-balancing loss), no token dropping), under
 TP, PP (with virtual chunks), EP for the experts and, with Transformer Engine, CP (not with
 attention soft-capping: its attention is ours).
 Layer spec: Transformer Engine's where it is importable (GPU clusters), else Megatron's local

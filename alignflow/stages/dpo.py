@@ -17,8 +17,8 @@ both are.
 Metrics per step (and per validation): loss, reward_accuracy, chosen_reward,
 rejected_reward, reward_margin, preference_loss, sft_loss. A mixture-of-experts model whose
 config sets output_router_logits adds router_aux_loss_coef x HF's load-balancing loss of each
-micro batch (its pairs' chosen and rejected tokens), as TRL's DPOTrainer does, and `aux_loss`
-(`alignflow.stages.sft.with_load_balancing`).
+micro batch (its pairs' chosen and rejected tokens), as TRL's DPOTrainer does, weighted by the
+micro batch's pairs, and `aux_loss` (`alignflow.stages.sft.with_load_balancing`).
 
 Output: the final policy in the `alignflow.checkpoint` layout, and metrics.jsonl.
 """

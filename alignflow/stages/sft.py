@@ -69,16 +69,18 @@ SFT = Objective(forward=sft_forward, loss=sft_loss)
 
 def with_load_balancing(objective: Objective, hf_config: dict) -> Objective:
     """`objective` plus HF's load-balancing loss where the model's config.json sets
-    output_router_logits: router_aux_loss_coef x `load_balancing_loss` of each micro batch (its
-    documents' tokens, padding left out), reported as `aux_loss`. A micro batch adds it times
-    its count (loss tokens for SFT, pairs for DPO), so a step's loss is the objective's plus coef
-    x the count-weighted mean of its micro batches' aux losses: with one micro batch, HF's model
-    loss exactly; for DPO (every micro batch holds micro_batch_size pairs) TRL 1.16's, which
-    adds coef x aux to each micro batch's mean loss and averages them. SFT's micro batches hold
-    different numbers of loss tokens: TRL averages their aux losses plainly (each / accumulation
-    steps), alignflow weights each by its loss tokens, as the token mean it is added to (equal
-    when the micro batches hold as many loss tokens). Needs every layer's router logits of the
-    forward, with their gradients: one pipeline stage, no full recompute (refused at compose)."""
+    output_router_logits: router_aux_loss_coef x `load_balancing_loss` of each micro batch (one
+    forward call, as HF's: its documents' tokens, padding left out), reported as `aux_loss`.
+
+    A micro batch adds it times its count (loss tokens for SFT, pairs for DPO), so a step's
+    loss is the objective's plus coef x the count-weighted mean of its micro batches' aux
+    losses: with one micro batch, HF's model loss (and TRL 1.16's DPO loss) exactly. With
+    several, TRL averages coef x aux over the micro batches plainly (gradient accumulation:
+    each micro batch's aux / steps); alignflow weights each by its count, as the mean it is
+    added to, which is the same where the micro batches hold equal counts. (An aux loss depends
+    on which tokens share a forward call, so no other grouping of a step matches it exactly.)
+    Needs every layer's router logits of the forward with their gradients: one pipeline stage,
+    no full recompute (refused at compose, and here)."""
     shape = model_shape(hf_config)
     if not shape.moe_aux_loss_coef:
         return objective
