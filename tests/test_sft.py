@@ -78,16 +78,20 @@ def test_two_ranks_match_one_rank(demo_dir, inputs, other_models, tmp_path, tp, 
 
 @pytest.mark.slow
 def test_moe_at_ep2_matches_ep1(demo_dir, inputs, tmp_path):
-    """The demo Qwen3-MoE (4 experts, top 2) on 2 ranks: its experts split over EP2 (Megatron's
-    alltoall dispatcher on gloo, expert grads reduced over the expert-data-parallel group) give
-    EP1's losses, grad norms and val loss over 5 steps within 1e-5 (both DP2: the same data split)."""
-    moe = {**inputs, "model": str(convert_demo(demo_dir, tmp_path / "moe", "tiny-qwen3-moe"))}
+    """A random Qwen3-MoE of the demo's shape (4 experts, top 2) with output_router_logits on, on
+    2 ranks: its experts split over EP2 (Megatron's forward: the alltoall dispatcher on gloo,
+    expert grads reduced over the expert-data-parallel group) give EP1's (the lean forward)
+    losses, HF's load-balancing aux losses (each rank's routers see the same tokens at both),
+    grad norms and val loss over 5 steps within 1e-5 (both DP2: the same data split)."""
+    model = convert_demo(demo_dir, tmp_path / "moe", "tiny-qwen3-moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    moe = {**inputs, "model": str(model)}
     runs = {}
     for ep in (1, 2):
         runs[ep] = tmp_path / f"ep{ep}"
         torchrun(2, sft_cfg(demo_dir, resources={"tasks_per_node": 2}, trainer={"val_check_interval": 5},
                             parallel={"expert_model_parallel_size": ep}), moe, runs[ep])
-    assert_same_steps(runs[1], runs[2], 1e-5)
+    assert_same_steps(runs[1], runs[2], 1e-5, keys=("loss", "aux_loss", "grad_norm", "val_loss", "val_aux_loss"))
+    assert min(line["aux_loss"] for line in metrics_lines(runs[1])) > 1.0  # top 2 of 4: at least 2 (HF's), x 0.5 in the loss
     assert weights(runs[2] / "model").keys() == weights(Path(moe["model"]) / "model").keys()
 
 
