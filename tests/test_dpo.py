@@ -100,9 +100,10 @@ def test_dpo_fits_its_pairs(demo_dir, inputs, tmp_path, precision):
 
 @pytest.mark.slow
 def test_dpo_losses_of_a_moe_at_ep2_match_ep1(demo_dir, inputs, tmp_path):
-    """The demo Qwen3-MoE as policy (its own reference log-probs): EP2 gives EP1's DPO losses
-    and rewards within 1e-5 (both on 2 ranks, DP2)."""
-    model = convert_demo(demo_dir, tmp_path / "moe", "tiny-qwen3-moe")
+    """A random Qwen3-MoE of the demo's shape with output_router_logits on, as policy (its own
+    reference log-probs): EP2 gives EP1's DPO losses (HF's load-balancing term included), aux
+    losses and rewards within 1e-5 (both on 2 ranks, DP2)."""
+    model = convert_demo(demo_dir, tmp_path / "moe", "tiny-qwen3-moe", output_router_logits=True, router_aux_loss_coef=0.5)
     ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
                             "model": {"make_vocab_size_divisible_by": 128}}), {"data": inputs["data"], "model": str(model)}, str(tmp_path / "ref"))
     moe = {"data": inputs["data"], "model": str(model), "ref_logprobs": str(tmp_path / "ref")}
@@ -111,7 +112,8 @@ def test_dpo_losses_of_a_moe_at_ep2_match_ep1(demo_dir, inputs, tmp_path):
         runs[ep] = tmp_path / f"ep{ep}"
         cfg = dpo_cfg(demo_dir, resources={"tasks_per_node": 2}, trainer={"val_check_interval": 5}, parallel={"expert_model_parallel_size": ep})
         torchrun(2, cfg, moe, runs[ep], "--stage", "dpo", "--ref-logprobs", moe["ref_logprobs"])
-    assert_same_steps(runs[1], runs[2], 1e-5, keys=("loss", "reward_margin", "chosen_reward", "val_loss"))
+    assert_same_steps(runs[1], runs[2], 1e-5, keys=("loss", "aux_loss", "reward_margin", "chosen_reward", "val_loss", "val_aux_loss"))
+    assert all("aux_loss" in line for line in metrics_lines(runs[1]))
 
 
 @pytest.mark.slow
