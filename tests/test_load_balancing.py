@@ -38,7 +38,7 @@ def converted(request, demo_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     hf_model, config = tiny_hf_model(request.param, vocab_size=512, output_router_logits=True, router_aux_loss_coef=COEF)
     hf_model.save_pretrained(root / "hf")
-    return hf_model.float(), config, convert_hf(demo_dir, root / "hf", root / "model")
+    return hf_model, config, convert_hf(demo_dir, root / "hf", root / "model")
 
 
 def megatron_model(config: dict, model_dir: Path, one_rank, cache: Path):
@@ -61,8 +61,8 @@ def hf_inputs(rows: list) -> dict:
     labels, positions = torch.full_like(ids, -100), torch.zeros_like(ids)
     for i, (tokens, _, cu) in enumerate(rows):
         ids[i, : len(tokens)] = labels[i, : len(tokens)] = torch.as_tensor(tokens)
+        labels[i, cu[1:-1]] = -100
         for a, b in zip(cu, cu[1:]):
-            labels[i, a] = -100 if a else labels[i, a]
             positions[i, a:b] = torch.arange(b - a)
     padded = any(len(tokens) < LENGTH for tokens, _, _ in rows)
     if padded:
@@ -77,6 +77,8 @@ ROWS = {"packed": [[7, 9], [5, 4, 7]], "padded": [[16], [11]]}
 @pytest.mark.parametrize("rows", sorted(ROWS))
 @pytest.mark.parametrize("path", ["megatron", "lean"])
 def test_sft_loss_and_router_gradients_are_hfs(one_rank, converted, rows, path, tmp_path):
+    """One micro batch of two rows (packed documents, or one padded row): the SFT loss with the
+    aux term and the aux loss itself are HF's, and every layer's router weight gets HF's gradient."""
     hf_model, config, model_dir = converted
     model = megatron_model(config, model_dir, one_rank, tmp_path)
     forward = model if path == "megatron" else LeanForward.of([model], LENGTH)
