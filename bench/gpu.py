@@ -24,7 +24,7 @@ memory is torch's allocated CUDA memory over the span (CPU: the process's peak R
 The tests and the measurements each fit one 10-minute command: run them apart
 (`--skip-bench`, then `--skip-tests`).
 - ours: `alignflow.train.engine.optimizer_step` with the SFT and DPO objectives (what the sft and
-  dpo stages' loop calls each step), `alignflow.stages.ref_logprobs.pair_logprobs` in the
+  dpo stages' loop calls each step), `alignflow.forward.objectives.pair_logprobs` in the
   stage's own frame (`forward_only_splits`: its precision), and `alignflow.generation.generate`
   on the policy (GRPO's rollouts);
 - TRL 1.16 as its expert user runs it (settings printed): SFTTrainer with bfd packing (padding-
@@ -185,6 +185,7 @@ def ours(work: Path, shape: dict, precision: str) -> list[dict]:
 
     from alignflow.data.prepared import Prepared
     from alignflow.generation import Sampling, generate
+    from alignflow.forward.passes import forward_only_splits
     from alignflow.stages import dpo, ref_logprobs, sft
     from alignflow.train import engine
     from alignflow.train.data import dp_micro_batches
@@ -250,7 +251,7 @@ def ours(work: Path, shape: dict, precision: str) -> list[dict]:
             measured.append(result("reference", pairs.num_tokens(everything), flops, seconds, f"{dtype} weights, no grad"))
             return {}
 
-        engine.forward_only_splits(cfg, cfg.ref_logprobs, inputs["model"], PreferencePairs, prepared, each)
+        forward_only_splits(cfg, cfg.ref_logprobs, inputs["model"], PreferencePairs, prepared, each)
         return measured
 
     def preference() -> list[dict]:

@@ -68,7 +68,8 @@ def rank_main(rank: int, setting: str, results) -> None:
 
     from alignflow.megatron import runtime
     from alignflow.megatron.model import build_gpt
-    from alignflow.train.engine import build_optimizer, ddp_config, recompute_settings, resolve_precision, set_lr, wrap_ddp
+    from alignflow.forward.passes import resolve_precision
+    from alignflow.train.engine import build_optimizer, ddp_config, recompute_settings, set_lr, wrap_ddp
 
     precision, distributed, recompute, _ = SETTINGS[setting]
     cfg = OmegaConf.create({

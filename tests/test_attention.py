@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from alignflow.megatron.attention import Documents, kernel, packed_attention
 from alignflow.megatron.decoder import LeanForward
 from alignflow.megatron.model import build_gpt, document_params, load_megatron_state, token_nll
-from alignflow.stages.sft import sft_forward
+from alignflow.forward.objectives import sft_forward
 from alignflow.train.data import packed_rows
 
 # Two rows of 320: a document over 128 tokens (a call of its own), short ones of mixed

@@ -15,7 +15,8 @@ from alignflow.data.prepared import Prepared
 from alignflow.generation import EOS_CHECK_EVERY_DEFAULT, Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.stages import distillation, dpo, eval as eval_stage, grpo, prep, ref_logprobs, sft, teacher_logprobs
-from alignflow.train.engine import LossTerms, Objective, training
+from alignflow.forward.passes import LossTerms, Objective
+from alignflow.train.engine import training
 from alignflow.train.loop import supervised
 from alignflow.worker import typed
 

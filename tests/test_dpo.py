@@ -13,6 +13,7 @@ import torch
 from alignflow.config.schema import DPOLossConfig
 from alignflow.data.packing import pack_bfd
 from alignflow.device import to_device
+from alignflow.forward.objectives import sft_forward
 from alignflow.megatron import runtime
 from alignflow.stages import dpo, eval as eval_stage, prep, ref_logprobs, sft
 from alignflow.data.prepared import Prepared
@@ -66,9 +67,9 @@ def test_precomputed_reference_equals_an_online_reference(inputs, loss_cfg):
             for param in policy.parameters():  # a policy that has moved away from the reference
                 param.add_(torch.randn_like(param) * 0.01)
             batch = to_device(pairs.collate(range(6)))
-            per_token = dpo.sft_forward(policy, batch)
+            per_token = sft_forward(policy, batch)
             precomputed = dpo.pair_loss(loss_cfg, per_token, batch)
-            ref_tokens = dpo.sft_forward(reference, batch)
+            ref_tokens = sft_forward(reference, batch)
             sums = sequence_sums(-ref_tokens.double() * batch["loss_mask"], batch)
             counts = sequence_sums(batch["loss_mask"].double(), batch).to(torch.int32)
             online = dict(batch, ref_chosen_logp=sums[:6], ref_rejected_logp=sums[6:], ref_chosen_tokens=counts[:6], ref_rejected_tokens=counts[6:])

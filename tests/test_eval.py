@@ -59,7 +59,7 @@ def test_forward_only_models_are_built_in_their_stages_precision(outputs, precis
     stage's `precision` (they ran fp32 whatever it said); auto is fp32 without a GPU."""
     from alignflow.data.prepared import Prepared
     from alignflow.train.datasets import PreferencePairs
-    from alignflow.train.engine import forward_only_splits
+    from alignflow.forward.passes import forward_only_splits
 
     cfg, root = outputs
     section = OmegaConf.merge(cfg.ref_logprobs, {"precision": precision, "parallel": eval_stage.SINGLE_RANK})

@@ -3,10 +3,13 @@ inputs by role), and with nothing else."""
 
 import hashlib
 import json
+import shutil
+import subprocess
 import sys
 
 import pytest
 
+from alignflow import PROJECT_ROOT
 from alignflow.config.compose import ConfigError, build, compose
 from alignflow.fingerprint import canonical_json, code_identity, differences, fingerprint, source_identity
 from alignflow.pipeline import Pipeline
@@ -282,3 +285,40 @@ def test_user_code_named_by_import_path_is_code_identity(tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(tmp_path / "b"))  # the unedited copy, elsewhere
     assert code_identity("alignflow.stages.grpo", ["my_rewards:boxed"]) == with_user
+
+
+KINDS = ("prep", "convert", "sft", "dpo", "grpo", "distillation", "ref_logprobs", "teacher_logprobs", "eval", "export")
+IDENTITIES = "import json; from alignflow.fingerprint import code_identity; " \
+             f"print(json.dumps({{k: code_identity('alignflow.stages.' + k) for k in {KINDS!r}}}))"
+
+
+def identities_in(checkout) -> dict[str, dict]:
+    """Each kind's code identity as a job in `checkout` computes it (its alignflow first on the path)."""
+    out = subprocess.run([sys.executable, "-c", IDENTITIES], cwd=checkout, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_an_optimizer_or_training_loop_edit_reruns_training_stages_only(tmp_path):
+    """Forward-only stages hash what computes their output, not the optimizer, the LR schedule or
+    the training loop: editing those re-runs sft, dpo, grpo and distillation, never
+    ref_logprobs, teacher_logprobs or eval (whose outputs would be the same)."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(PROJECT_ROOT / "alignflow", checkout / "alignflow", ignore=shutil.ignore_patterns("__pycache__"))
+    before = identities_in(checkout)
+    for path, old, new in (("train/engine.py", "    run.optimizer.zero_grad()\n", "    run.optimizer.zero_grad(set_to_none=True)\n"),
+                           ("train/schedule.py", "        return lr * step / warmup_steps", "        return lr * (step + 1) / (warmup_steps + 1)"),
+                           ("train/loop.py", "engine.optimizer_step(run, objective, micro,", "engine.optimizer_step(run, objective, list(micro),")):
+        text = (checkout / "alignflow" / path).read_text()
+        assert text.count(old) == 1, (path, old)
+        (checkout / "alignflow" / path).write_text(text.replace(old, new))
+    after = identities_in(checkout)
+    changed = {kind for kind in KINDS if before[kind] != after[kind]}
+    assert changed == {"sft", "dpo", "grpo", "distillation"}
+
+
+def test_no_stage_module_imports_another():
+    """A stage's code identity holds its own stage module only: shared code lives outside
+    alignflow/stages, so editing one kind never re-runs another."""
+    for kind in KINDS:
+        stages = {path for path in code_identity(f"alignflow.stages.{kind}") if path.startswith("alignflow/stages/")}
+        assert stages == {f"alignflow/stages/{kind}.py"}, stages

@@ -20,9 +20,10 @@ from alignflow.device import to_device
 from alignflow.megatron.decoder import LeanForward
 from alignflow.megatron.model import build_gpt
 from alignflow.stages.dpo import dpo_objective
-from alignflow.stages.sft import SFT, with_load_balancing
+from alignflow.forward.objectives import SFT
+from alignflow.train.objectives import with_load_balancing
 from alignflow.train.data import packed_rows
-from alignflow.train.workspace import load_model_output, local_model
+from alignflow.forward.models import load_model_output, local_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_hf  # noqa: E402

@@ -19,7 +19,7 @@ from alignflow.device import device, to_device
 from alignflow.megatron import runtime
 from alignflow.megatron.decoder import LeanForward
 from alignflow.megatron.model import build_gpt, checkpoint_names, document_params, load_megatron_state, megatron_state, token_nll
-from alignflow.stages.sft import sft_forward
+from alignflow.forward.objectives import sft_forward
 from alignflow.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")

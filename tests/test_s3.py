@@ -33,7 +33,7 @@ def weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def test_an_input_model_is_downloaded_once_per_commit(s3_endpoint, tmp_path, monkeypatch):
     """A model stage output on S3 becomes a local folder (model/, hf/, tokenizer/; not its
     checkpoints) in the cache; the same commit is served from there, a new commit is fetched anew."""
-    from alignflow.train.workspace import local_model
+    from alignflow.forward.models import local_model
 
     monkeypatch.setitem(fsspec.config.conf, "s3", {"client_kwargs": {"endpoint_url": s3_endpoint}})
     fs, root, cache = fsspec.filesystem("s3"), "test/inputs/sft/abc", tmp_path / "cache"

@@ -161,7 +161,8 @@ def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
     from alignflow.device import device, to_device
     from alignflow.megatron import runtime
     from alignflow.megatron.model import build_gpt
-    from alignflow.stages.sft import load_data, sft_forward
+    from alignflow.forward.objectives import sft_forward
+    from alignflow.stages.sft import load_data
     from train_ranks import sft_cfg
 
     data = load_data(Prepared(str(prep_demo(demo_dir, tmp_path / "data"))))

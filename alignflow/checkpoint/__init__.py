@@ -27,12 +27,16 @@ TOKENIZER_DIR = "tokenizer"
 ADAPTER_DIR = "adapter"
 LORA_FILE = "lora.json"
 HF_CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)
 
 
 @dataclass(frozen=True)
 class ModelOutput:
     """A model stage output by URI (a local folder for what needs a filesystem: see
-    `alignflow.train.workspace.local_model`)."""
+    `alignflow.forward.models.local_model`)."""
 
     uri: str
 
@@ -67,3 +71,19 @@ def _read_json(uri: str, missing_ok: bool = False) -> dict | None:
     if missing_ok and not fs.exists(path):
         return None
     return json.loads(fs.cat_file(path))
+
+
+def copy_files(src: str, names: tuple[str, ...], dest: str, required: tuple[str, ...] = ()) -> list[str]:
+    """Copy the named files that exist in `src` to `dest` (any fsspec URIs)."""
+    src_fs, src_root = fsspec.core.url_to_fs(src)
+    dest_fs, dest_root = fsspec.core.url_to_fs(dest)
+    dest_fs.makedirs(dest_root, exist_ok=True)
+    copied = []
+    for name in names:
+        path = f"{src_root.rstrip('/')}/{name}"
+        if src_fs.exists(path):
+            dest_fs.pipe(f"{dest_root.rstrip('/')}/{name}", src_fs.cat_file(path))
+            copied.append(name)
+        elif name in required:
+            raise FileNotFoundError(f"{src}: no {name}")
+    return copied

@@ -221,7 +221,7 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
     return problems
 
 
-# Training kinds whose objective adds HF's load-balancing loss (`alignflow.stages.sft.with_load_balancing`).
+# Training kinds whose objective adds HF's load-balancing loss (`alignflow.train.objectives.with_load_balancing`).
 LOAD_BALANCING_KINDS = ("sft", "dpo")
 
 

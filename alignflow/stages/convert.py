@@ -24,7 +24,7 @@ import time
 
 import fsspec
 
-from alignflow.checkpoint import HF_CONFIG_FILES, HF_DIR, MODEL_DIR, TOKENIZER_DIR
+from alignflow.checkpoint import HF_CONFIG_FILES, HF_DIR, MODEL_DIR, TOKENIZER_DIR, TOKENIZER_FILES, copy_files
 from alignflow.checkpoint.dist_io import DistCheckpointReader, save_lazy
 from alignflow.checkpoint.safetensors_io import SafetensorsReader
 from alignflow.convert.families import model_shape
@@ -32,11 +32,6 @@ from alignflow.convert.sharding import padded_vocab_size
 from alignflow.convert.streaming import dist_to_dist_entries, hf_to_dist_entries
 
 log = logging.getLogger("alignflow.convert")
-
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-)
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
@@ -71,17 +66,3 @@ def is_dist_checkpoint(uri: str) -> bool:
     return fs.exists(f"{path.rstrip('/')}/metadata.json") and fs.exists(f"{path.rstrip('/')}/.metadata")
 
 
-def copy_files(src: str, names: tuple[str, ...], dest: str, required: tuple[str, ...] = ()) -> list[str]:
-    """Copy the named files that exist in `src` to `dest` (any fsspec URIs)."""
-    src_fs, src_root = fsspec.core.url_to_fs(src)
-    dest_fs, dest_root = fsspec.core.url_to_fs(dest)
-    dest_fs.makedirs(dest_root, exist_ok=True)
-    copied = []
-    for name in names:
-        path = f"{src_root.rstrip('/')}/{name}"
-        if src_fs.exists(path):
-            dest_fs.pipe(f"{dest_root.rstrip('/')}/{name}", src_fs.cat_file(path))
-            copied.append(name)
-        elif name in required:
-            raise FileNotFoundError(f"{src}: no {name}")
-    return copied

@@ -29,9 +29,10 @@ from alignflow.config.schema import DistillationLossConfig
 from alignflow.data.prepared import Prepared
 from alignflow.losses.distillation import mixed_loss, topk_kl
 from alignflow.megatron.vocab_parallel import logprobs_at
-from alignflow.stages.teacher_logprobs import logits_forward
+from alignflow.forward.objectives import logits_forward
+from alignflow.forward.passes import LossTerms, Objective
 from alignflow.train.datasets import DistillRows, optional
-from alignflow.train.engine import LossTerms, Objective, finish, training
+from alignflow.train.engine import finish, training
 from alignflow.train.loop import Supervised, supervised
 
 METRICS = ("kl", "sft_loss")

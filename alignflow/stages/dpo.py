@@ -18,7 +18,7 @@ Metrics per step (and per validation): loss, reward_accuracy, chosen_reward,
 rejected_reward, reward_margin, preference_loss, sft_loss. A mixture-of-experts model whose
 config sets output_router_logits adds router_aux_loss_coef x HF's load-balancing loss of each
 micro batch (its pairs' chosen and rejected tokens), as TRL's DPOTrainer does, weighted by the
-micro batch's pairs, and `aux_loss` (`alignflow.stages.sft.with_load_balancing`).
+micro batch's pairs, and `aux_loss` (`alignflow.train.objectives.with_load_balancing`).
 
 Output: the final policy in the `alignflow.checkpoint` layout, and metrics.jsonl.
 """
@@ -28,10 +28,12 @@ import torch
 from alignflow.config.schema import DPOLossConfig
 from alignflow.data.prepared import SIDES, Prepared
 from alignflow.losses.preference import PairLogps, PreferenceLoss, preference_loss
-from alignflow.stages.sft import sft_forward, with_load_balancing
+from alignflow.forward.objectives import sft_forward
+from alignflow.forward.passes import LossTerms, Objective
 from alignflow.train.datasets import PreferencePairs, optional, sequence_sums
-from alignflow.train.engine import LossTerms, Objective, finish, training
+from alignflow.train.engine import finish, training
 from alignflow.train.loop import Supervised, supervised
+from alignflow.train.objectives import with_load_balancing
 
 METRICS = tuple(name for name in PreferenceLoss.__dataclass_fields__ if name != "loss")
 

@@ -33,11 +33,10 @@ from alignflow.device import device
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.rewards import exact_match
-from alignflow.stages.ref_logprobs import pair_logprobs
-from alignflow.stages.sft import SFT
+from alignflow.forward.models import cache_dir, frozen_chunks, local_model
+from alignflow.forward.objectives import SFT, pair_logprobs
+from alignflow.forward.passes import loss_sums, resolve_precision
 from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
-from alignflow.train.engine import loss_sums, resolve_precision
-from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.eval")
 SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,

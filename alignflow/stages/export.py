@@ -29,13 +29,12 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from alignflow.checkpoint import ADAPTER_DIR, ModelOutput
+from alignflow.checkpoint import ADAPTER_DIR, TOKENIZER_FILES, ModelOutput, copy_files
 from alignflow.checkpoint.safetensors_io import write_sharded
 from alignflow.config.destinations import MARKER, destination_key, open_destination, previous_export
 from alignflow.convert.families import model_shape
 from alignflow.convert.peft import model_reader, write_adapter
 from alignflow.convert.streaming import dist_to_hf
-from alignflow.stages.convert import TOKENIZER_FILES, copy_files
 from alignflow.store import staging_owner
 
 log = logging.getLogger("alignflow.export")

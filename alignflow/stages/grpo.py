@@ -63,13 +63,14 @@ from alignflow.generation import Completion, Sampling, filter_logits, generate
 from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import lora
 from alignflow.rewards import exact_match, resolve
-from alignflow.stages.sft import sft_forward
+from alignflow.forward.models import cache_dir, frozen_chunks, local_model
+from alignflow.forward.objectives import sft_forward
+from alignflow.forward.passes import LossTerms, Objective
 from alignflow.train import engine
 from alignflow.train.data import packed_rows
 from alignflow.train.datasets import Prompts
-from alignflow.train.engine import LossTerms, Objective, Run, StepStats, TrainResult, all_reduce_dp, every, finish, training
+from alignflow.train.engine import Run, StepStats, TrainResult, all_reduce_dp, every, finish, training
 from alignflow.train.utilization import FORWARD, ModelShape, model_flops
-from alignflow.train.workspace import cache_dir, frozen_chunks, local_model
 
 log = logging.getLogger("alignflow.grpo")
 LOSS_METRICS = ("kl", "clip_fraction", "ratio")

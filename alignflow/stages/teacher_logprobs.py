@@ -13,7 +13,7 @@ Output: the format of `alignflow.data.teacher_topk`, one shard per DP rank, for 
 val splits of prep's SFT data: at each loss position the `topk_logits_k` most likely next
 tokens and their full-vocab log-probs (the forward in `teacher_logprobs.precision`).
 Metrics: rows and loss positions per split, the mean top-1 log-prob (how sure the teacher is),
-and the passes' tokens/s, TFLOP/s, MFU and peak memory (`alignflow.train.engine.hardware_use`).
+and the passes' tokens/s, TFLOP/s, MFU and peak memory (`alignflow.forward.passes.hardware_use`).
 """
 
 import logging
@@ -26,10 +26,10 @@ from megatron.core import parallel_state
 from alignflow.data import teacher_topk
 from alignflow.data.prepared import Prepared
 from alignflow.device import device
-from alignflow.megatron.model import document_params, packed_thd
+from alignflow.forward.objectives import logits_forward
+from alignflow.forward.passes import forward_only_splits, schedule
 from alignflow.megatron.vocab_parallel import topk_logprobs
 from alignflow.train.datasets import PackedSFT
-from alignflow.train.engine import forward_only_splits, schedule
 
 log = logging.getLogger("alignflow.teacher_logprobs")
 
@@ -44,16 +44,6 @@ def run(cfg, inputs: dict, out: str) -> dict:
         return summary(split, columns, section.topk_logits_k)
 
     return forward_only_splits(cfg, section, inputs["teacher"], PackedSFT, Prepared(inputs["data"]), each)
-
-
-def logits_forward(model, batch: dict) -> torch.Tensor:
-    """Logits [b, s, V / TP] on the last pipeline stage (hidden states elsewhere); with THD
-    attention the micro batch runs as one flat sequence of documents (as `sft_forward`)."""
-    tokens, documents = batch["tokens"], document_params(batch)
-    if not packed_thd():
-        return model(tokens, batch["position_ids"], None, packed_seq_params=documents)
-    out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None, packed_seq_params=documents)
-    return out.view(*tokens.shape, -1) if getattr(model, "module", model).post_process else out
 
 
 def row_topk(chunks: list, rows: PackedSFT, micro_batch_size: int, k: int, vocab_size: int) -> dict | None:

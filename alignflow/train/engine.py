@@ -11,11 +11,8 @@ data order, resume from the latest checkpoint or the input model, metrics), insi
 and `finish(run, result)` publishes the final weights and returns the stage's metrics.
 `alignflow.train.loop.supervised` is the SFT/DPO loop; GRPO writes its own
 (`alignflow.stages.grpo`). A stage gives its loop a dataset (`alignflow.train.data.Dataset`)
-and an `Objective(forward, loss)`: `forward(model, batch)` runs one model chunk on a micro
-batch (on pipeline stages other than the last it returns the hidden states), and
-`loss(output, batch)` (last stage only) returns `LossTerms(total, count, metrics)`: the summed
-loss, how many units (tokens, pairs, ...) it sums over, and per-unit sums of the metrics
-`Objective.metric_names` lists. A step's loss and metrics are sum / sum(count) over the whole
+and an `Objective(forward, loss)` (`alignflow.forward.passes`, which forward-only stages share
+without importing this module). A step's loss and metrics are sum / sum(count) over the whole
 global batch (all micro batches, all DP ranks).
 
 The run writes into `alignflow.train.workspace.Workspace.dir`: the output itself on a
@@ -55,7 +52,6 @@ anyway); no context parallelism, and sequence parallelism only with Transformer 
 (untested here); data-parallel replicas start from identical weights (no DP random init).
 """
 
-import functools
 import json
 import logging
 import shutil
@@ -72,41 +68,24 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 from torch import Tensor
 
 from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
-from alignflow.config.schema import resolved_precision
-from alignflow.data.prepared import Prepared
-from alignflow.device import device, to_device
+from alignflow.device import device
+from alignflow.forward.models import cache_dir, load_model_output, local_model
+from alignflow.forward.passes import Objective, eval_mode, hardware_use, loss_sums, resolve_precision, schedule
 from alignflow.megatron import checkpoint as megatron_checkpoint
 from alignflow.megatron import lora, runtime
-from alignflow.megatron.decoder import LeanForward
-from alignflow.megatron.model import build_gpt, packed_thd
+from alignflow.megatron.model import build_gpt
 from alignflow.train import checkpointing, utilization
 from alignflow.train.checkpointing import TrainerState
 from alignflow.train.data import Dataset, GlobalBatches, dp_micro_batches
-from alignflow.train.datasets import optional
 from alignflow.train.metrics import MetricsLog
 from alignflow.train.schedule import lr_at
-from alignflow.train.workspace import CHECKPOINTS, Workspace, cache_dir, frozen_chunks, load_model_output, local_model, workspace_for
+from alignflow.train.workspace import CHECKPOINTS, Workspace, workspace_for
 
 log = logging.getLogger("alignflow.train")
-
-
-@dataclass
-class LossTerms:
-    total: Tensor  # summed loss of the micro batch (a scalar with grad)
-    count: Tensor  # units it sums over (int scalar)
-    metrics: dict[str, Tensor] = field(default_factory=dict)  # sums over the same units
-
-
-@dataclass
-class Objective:
-    forward: Callable[[Any, dict], Tensor]
-    loss: Callable[[Tensor, dict], LossTerms]
-    metric_names: tuple[str, ...] = ()  # every rank must know them: only the last stage computes them
 
 
 @dataclass
@@ -137,15 +116,6 @@ def check_supported(parallel: Any) -> None:
         raise NotImplementedError("context_parallel_size > 1 needs Transformer Engine's attention: not implemented")
     if parallel.sequence_parallel and not gpt_layer_specs.HAVE_TE:
         raise NotImplementedError("sequence_parallel needs Transformer Engine's norms; Megatron's local spec (CPU) refuses it")
-
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def resolve_precision(precision: str) -> torch.dtype:
-    """The weights' dtype. A pipeline's stage arrives resolved (`alignflow.pipeline`); `auto` in
-    a config given straight to a stage is resolved by this machine's CUDA, the same way."""
-    return PRECISIONS[resolved_precision(precision, on_gpu=torch.cuda.is_available())]
 
 
 @dataclass
@@ -288,79 +258,6 @@ def forward_backward(run: Run, objective: Objective, micro: list[np.ndarray], da
     sum, count, metric sums) on every rank."""
     batches = [dataset.collate(m) for m in micro]
     return loss_sums(run.model, objective, batches, seq_length, run.cfg.micro_batch_size * rows_per_item, forward_only)
-
-
-def loss_sums(chunks: list, objective: Objective, batches: list[dict], seq_length: int, rows: int,
-              forward_only: bool) -> tuple[float, float, dict[str, float]]:
-    """`objective` over collated micro batches through Megatron's schedule; the (loss sum,
-    count, metric sums) over every micro batch of every DP rank, on every rank."""
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        return objective.forward(model, batch), functools.partial(_reported_loss, objective, batch)
-
-    outputs = schedule(chunks, forward_step, batches, seq_length, rows, forward_only)
-    names = objective.metric_names
-    sums = torch.zeros(2 + len(names), dtype=torch.float64, device=device())
-    for out in outputs:
-        sums += out["terms"].double()
-    dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage has it
-    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-    return sums[0].item(), sums[1].item(), {name: sums[2 + i].item() for i, name in enumerate(names)}
-
-
-def _reported_loss(objective: Objective, batch: dict, output: Tensor):
-    terms = objective.loss(output, batch)
-    extra = [terms.metrics[name].detach().float() for name in objective.metric_names]
-    reported = torch.stack([terms.total.detach().float(), terms.count.detach().float(), *extra])
-    return terms.total, terms.count.to(torch.int), {"terms": reported}
-
-
-def schedule(chunks: list, forward_step, batches: list[dict], seq_length: int, rows: int, forward_only: bool) -> list:
-    """Megatron's pipeline schedule over collated micro batches of `rows` x `seq_length` (with
-    PP > 1 the stages exchange each micro batch's shape, so packed ones may differ); the loss
-    functions' outputs (last stage only). THD attention runs a micro batch as one flat
-    sequence, so its stages pass [b * s, 1, h]. On one rank the forward steps get a
-    `LeanForward` in the model's place where it computes what the model would."""
-    length = seq_length
-    if packed_thd():
-        rows, length = 1, rows * length
-    if (lean := LeanForward.of(chunks, seq_length)) is not None:  # the same numbers, fewer ops
-        forward_step = functools.partial(_with_model, forward_step, lean)
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[map(to_device, batches) for _ in chunks],  # one micro batch at a time
-        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
-        seq_length=length, micro_batch_size=rows, forward_only=forward_only,
-    )
-
-
-def _with_model(forward_step, model, data_iterator, _):
-    return forward_step(data_iterator, model)
-
-
-def forward_only_splits(cfg, section, model_uri: str, dataset: type, data: Prepared, each: Callable) -> dict:
-    """The frame of a forward-only stage (ref_logprobs, teacher_logprobs): the model at
-    `model_uri` frozen at `section.parallel` in `section.precision`, then `each(model, chunks,
-    rows, split)` for each split of `data` that has `dataset` rows, its metrics merged, and the
-    hardware use of these passes (their writes included); the ranks meet before teardown."""
-    model = local_model(model_uri, cache_dir(cfg))
-    runtime.init_parallel(section.parallel, seed=0)
-    try:
-        chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg),
-                               resolve_precision(section.precision))
-        metrics, tokens, flops, seconds, shape = {}, 0, 0.0, 0.0, utilization.ModelShape.of(model.hf_config)
-        for split in ("train", "val"):
-            if (rows := optional(dataset, data, split)) is not None:
-                started = time.perf_counter()
-                metrics |= each(model, chunks, rows, split)
-                seconds += time.perf_counter() - started
-                everything = range(len(rows))
-                tokens += rows.num_tokens(everything)
-                flops += utilization.model_flops(shape, rows.document_lengths(everything), utilization.FORWARD)
-        metrics |= {"tokens_per_s": round(tokens / max(seconds, 1e-9), 1)} | hardware_use(flops, seconds)
-        dist.barrier()
-    finally:
-        runtime.teardown()
-    return metrics
 
 
 @torch.no_grad()
@@ -602,36 +499,11 @@ def gather_weights(model: list[DistributedDataParallel]) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
-@contextmanager
-def eval_mode(chunks: list) -> Iterator[None]:
-    """`chunks` in eval mode (no dropout) for the block, back in train mode after it."""
-    for chunk in chunks:
-        chunk.eval()
-    try:
-        yield
-    finally:
-        for chunk in chunks:
-            chunk.train()
-
-
 def all_reduce_dp(value, op=dist.ReduceOp.SUM):
     """An int or float reduced over the data-parallel group (same type back)."""
     t = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64, device=device())
     dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
     return type(value)(t.item())
-
-
-def hardware_use(flops: float, seconds: float) -> dict:
-    """TFLOP/s and MFU of `flops` model FLOPs (all ranks) in `seconds` (the slowest rank's), and
-    the peak memory of the busiest rank: torch's allocated CUDA memory on GPU (the caching
-    allocator's reserve and the CUDA context come on top), the process's peak RSS on CPU."""
-    on_gpu = device().type == "cuda"
-    peak = torch.cuda.max_memory_allocated() if on_gpu else utilization.peak_rss_bytes()
-    measured = torch.tensor([seconds, peak], dtype=torch.float64, device=device())
-    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    seconds, peak = measured.tolist()
-    return utilization.figures(flops, seconds, dist.get_world_size(), torch.cuda.get_device_name() if on_gpu else None) | {
-        "peak_memory_gib": round(peak / 2**30, 3), "peak_memory_of": "cuda max_memory_allocated" if on_gpu else "peak RSS"}
 
 
 def every(step: int, interval: int) -> bool:

@@ -1,14 +1,10 @@
-"""Jobs on an object-store store: local copies of what needs a filesystem, synced with the store.
+"""Training jobs on an object-store store: a scratch folder synced with the store.
 
 Megatron's dist_checkpointing, HF's `from_pretrained` and the atomic renames of
 `alignflow.train.checkpointing` need a filesystem. With a local (or shared POSIX) store a job
-reads its inputs and writes its output in place, as always. With an object store (`s3://`):
+reads its inputs and writes its output in place, as always. With an object store (`s3://`),
+input models are downloaded once per node (`alignflow.forward.models.local_model`), and:
 
-- Input models: a model stage output's `model/`, `hf/` and `tokenizer/` are downloaded once
-  into `store.cache_dir` (`local_model`). The key is the URI plus a digest of the output's
-  manifest: a committed output never changes, and a forced re-run commits a new manifest,
-  hence a new key. A download lands in a temp folder renamed into place under a file lock,
-  so a partial copy is never used and the ranks of a node share one download.
 - Training output (`Workspace`): the job trains in a scratch folder in the cache and
   uploads every complete checkpoint to `{out}/checkpoints/step-N/` (`complete` last, after
   metrics.jsonl and the wandb run id), pruned like the local ones. A (re)started job, on any
@@ -21,80 +17,23 @@ The scratch must be one folder for all ranks of a job (Megatron writes a checkpo
 of them): the node's temp dir by default, a shared filesystem for a multi-node job (checked).
 """
 
-import fcntl
-import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
 
 import fsspec
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from alignflow.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
-from alignflow.store import CHECKPOINTS, COMPLETE, MANIFEST
+from alignflow.forward.models import cache_key, is_local
+from alignflow.store import CHECKPOINTS, COMPLETE
 from alignflow.train.checkpointing import WANDB_RUN_ID, pruned_steps, step_dir
 
 log = logging.getLogger("alignflow.workspace")
 
 METRICS = "metrics.jsonl"
 _SHARED = ".scratch-token"  # written by rank 0 in the scratch: every rank must read the same
-
-
-def is_local(uri: str) -> bool:
-    return fsspec.core.split_protocol(uri)[0] in (None, "file", "local")
-
-
-def cache_dir(cfg: Any = None) -> Path:
-    """`store.cache_dir`, or `alignflow-cache` in this node's temp dir."""
-    configured = OmegaConf.select(cfg, "store.cache_dir", default=None) if cfg is not None else None
-    return Path(configured) if configured else Path(tempfile.gettempdir()) / "alignflow-cache"
-
-
-def local_model(uri: str, cache: Path) -> ModelOutput:
-    """A model stage output (`alignflow.checkpoint` layout) in a local folder: the folder
-    itself on a filesystem, else its model/, hf/ and tokenizer/ downloaded once into `cache`."""
-    if is_local(uri):
-        return ModelOutput(uri.removeprefix("file://"))
-    fs, root = fsspec.core.url_to_fs(uri)
-    root = root.rstrip("/")
-    dest = cache / "inputs" / _key(uri) / _version(fs, root)
-    with _locked(dest):
-        if not dest.exists():
-            tmp = _fresh_tmp(dest)
-            for part in (MODEL_DIR, HF_DIR, TOKENIZER_DIR, ADAPTER_DIR):
-                if fs.exists(f"{root}/{part}"):
-                    fs.get(f"{root}/{part}/", f"{tmp}/{part}/", recursive=True)
-            if fs.exists(f"{root}/{LORA_FILE}"):  # a LoRA output: its base is fetched by its own URI when loaded
-                fs.get(f"{root}/{LORA_FILE}", f"{tmp}/{LORA_FILE}")
-            tmp.rename(dest)
-            log.debug("downloaded %s to %s", uri, dest)
-    return ModelOutput(str(dest))
-
-
-def load_model_output(chunks: list, output: ModelOutput, cache: Path) -> None:
-    """A model stage output's weights into plain chunks, at any layout; a LoRA output's are
-    its base's (fetched like any input) with its adapter merged in."""
-    from alignflow.megatron import checkpoint, lora  # megatron costs a job ~110 MB of RSS
-
-    lora.load_output(chunks, output, lambda uri: local_model(uri, cache), checkpoint.load)
-
-
-def frozen_chunks(output: ModelOutput, parallel, divisible_by: int, cache: Path, params_dtype: Any) -> list:
-    """This rank's chunks of a model stage output, built at `parallel`, loaded (any layout) and
-    in eval mode, in `params_dtype` (a stage's resolved `precision`): the forward-only models
-    (reference, teacher, eval) all start this way."""
-    from alignflow.megatron.model import build_gpt
-
-    built = build_gpt(output.hf_config, parallel, params_dtype=params_dtype, make_vocab_size_divisible_by=divisible_by)
-    chunks = built if isinstance(built, list) else [built]
-    load_model_output(chunks, output, cache)
-    return [c.eval() for c in chunks]
 
 
 def workspace_for(out: str, cache: Path) -> "Workspace":
@@ -129,7 +68,7 @@ class ObjectStoreWorkspace(Workspace):
         self.uri = out.rstrip("/")
         self.fs, root = fsspec.core.url_to_fs(out)
         self.root = root.rstrip("/")
-        self.dir = cache / "scratch" / _key(out)
+        self.dir = cache / "scratch" / cache_key(out)
 
     def restore(self, resume: bool) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -204,35 +143,3 @@ class ObjectStoreWorkspace(Workspace):
             self.fs.rm(path, recursive=True)
 
 
-def _key(uri: str) -> str:
-    """A relative local path naming `uri`: its protocol, then its path."""
-    protocol, path = fsspec.core.split_protocol(uri)
-    return f"{protocol}/{path.strip('/')}"
-
-
-def _version(fs: fsspec.AbstractFileSystem, root: str) -> str:
-    """A digest of what the output holds: its manifest, or the listing of an uncommitted folder."""
-    try:
-        identity = fs.cat_file(f"{root}/{MANIFEST}")
-    except FileNotFoundError:
-        listing = fs.find(root, detail=True)
-        identity = json.dumps(sorted((p, i.get("size"), i.get("ETag") or i.get("mtime")) for p, i in listing.items()), default=str).encode()
-    return hashlib.sha256(identity).hexdigest()[:16]
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Exclusive among the processes (ranks) that share this cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{path}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def _fresh_tmp(dest: Path) -> Path:
-    """An empty temp folder beside `dest`; leftovers of killed downloads go (we hold the lock)."""
-    for leftover in dest.parent.glob(f".tmp-{dest.name}-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp = dest.with_name(f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    return tmp
