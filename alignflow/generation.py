@@ -26,7 +26,13 @@ it supports the Llama family and refuses other models.
 Parallelism: under TP every rank holds its shards, gathers the full logits and draws the same
 token (same generator); under PP hidden states go stage to stage by point-to-point sends and
 the last stage broadcasts the chosen tokens to the others; DP ranks generate their own
-prompts. Virtual PP (several chunks per rank) is not supported here and raises.
+prompts. Under EP the ranks of an EP group are DP ranks with different prompts whose MoE
+layers exchange tokens (`alignflow.megatron.decoder`), so they decode in step: each runs as
+many batches as the group's most (a rank short of them prefills a stand-in row, EOS alone),
+and a batch stops at the first check where every rank's rows have ended (a max over the group
+beside the host read); a rank done before then feeds its last tokens again, draws no uniforms
+and keeps no step, so its completions and its generator's state are those it has alone (EP1).
+Virtual PP (several chunks per rank) is not supported here and raises.
 Not done: CUDA graphs (a captured step needs fixed shapes: attention over the whole cache under
 a length mask; no GPU here to test one), and dropping finished rows from a batch (they decode
 on, as HF's do).
@@ -91,14 +97,22 @@ def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_
         model = model[0]
     generator = torch.Generator(device="cpu").manual_seed(seed)  # draws on the host: the same samples on every device type
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    group = parallel_state.get_expert_model_parallel_group() if parallel_state.get_expert_model_parallel_world_size() > 1 else None
+    batches += [[]] * (_group_max(len(batches), group) - len(batches))  # stand-in batches: as many as the group's most
     completions: dict[int, Completion] = {}
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        completions |= dict(zip(batch, _generate_batch(model, [prompts[i] for i in batch], sampling, generator)))
+    for batch in batches:
+        completions |= dict(zip(batch, _generate_batch(model, [prompts[i] for i in batch], sampling, generator, group)))
     return [completions[i] for i in range(len(prompts))]
 
 
-def _generate_batch(model, prompts: list[Sequence[int]], sampling: Sampling, generator: torch.Generator) -> list[Completion]:
+def _generate_batch(model, prompts: list[Sequence[int]], sampling: Sampling, generator: torch.Generator,
+                    group: Optional[dist.ProcessGroup]) -> list[Completion]:
+    """One batch's completions. Under EP (`group`) the batch stops when every rank's has ended:
+    a rank whose rows have all ended (or with no prompts: a stand-in row, EOS alone) keeps
+    decoding, drawing nothing, its results dropped."""
+    settled = not prompts  # this rank's completions are known: from here on it only keeps in step
+    prompts = prompts or [[sampling.eos_id]]
     longest, where = max(len(p) for p in prompts), device()
     distinct = list(dict.fromkeys(tuple(p) for p in prompts))  # each distinct prompt prefilled once (on the host: no device read)
     index = {p: i for i, p in enumerate(distinct)}
@@ -108,30 +122,46 @@ def _generate_batch(model, prompts: list[Sequence[int]], sampling: Sampling, gen
     logits = decoder.prefill(torch.tensor([[0] * n + list(p) for n, p in zip(pad, distinct)], device=where), pad, inverse)
     b, every, last = len(prompts), EOS_CHECK_EVERY.get(where.type, EOS_CHECK_EVERY_DEFAULT), sampling.max_new_tokens - 1
     chosen, done, ended = [], torch.zeros(b, dtype=torch.bool, device=where), []
+    fed = torch.full((b,), sampling.eos_id, device=where)  # the tokens of the next decode step
     for step in range(sampling.max_new_tokens):
         offset = step % every
-        if offset == 0:  # this stretch's uniforms, and the generator's state before them
-            state, uniforms = generator.get_state(), _uniforms(generator, sampling, min(every, last + 1 - step), b, where)
-        drawn = None
-        if logits is not None:
-            drawn = torch.stack(sample(logits, sampling, None if uniforms is None else uniforms[offset])).double()
-        drawn = _from_last_stage(drawn, b)  # [3, b]: token, logp, sampling logp
-        chosen.append(drawn)
-        done |= drawn[0] == sampling.eos_id
-        ended.append(done.all())
+        if not settled:
+            if offset == 0:  # this stretch's uniforms, and the generator's state before them
+                state, uniforms = generator.get_state(), _uniforms(generator, sampling, min(every, last + 1 - step), b, where)
+            drawn = None
+            if logits is not None:
+                drawn = torch.stack(sample(logits, sampling, None if uniforms is None else uniforms[offset])).double()
+            drawn = _from_last_stage(drawn, b)  # [3, b]: token, logp, sampling logp
+            chosen.append(drawn)
+            fed = drawn[0].long()
+            done |= drawn[0] == sampling.eos_id
+            ended.append(done.all())
         if offset == every - 1 or step == last:
-            stretch = torch.stack(ended[step - offset :]).tolist()  # the host read
-            if True in stretch:  # keep the steps up to the first that ended every row, and only their draws
+            if not settled and True in (stretch := torch.stack(ended[step - offset :]).tolist()):  # the host read
+                # keep the steps up to the first that ended every row, and only their draws
                 kept = stretch.index(True) + 1
                 del chosen[step - offset + kept :]
                 generator.set_state(state)
                 _uniforms(generator, sampling, kept, b, torch.device("cpu"))
+                settled = True
+            if _group_max(int(not settled), group) == 0:
                 break
         if step == last:
             break
-        logits = decoder.decode(drawn[0].long())
+        logits = decoder.decode(fed)
+    if not chosen:
+        return []
     tokens, logps, sampling_logps = torch.stack(chosen, -1).tolist()
     return [_cut([int(t) for t in row], *row_logps, sampling.eos_id) for row, *row_logps in zip(tokens, logps, sampling_logps)]
+
+
+def _group_max(value: int, group: Optional[dist.ProcessGroup]) -> int:
+    """The largest `value` over the EP group (this rank's own without one)."""
+    if group is None:
+        return value
+    most = torch.tensor([value], device=device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    return int(most.item())
 
 
 def _uniforms(generator: torch.Generator, sampling: Sampling, steps: int, rows: int, where: torch.device) -> Optional[torch.Tensor]:

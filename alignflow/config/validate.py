@@ -302,7 +302,7 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     vpp = par.virtual_pipeline_model_parallel_size
     if vpp is not None and (vpp < 1 or pp == 1):
         problems.append(f"{key}.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1 and a value >= 1")
-    problems += _check_experts(kind, key, par.expert_model_parallel_size, dp, shape)
+    problems += _check_experts(key, par.expert_model_parallel_size, dp, shape)
     if shape is not None:
         if shape.num_attention_heads % tp:
             problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_attention_heads} attention heads (model.source)")
@@ -322,13 +322,10 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     return problems
 
 
-def _check_experts(kind: str, key: str, ep: int, dp: int, shape: ModelShape | None) -> list[str]:
+def _check_experts(key: str, ep: int, dp: int, shape: ModelShape | None) -> list[str]:
     """Expert parallelism splits each MoE layer's experts over EP of the data-parallel ranks."""
     if ep == 1:
         return []
-    if kind in ("grpo", "eval"):
-        return [f"{key}.expert_model_parallel_size: {ep}, but {kind} generates, and generation runs the experts at EP1 only "
-                "(alignflow.megatron.decoder); set it to 1"]
     if shape is not None and not shape.moe:
         return [f"{key}.expert_model_parallel_size: {ep}, but the model ({shape.architecture}, model.source) has no experts"]
     problems = []

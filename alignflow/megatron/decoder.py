@@ -29,14 +29,23 @@ columns, proj and fc2 rows, its rows of the padded vocab) and all-reduces the ro
 outputs (2 per layer; a MoE layer's experts split as the dense MLP, their outputs summed
 before the one reduction) and the embedding, and all-gathers the logits; under PP hidden states
 [b, s, h] go stage to stage point to point. Sequence and context parallelism do not apply:
-every rank of those groups computes the whole (short) sequence with the same weights. Expert
-parallelism is not (each rank would hold only some experts): refused.
+every rank of those groups computes the whole (short) sequence with the same weights.
+Under EP each rank holds num_experts / EP experts, and the ranks of an EP group are
+data-parallel ranks decoding different rows: a MoE layer all-gathers the group's tokens (padded
+to the group's largest count; the counts are exchanged at prefill and at a batch's first decode
+step, its later steps having the same rows), routes them all (the router is replicated), runs
+its local experts on the tokens routed to them and reduce-scatters the weighted outputs, so each
+rank gets the sum over every expert for its own tokens, as at EP1 (the same terms, to rounding:
+products of other shapes, and with top-k > 2 another order of the sum). Simpler than Megatron's
+all-to-all (no per-expert counts, no permutation); every token goes to every EP rank, which at
+a decode step's few rows costs latency, not bandwidth. Every rank of the group must therefore
+call `prefill` and `decode` equally often: `alignflow.generation` keeps them in step.
 
 Supported: what `alignflow.megatron.model.build_gpt` builds (Llama with its biases, Mistral's
 window, Qwen2's qkv bias, Qwen3's q/k norms, Gemma 2 / 3, OLMo 2's post-norm layers and
 whole-projection q/k norms, Phi-3's partial rotary and longrope (its attention factor on cos
 and sin as HF applies it: the product `RotaryScale` gives Megatron's layers), tied embeddings,
-linear / llama3 RoPE scaling, Mixtral's and Qwen3-MoE's experts at EP1), on the local spec
+linear / llama3 RoPE scaling, Mixtral's and Qwen3-MoE's experts at any EP), on the local spec
 (SequentialMLP experts) and, by the same weights under TE's names (`linear_qkv.layer_norm_weight`),
 the Transformer Engine spec (not run on CPU CI). Anything else a TransformerConfig can describe raises `NotImplementedError`
 (`check_supported`) rather than decode differently from the training forward.
@@ -66,11 +75,10 @@ REQUIRED = {
     "apply_residual_connection_post_layernorm": False, "softmax_type": "vanilla",
     "attention_output_gate": False, "no_rope_freq": None, "experimental_attention_variant": None,
     "activation_func_clamp_value": None, "heterogeneous_block_specs": False, "apply_query_key_layer_scaling": False,
-    # MoE: every layer sparse, a plain softmax top-k router, every token kept, all experts on this rank
+    # MoE: every layer sparse, a plain softmax top-k router, every token kept
     "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None, "moe_expert_capacity_factor": None,
     "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_group_topk": None,
     "moe_router_enable_expert_bias": False, "moe_input_jitter_eps": None, "moe_z_loss_coeff": None, "moe_apply_probs_on_input": False,
-    "expert_model_parallel_size": 1,
 }
 ACTIVATIONS = (F.silu, gelu_tanh)  # SwiGLU, GeGLU
 
@@ -186,6 +194,10 @@ class Decoder:
         self.head_dim, self.dtype = config.kv_channels, config.params_dtype
         self.scale = config.softmax_scale or self.head_dim ** -0.5
         self.top_k, self.pre_softmax = config.moe_router_topk, config.moe_router_pre_softmax
+        self.ep = parallel_state.get_expert_model_parallel_world_size() if config.num_moe_experts else 1
+        self.ep_group = parallel_state.get_expert_model_parallel_group() if self.ep > 1 else None
+        self.first_expert = parallel_state.get_expert_model_parallel_rank() * (config.num_moe_experts or 0) // self.ep
+        self.ep_counts: list[int] = []  # tokens of each EP rank in a forward: read at prefill and at the first decode step
         self.layers = [layer_weights(layer) for layer in model.decoder.layers]
         self.embedding = model.embedding.word_embeddings if model.pre_process else None
         if model.post_process:
@@ -206,13 +218,14 @@ class Decoder:
         padding = (torch.arange(max_length, device=device) < pads[:, None])[:, None, None]  # [b, 1, 1, L]
         self.padding_bias = (torch.zeros(padding.shape, dtype=self.dtype, device=device).masked_fill(padding, float("-inf"))
                              if any(pad) else None)  # added to the scores of decode steps
-        self.length, self.device = 0, device
+        self.length, self.prompt_length, self.device = 0, 0, device
         self.router_logits: Optional[list[Tensor]] = None  # each MoE layer's, where a `LeanForward` keeps them
 
     def prefill(self, prompts: Tensor, pad: list[int], rows: Tensor) -> Optional[Tensor]:
         """Run the distinct prompts [u, s] (left-padded by `pad` [u]) and cache prompt rows[i] in
         row i of the batch; the logits [b, vocab] of each batch row's last prompt token."""
         u, s = prompts.shape
+        self._exchange_counts(u * s)
         ropes = self._rope(torch.tensor(pad, dtype=torch.long, device=prompts.device), s)
         cu_seqlens = _padded_rows(pad, s)
         documents = Documents.of(torch.tensor(cu_seqlens, dtype=torch.int32, device=prompts.device), s, s, cu_seqlens)
@@ -226,12 +239,14 @@ class Decoder:
             return out.view(u, s, -1)
 
         logits = self._forward(prompts, ropes, attend)
-        self.length = s
+        self.length = self.prompt_length = s
         return None if logits is None else logits[rows]
 
     def decode(self, tokens: Tensor) -> Optional[Tensor]:
         """Run one new token per row [b] at the next position."""
         t, b = self.length, len(tokens)
+        if self.length == self.prompt_length:  # the first step: b rows a step from now on
+            self._exchange_counts(b)
 
         def attend(i: int, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             # The heads of a query group as the rows of one product with the group's keys: no
@@ -251,6 +266,13 @@ class Decoder:
         logits = self._forward(tokens[:, None], [(cos[:, t : t + 1], sin[:, t : t + 1]) for cos, sin in self.ropes], attend)
         self.length = t + 1
         return logits
+
+    def _exchange_counts(self, tokens: int) -> None:
+        """Every EP rank's number of tokens per forward (a host read: once per prefill and once per batch's decode steps)."""
+        if self.ep > 1:
+            counts = torch.empty(self.ep, dtype=torch.long, device=self.device)
+            dist.all_gather_into_tensor(counts, torch.tensor([tokens], device=self.device), group=self.ep_group)
+            self.ep_counts = counts.tolist()
 
     def _rope(self, pad: Tensor, length: int) -> list[tuple[Tensor, Tensor]]:
         return self.rope_at((torch.arange(length, device=pad.device) - pad[:, None]).clamp(min=0))
@@ -303,8 +325,10 @@ class Decoder:
     def _experts(self, h: Tensor, w: LayerWeights) -> Tensor:
         """A MoE layer before the TP reduction: Megatron's router (top-k of the softmax; with
         pre-softmax off, the softmax over the top-k logits, i.e. renormalized), then each expert
-        on its tokens, its output scaled by their probabilities and summed per token."""
-        flat = h.reshape(-1, h.shape[-1])
+        on its tokens, its output scaled by their probabilities and summed per token. Under EP
+        on the whole group's tokens with this rank's experts, summed back to each token's rank."""
+        mine = h.reshape(-1, h.shape[-1])
+        flat = self._group_tokens(mine) if self.ep > 1 else mine
         logits = F.linear(flat, w.router)
         if self.router_logits is not None:
             self.router_logits.append(logits)
@@ -314,12 +338,33 @@ class Decoder:
             top, chosen = logits.topk(self.top_k, -1)
             probs = torch.softmax(top, -1, dtype=torch.float32).type_as(logits)
         out = torch.zeros_like(flat)
-        for expert, (fc1, fc2) in enumerate(w.experts):
+        for expert, (fc1, fc2) in enumerate(w.experts, start=self.first_expert):
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
             if rows.numel():
                 gate, up = F.linear(flat[rows], fc1).chunk(2, -1)
                 out = out.index_add(0, rows, F.linear(F.silu(gate) * up * probs[rows, slot, None], fc2))
-        return out.view(h.shape)
+        return (self._own_tokens(out, len(mine)) if self.ep > 1 else out).view(h.shape)
+
+    def _group_tokens(self, mine: Tensor) -> Tensor:
+        """Every EP rank's tokens [sum of counts, h], in rank order: gathered padded to the
+        largest count, the padding dropped."""
+        most = max(self.ep_counts)
+        gathered = mine.new_empty(self.ep * most, mine.shape[-1])
+        dist.all_gather_into_tensor(gathered, F.pad(mine, (0, 0, 0, most - len(mine))), group=self.ep_group)
+        return gathered.view(self.ep, most, -1)[self._real(most)]
+
+    def _own_tokens(self, out: Tensor, n: int) -> Tensor:
+        """This rank's rows [n, h] of the group's partial sums `out` (this rank's experts), summed over the EP ranks."""
+        most = max(self.ep_counts)
+        padded = out.new_zeros(self.ep, most, out.shape[-1])
+        padded[self._real(most)] = out
+        summed = out.new_empty(most, out.shape[-1])
+        dist.reduce_scatter_tensor(summed, padded.view(self.ep * most, -1), group=self.ep_group)
+        return summed[:n]
+
+    def _real(self, most: int) -> Tensor:
+        """[ep, most] True at each rank's real tokens."""
+        return torch.arange(most, device=self.device) < torch.tensor(self.ep_counts, device=self.device)[:, None]
 
     def _embed(self, tokens: Tensor) -> Tensor:
         embedding = self.embedding  # vocab-parallel: this rank's rows of the padded vocab
@@ -388,7 +433,8 @@ class LeanForward:
 
     `LeanForward.of` builds one only where it computes what Megatron's forward would, the
     gradients included (autograd through the same parameters; Megatron's DDP takes them from
-    their accumulation hooks as before): one rank of TP, PP and CP (DP any), the local spec (TE's
+    their accumulation hooks as before): one rank of TP, PP, CP and EP (DP any; its EP
+    collectives carry no gradients), the local spec (TE's
     batches are THD), fp32 weights (in bf16 the two differ in rounding), no dropout, and with
     gradients no activation recompute; not where Megatron's DDP gathers weights in forward
     hooks (overlapped parameter gathers). Elsewhere None: Megatron's forward runs. A MoE model
@@ -407,7 +453,8 @@ class LeanForward:
         config = model.config
         one_rank = all(size() == 1 for size in (parallel_state.get_tensor_model_parallel_world_size,
                                                 parallel_state.get_pipeline_model_parallel_world_size,
-                                                parallel_state.get_context_parallel_world_size))
+                                                parallel_state.get_context_parallel_world_size,
+                                                parallel_state.get_expert_model_parallel_world_size))
         dropout = model.training and (config.attention_dropout > 0 or config.hidden_dropout > 0 or
                                       any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))  # LoRA's too
         recompute = torch.is_grad_enabled() and config.recompute_granularity is not None

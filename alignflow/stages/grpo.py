@@ -331,6 +331,8 @@ def rollout(run: Run, prompts: Prompts, env: Environment) -> tuple[Scored, Rollo
             spread = scored.task_rewards.view(-1, g).std(-1) > 0 if cfg.use_dynamic_sampling else torch.ones(share, dtype=torch.bool, device="cpu")
             useful = scored.groups(g, torch.nonzero(spread).flatten().tolist())
             kept = useful if kept is None else kept + useful
+        else:  # full: no prompts, but an EP group's ranks generate in step (alignflow.generation)
+            generate(run.chunks, [], env.sampling, cfg.generation_batch_size)
         if not cfg.use_dynamic_sampling or all_reduce_dp(int(len(kept.completions) < share * g), dist.ReduceOp.MAX) == 0:
             return kept.groups(g, range(share)), generated.stats(), batch + 1
     raise ValueError(f"grpo.dynamic_sampling_max_gen_batches: {cfg.dynamic_sampling_max_gen_batches} batches gave fewer than "
