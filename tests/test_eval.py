@@ -148,3 +148,26 @@ def test_eval_and_ref_logprobs_on_two_ranks_equal_one_rank(outputs, tmp_path, tp
     a, b = val_logprobs(tmp_path / "ref-1"), val_logprobs(tmp_path / "ref-2")
     assert a["sample_id"] == b["sample_id"]
     assert b["chosen_logp"] == pytest.approx(a["chosen_logp"], abs=1e-4) and b["rejected_logp"] == pytest.approx(a["rejected_logp"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_eval_of_a_moe_at_ep2_equals_one_rank(outputs, demo_dir, tmp_path):
+    """The demo Qwen3-MoE's experts split over the 2 DP ranks (EP2), each scoring its own share
+    of the rows, pairs and prompts (micro batches of 1: 2 and 1 validation micro batches, 5 and
+    4 generation batches): the metrics of one rank, the task accuracy and the samples (greedy
+    generation) exactly."""
+    from train_ranks import convert_demo, torchrun
+
+    cfg, root = outputs
+    inputs = {"data": str(root / "prep" / "p1"), "model": str(convert_demo(demo_dir, tmp_path / "moe" / "m1", "tiny-qwen3-moe"))}
+    two = OmegaConf.to_container(OmegaConf.merge(cfg, {"eval": {"micro_batch_size": 1, "limit_batches": 3, "num_generation_samples": 9,
+                                                                "resources": {"tasks_per_node": 2},
+                                                                "parallel": {"expert_model_parallel_size": 2}}}))
+    one = typed(OmegaConf.merge(two, {"eval": {"resources": {"tasks_per_node": 1}, "parallel": eval_stage.SINGLE_RANK}}))
+    expected = eval_stage.run(one, {**inputs, "baselines": []}, str(tmp_path / "eval-1"))
+    torchrun(2, two, inputs, tmp_path / "eval-2", "--stage", "eval")
+    got = json.loads((tmp_path / "eval-2" / "result.json").read_text())
+    assert got.keys() == expected.keys() and got["moe.accuracy"] == expected["moe.accuracy"]
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-5)
+    samples = lambda out: json.loads((out / "eval.json").read_text())["samples"]  # noqa: E731
+    assert samples(tmp_path / "eval-2") == samples(tmp_path / "eval-1")

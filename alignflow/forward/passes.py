@@ -86,17 +86,40 @@ def schedule(chunks: list, forward_step, batches: list[dict], seq_length: int, r
     PP > 1 the stages exchange each micro batch's shape, so packed ones may differ); the loss
     functions' outputs (last stage only). THD attention runs a micro batch as one flat
     sequence, so its stages pass [b * s, 1, h]. On one rank the forward steps get a
-    `LeanForward` in the model's place where it computes what the model would."""
+    `LeanForward` in the model's place where it computes what the model would. Under EP a
+    forward-only pass runs as many micro batches as the most of its EP group (`_stand_ins`)."""
     length = seq_length
     if packed_thd():
         rows, length = 1, rows * length
     if (lean := LeanForward.of(chunks, seq_length)) is not None:  # the same numbers, fewer ops
         forward_step = functools.partial(_with_model, forward_step, lean)
+    real = len(batches)
+    batches = batches + _stand_ins(batches, forward_only)
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=[map(to_device, batches) for _ in chunks],  # one micro batch at a time
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
         seq_length=length, micro_batch_size=rows, forward_only=forward_only,
-    )
+    )[:real]
+
+
+def _stand_ins(batches: list[dict], forward_only: bool) -> list[dict]:
+    """Under EP every MoE layer exchanges tokens within the EP group, whose ranks are DP ranks
+    with micro batches of their own: each must run as many as the group's most, or the
+    exchanges pair up wrongly and hang. A forward-only pass repeats its last micro batch (its
+    outputs dropped); a training pass (whose stand-ins would add MoE auxiliary-loss gradients)
+    with uneven counts is refused on every rank of the group."""
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return []
+    counts = torch.empty(parallel_state.get_expert_model_parallel_world_size(), dtype=torch.long, device=device())
+    dist.all_gather_into_tensor(counts, torch.tensor([len(batches)], device=device()), group=parallel_state.get_expert_model_parallel_group())
+    fewest, most = min(counts.tolist()), max(counts.tolist())
+    if fewest == most:
+        return []
+    if not forward_only or not batches:
+        raise ValueError(f"parallel.expert_model_parallel_size: the ranks of an expert-parallel group have {fewest} to {most} micro "
+                         f"batches of their own{'' if forward_only else ' in a training step'}; they must forward equally many "
+                         "(give each data-parallel rank the same number of micro batches, or set expert_model_parallel_size: 1)")
+    return [batches[-1]] * (most - len(batches))
 
 
 def _with_model(forward_step, model, data_iterator, _):
