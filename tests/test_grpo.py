@@ -224,3 +224,22 @@ def test_a_reward_that_is_not_a_number_stops_the_stage_naming_it(demo_dir, input
     with pytest.raises(ValueError, match=r"grpo.environment: test_grpo.nan_reward returned nan \(not a finite number\) for prompt"):
         run_grpo(cfg, inputs, tmp_path / "out")
     assert not list((tmp_path / "out").glob("checkpoints/step-*/complete"))  # it stopped before its first step ended
+
+
+@pytest.mark.slow
+def test_a_moe_at_ep2_rolls_out_and_trains_as_at_ep1(demo_dir, tmp_path):
+    """The demo Qwen3-MoE on 2 ranks (DP2), each rolling out its own prompts in 2 generation
+    batches: with its experts split over EP2 (generation in step across the ranks, training
+    through Megatron's alltoall dispatcher) the rewards, KL and losses are EP1's."""
+    model = str(convert_demo(demo_dir, tmp_path / "moe", "tiny-qwen3-moe"))
+    moe = {"data": str(prep_demo(demo_dir, tmp_path / "data", prompts=True)), "model": model, "ref_model": model}
+    runs = {}
+    for ep in (1, 2):
+        runs[ep] = tmp_path / f"ep{ep}"
+        cfg = grpo_cfg(demo_dir, generation_batch_size=4, resources={"tasks_per_node": 2}, parallel={"expert_model_parallel_size": ep},
+                       trainer={"max_steps": 2, "log_every_n_steps": 1})
+        torchrun(2, cfg, moe, runs[ep], "--stage", "grpo", "--ref-model", model)
+    for a, b in zip(metrics_lines(runs[1]), metrics_lines(runs[2]), strict=True):
+        assert b["response_length"] == a["response_length"] and b["reward_mean"] == a["reward_mean"], (a, b)
+        for key in ("loss", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), (key, a, b)
