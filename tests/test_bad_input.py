@@ -337,9 +337,9 @@ CASES = {
                                                             "the tokens",), moe_with_router_logits),
     "lora-on-experts": Case(("pipeline=sft_lora_dpo", "model=tiny_qwen3_moe"),
                             ("sft.lora.target_modules: ['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2'] adapts the MLP, but the model's MLPs are experts",)),
-    "expert-parallel-in-generation": Case(("pipeline=sft_grpo", "model=tiny_qwen3_moe", "grpo.parallel.expert_model_parallel_size=2",
-                                           "grpo.resources.tasks_per_node=2"),
-                                          ("grpo.parallel.expert_model_parallel_size: 2, but grpo generates, and generation runs the experts at EP1 only",)),
+    "expert-parallel-in-generation-beyond-data-parallel": Case(("pipeline=sft_grpo", "model=tiny_qwen3_moe", "grpo.parallel.expert_model_parallel_size=2",
+                                                                "grpo.parallel.tensor_model_parallel_size=2", "grpo.resources.tasks_per_node=2"),
+                                                               ("grpo.parallel.expert_model_parallel_size: 2 does not divide the data-parallel size 1",)),
     "expert-parallel-zero": Case(("model=tiny_qwen3_moe", "sft.parallel.expert_model_parallel_size=0"),
                                  ("sft.parallel.expert_model_parallel_size: must be >= 1, got 0",)),
 }

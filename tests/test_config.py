@@ -202,6 +202,12 @@ def test_grpo_batches_must_split_over_data_parallel_ranks_and_optimizer_steps(ba
     assert compose("sft_grpo", [*base_overrides, "grpo.num_optimizer_steps_per_batch=4"]).grpo.micro_batch_size == 128
 
 
+def test_the_stages_that_generate_split_a_moes_experts_over_ep(base_overrides):
+    ep2 = [f"{stage}.{key}=2" for stage in ("grpo", "eval") for key in ("parallel.expert_model_parallel_size", "resources.tasks_per_node")]
+    cfg = compose("sft_grpo", [*base_overrides, "model=tiny_qwen3_moe", *ep2])
+    assert cfg.grpo.parallel.expert_model_parallel_size == cfg.eval.parallel.expert_model_parallel_size == 2
+
+
 def documented_commands() -> list[tuple[str, list[str]]]:
     """(where, arguments) of every `align run|plan|config` README shows (code blocks and inline
     code; not the `$ ` lines that show an error), every `overrides=[...]` a deployment command

@@ -10,7 +10,7 @@ the converted base model and the SFT model), on prep's validation splits:
   `eval.num_examples_shown` generations are kept as samples.
 Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
 `eval.json` holds them and the samples. Runs in `eval.precision` at any layout (`eval.parallel`,
-`eval.resources`): TP and PP through Megatron's schedule and `alignflow.generation`, the
+`eval.resources`): TP, PP and EP through Megatron's schedule and `alignflow.generation`, the
 rows, pairs and prompts shared among the DP ranks (the last micro batch may be smaller) and
 the results gathered, so every layout scores the same rows (tests/test_eval.py).
 Greedy decoding is `alignflow.generation`'s (KV-cached, prompts of mixed lengths left-padded into batches).
