@@ -17,7 +17,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
