@@ -1,6 +1,6 @@
 """EP2 generation against EP1, run by tests/test_generation.py on 2 ranks:
     torchrun --standalone --nproc-per-node 2 tests/generation_ranks.py qwen3_moe
-(`--tp 2` on 4 ranks: EP2 x TP2 against EP1 x TP2.)
+(`--tp 2` or `--pp 2` on 4 ranks: EP2 x TP2 against EP1 x TP2, EP2 x PP2 against EP1 x PP2.)
 
 The two ranks of the EP group generate different prompt sets (rank 0: 7 prompts, 4 batches of
 at most 2; rank 1: 3 prompts, 2 batches; then both the 7 with their own seeds; then rank 1
@@ -54,24 +54,25 @@ def generate_all(chunks: list, planned: list) -> list[list]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("case")
     args = parser.parse_args()
-    case, tp = args.case, args.tp
+    case, layout = args.case, {"tp": args.tp, "pp": args.pp}
     with tempfile.TemporaryDirectory() as workdir:  # saved before init: HF saves on rank 0 only once distributed
         hf_state = saved_state(tiny_hf_model(case)[0], Path(workdir) / case)
     hf_config = tiny_hf_model(case)[1]
     got = {}
-    runtime.init_parallel(parallel_cfg(tp=tp, ep=2))
+    runtime.init_parallel(parallel_cfg(**layout, ep=2))
     rank = parallel_state.get_data_parallel_rank()
     planned = runs(case, rank)
-    chunks = converted_chunks(hf_config, parallel_cfg(tp=tp, ep=2), hf_state)
+    chunks = converted_chunks(hf_config, parallel_cfg(**layout, ep=2), hf_state)
     for every in (1, 3):
         generation.EOS_CHECK_EVERY["cpu"] = every
         got[every] = generate_all(chunks, planned)
     parallel_state.destroy_model_parallel()
-    runtime.init_parallel(parallel_cfg(tp=tp, ep=1))
+    runtime.init_parallel(parallel_cfg(**layout, ep=1))
     generation.EOS_CHECK_EVERY["cpu"] = 1
-    expected = generate_all(converted_chunks(hf_config, parallel_cfg(tp=tp, ep=1), hf_state), planned)
+    expected = generate_all(converted_chunks(hf_config, parallel_cfg(**layout, ep=1), hf_state), planned)
     failed = False
     for every, completions in got.items():
         for (name, *_), ours, theirs in zip(planned, completions, expected, strict=True):
