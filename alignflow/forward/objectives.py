@@ -57,7 +57,7 @@ def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -
     writes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if not writes:
         return None
-    sums = torch.cat([out["sums"] for out in outputs], dim=-1).cpu() if outputs else torch.zeros(2, len(SIDES), 0)  # one host read
+    sums = torch.cat([out["sums"] for out in outputs], dim=-1).cpu() if outputs else torch.zeros(2, len(SIDES), 0, device="cpu")  # one host read
     logps, tokens = sums[..., torch.from_numpy(np.argsort(np.concatenate(micro or [share])))].tolist()  # in share's (sorted) order
     columns = {"sample_id": pairs.sample_ids[share].tolist()}
     for k, side in enumerate(SIDES):

@@ -118,5 +118,5 @@ def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], lengt
     return PackedRows(
         torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions),
         torch.from_numpy(cu_seqlens.astype(np.int32)), int(np.diff(cu_seqlens).max()),
-        torch.arange(length)[None, :] < torch.tensor([len(ids) for ids, _, _ in rows])[:, None],
+        torch.from_numpy(np.arange(length)[None, :] < np.array([len(ids) for ids, _, _ in rows])[:, None]),
     )

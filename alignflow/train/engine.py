@@ -256,8 +256,27 @@ def forward_backward(run: Run, objective: Objective, micro: list[np.ndarray], da
                      rows_per_item: int, forward_only: bool) -> tuple[float, float, dict[str, float]]:
     """Forward (and backward) this rank's micro batches `micro` of `dataset`; the global (loss
     sum, count, metric sums) on every rank."""
-    batches = [dataset.collate(m) for m in micro]
+    batches = [dataset.collate(m) for m in as_many_as_the_expert_group(micro)]
     return loss_sums(run.model, objective, batches, seq_length, run.cfg.micro_batch_size * rows_per_item, forward_only)
+
+
+def as_many_as_the_expert_group(micro: list[np.ndarray]) -> list[np.ndarray]:
+    """`micro` split until it counts as many micro batches as the most of its expert-parallel
+    group: under EP every MoE layer exchanges tokens among those ranks once per micro batch, so
+    each must run equally many, and preference pairs pack into a different number on each
+    rank. The longest micro batch is halved first; every rank holds as many items, so the
+    split always reaches the most."""
+    group = parallel_state.get_expert_model_parallel_group() if parallel_state.get_expert_model_parallel_world_size() > 1 else None
+    if group is None:
+        return micro
+    most = torch.tensor(len(micro), device=device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    micro = list(micro)
+    while len(micro) < most.item():
+        longest = max(range(len(micro)), key=lambda k: len(micro[k]))
+        half = (len(micro[longest]) + 1) // 2
+        micro[longest : longest + 1] = [micro[longest][:half], micro[longest][half:]]
+    return micro
 
 
 @torch.no_grad()
