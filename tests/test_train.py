@@ -188,3 +188,33 @@ def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
             assert not torch.allclose(sft_forward(model, unmasked) * packed["loss_mask"], per_token, atol=1e-3)
     finally:
         runtime.teardown()
+
+
+EVEN_OUT = """
+import numpy as np
+import torch.distributed as dist
+from alignflow.megatron import runtime
+from alignflow.train.engine import as_many_as_the_expert_group
+runtime.init_parallel({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+                       "context_parallel_size": 1, "expert_model_parallel_size": 2})
+mine = [np.arange(0, 5)] if dist.get_rank() == 0 else [np.arange(5, 7), np.array([7]), np.array([8, 9]), np.array([10])]
+print(f"rank {dist.get_rank()}: {[m.tolist() for m in as_many_as_the_expert_group(mine)]}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_ranks_of_an_expert_group_run_as_many_micro_batches(tmp_path):
+    """Under EP each MoE layer exchanges tokens among the group's ranks once per micro batch:
+    a rank whose pairs packed into fewer micro batches splits its longest until it has as many
+    as the group's most, keeping every item once and in order."""
+    import os
+    import subprocess
+
+    script = tmp_path / "even_out.py"
+    script.write_text(EVEN_OUT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(script)],
+                         capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "rank 0: [[0], [1], [2], [3, 4]]" in run.stdout and "rank 1: [[5, 6], [7], [8, 9], [10]]" in run.stdout, run.stdout
