@@ -338,9 +338,15 @@ class Decoder:
             top, chosen = logits.topk(self.top_k, -1)
             probs = torch.softmax(top, -1, dtype=torch.float32).type_as(logits)
         out = torch.zeros_like(flat)
-        for expert, (fc1, fc2) in enumerate(w.experts, start=self.first_expert):
-            rows, slot = (chosen == expert).nonzero(as_tuple=True)
-            if rows.numel():
+        # (token, slot) pairs grouped by expert, in the order nonzero() would give them, with one
+        # host read of the counts per layer (not one per expert: each is a GPU sync)
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.first_expert + len(w.experts))
+        starts, counts = torch.stack([counts.cumsum(0) - counts, counts])[:, self.first_expert :].tolist()
+        for (fc1, fc2), start, count in zip(w.experts, starts, counts):
+            if count:
+                picked = order[start : start + count]
+                rows, slot = picked // self.top_k, picked % self.top_k
                 gate, up = F.linear(flat[rows], fc1).chunk(2, -1)
                 out = out.index_add(0, rows, F.linear(F.silu(gate) * up * probs[rows, slot, None], fc2))
         return (self._own_tokens(out, len(mine)) if self.ep > 1 else out).view(h.shape)
