@@ -13,6 +13,7 @@ with more than one rank the default process group is initialised here
 """
 
 import importlib
+import json
 import logging
 import os
 import re
@@ -184,17 +185,38 @@ def _configure_storage(out: str, storage_options: dict) -> None:
         fsspec.config.conf.setdefault(protocol, {}).update(resolved)
 
 
-# How alignflow's records look in the job log, and how the orchestrator finds them there: only
-# these reach the Prefect logs (at their level), DEBUG ones (where files go: staging, checkpoints,
-# downloads) excepted; those, submitit's lines, library warnings and prints stay in the job log.
-LOG_FORMAT = "[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s"
-LOG_RECORD = re.compile(r"^\[rank \d+\] \S+ \S+ (?P<level>INFO|WARNING|ERROR|CRITICAL) (?P<name>alignflow[\w.]*): (?P<message>.*)")
+class JobRecords(logging.Formatter):
+    """alignflow's records in the job log, one JSON object a line: rank, time, level, logger,
+    message, and the record's `event` where it has one (`extra={"event": {...}}`: a training
+    step's `step`/`total`/`loss`, prep's `percent`, a `link`), which the orchestrator reads
+    as data (`job_record`), never out of the message's text. Submitit's lines, library
+    warnings and prints stay plain text beside them."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"rank": self.rank, "time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                "message": record.getMessage()}
+        return json.dumps(line | ({"event": record.event} if hasattr(record, "event") else {}))
+
+
+def job_record(line: str) -> dict | None:
+    """One of alignflow's records in a job log line, or None for any other line."""
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and str(record.get("logger", "")).startswith("alignflow") else None
 
 
 def _log_to_stdout(rank: int) -> None:
     """alignflow's loggers to stdout with the rank, which the orchestrator forwards to Prefect."""
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
+    handler.setFormatter(JobRecords(rank))
     logger = logging.getLogger("alignflow")
     logger.handlers[:] = [handler]
     logger.setLevel(logging.DEBUG)

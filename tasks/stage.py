@@ -11,7 +11,6 @@ per step as a table.
 """
 
 import logging
-import re
 import time
 
 from prefect import get_run_logger, task
@@ -25,7 +24,7 @@ from alignflow.report import REPORT, curves_markdown, read_metrics
 from alignflow.runner import StageResult, run_stage
 from alignflow.store import options_for
 from alignflow.train.utilization import HARDWARE_METRICS
-from alignflow.worker import LOG_RECORD
+from alignflow.worker import job_record
 from tasks import dashboard
 
 HEADLINE_METRICS = 5
@@ -84,17 +83,13 @@ def stage_task(name: str, pipeline: str, overrides: tuple[str, ...], wiring: Wir
 class JobLogWatcher:
     """A stage's job as the flow log and the UI show it while it runs.
 
-    The runner's lines (submission, job states, commit) and the job's own alignflow records,
-    at their level, reach the flow log; submitit's lines, library warnings and prints stay in
-    the job log (its path is on the submission line and in the stage's artifact). A training
-    step line ("step 40/300: loss 1.2, ...") or a progress line ("42.0% done, ...", prep's)
-    moves the stage's progress bar, whose description carries the latest step, loss and ETA;
-    a wandb run URL (online runs log it) becomes a link artifact."""
-
-    STEP = re.compile(r"\bstep (\d+)/(\d+): ")
-    LOSS = re.compile(r"\bloss (\S+?),?(?:\s|$)")
-    DONE = re.compile(r"\b(\d+(?:\.\d+)?)% done\b")
-    WANDB = re.compile(r"\bwandb run (https?://\S+)")
+    The runner's lines (submission, job states, commit) and the job's own alignflow records
+    (`alignflow.worker.job_record`) at INFO and above, at their level, reach the flow log;
+    DEBUG records (where files go), submitit's lines, library warnings and prints stay in the
+    job log (its path is on the submission line and in the stage's artifact). A record's
+    event moves the stage's progress bar: a training step (`step`, `total`, `loss`: the
+    description carries the latest step, loss and ETA) or prep's `percent`; a `link` (an
+    online wandb run) becomes a link artifact."""
 
     def __init__(self, stage: str, logger: logging.Logger | logging.LoggerAdapter):
         self.stage, self.logger, self.bar, self.first_step = stage, logger, None, None
@@ -103,18 +98,18 @@ class JobLogWatcher:
         self.logger.info(line)
 
     def job_output(self, line: str) -> None:
-        if (record := LOG_RECORD.match(line)) is None:
+        if (record := job_record(line)) is None or record["level"] == "DEBUG":
             return
-        message = record["message"]
-        self.logger.log(getattr(logging, record["level"]), f"{self.stage}: {message}")
-        if step := self.STEP.search(message):
-            done, total = int(step.group(1)), max(int(step.group(2)), 1)
-            loss = self.LOSS.search(message)
-            self.progress(100.0 * done / total, f"step {done}/{total}" + (f", loss {loss.group(1)}" if loss else "") + self.eta(done, total))
-        elif done := self.DONE.search(message):
-            self.progress(float(done.group(1)), message)
-        elif wandb := self.WANDB.search(message):
-            dashboard.link(_key("wandb", self.stage), wandb.group(1), f"{self.stage} on wandb", f"{self.stage}: the wandb run")
+        message, event = record["message"], record.get("event") or {}
+        self.logger.log(getattr(logging, record["level"], logging.INFO), f"{self.stage}: {message}")
+        if "step" in event:
+            done, total = event["step"], max(event["total"], 1)
+            loss = f", loss {format_value(event['loss'])}" if "loss" in event else ""
+            self.progress(100.0 * done / total, f"step {done}/{total}{loss}{self.eta(done, total)}")
+        elif "percent" in event:
+            self.progress(float(event["percent"]), message)
+        elif "link" in event:
+            dashboard.link(_key("wandb", self.stage), event["link"], f"{self.stage} on wandb", f"{self.stage}: the wandb run")
 
     def eta(self, step: int, total: int) -> str:
         """From the steps seen by this watcher (a resumed run's earlier steps took no time here)."""

@@ -572,7 +572,7 @@ def test_two_ranks_write_the_bytes_one_rank_does_and_report_progress(base_overri
     bytes from 1 rank and from 2 (with another chunk size); the progress lines of rank 0 reach
     the caller's log (Prefect's, in a flow) while the job runs."""
     from alignflow.runner import run_stage
-    from tasks.stage import JobLogWatcher
+    from alignflow.worker import job_record
 
     f = write_chats(tmp_path / "chats.jsonl", 24_000)
     data = [f"data.sft.train={f}", "data.sft.val=null", "data.sft.val_fraction=0.05", "prep.rows_per_shard=300"]
@@ -586,11 +586,11 @@ def test_two_ranks_write_the_bytes_one_rank_does_and_report_progress(base_overri
     assert files_of(out_two) == files_of(out_one)
     assert len([p for p in files_of(out_one) if p.startswith("sft/")]) > 4
 
-    progress = [(at, line) for at, line in lines if JobLogWatcher.DONE.search(line)]
-    done = [float(JobLogWatcher.DONE.search(line).group(1)) for _, line in progress]
+    progress = [(at, record) for at, line in lines if (record := job_record(line)) and "percent" in record.get("event", {})]
+    done = [record["event"]["percent"] for _, record in progress]
     assert len(progress) >= 3 and done == sorted(done) and done[-1] == 100.0, lines
-    assert all("[rank 0]" in line and "rows read" in line and "rows/s" in line and "ETA" in line for _, line in progress)
-    stamps = [datetime.strptime(line.split("] ")[1][:23], "%Y-%m-%d %H:%M:%S,%f") for _, line in progress]
+    assert all(r["rank"] == 0 and "rows read" in r["message"] and "rows/s" in r["message"] and "ETA" in r["message"] for _, r in progress)
+    stamps = [datetime.strptime(record["time"], "%Y-%m-%d %H:%M:%S,%f") for _, record in progress]
     assert max((b - a).total_seconds() for a, b in zip(stamps, stamps[1:])) < 10
     completed = next(at for at, line in lines if line.endswith(": COMPLETED"))
     assert progress[0][0] < completed  # forwarded while the job ran, not after

@@ -15,26 +15,34 @@ def test_only_infrastructure_failures_are_retried():
     assert not _infrastructure_failure(None, None, Completed(data=1))
 
 
-def test_job_log_watcher_reads_progress_and_wandb_links():
-    from tasks.stage import JobLogWatcher
+def test_job_records_carry_their_events_as_data():
+    """A job's record reaches the orchestrator as JSON with its event (a step, prep's percent,
+    a link); its message is only shown, never parsed, so a message that reads like a step is
+    no step."""
+    from alignflow.worker import JobRecords, job_record
 
-    assert JobLogWatcher.STEP.search("step 40/300: loss 1.2, lr 0.0001").groups() == ("40", "300")
-    assert JobLogWatcher.LOSS.search("step 40/300: loss 1.2, lr 0.0001").group(1) == "1.2"
-    assert not JobLogWatcher.STEP.search("resumed from /x/checkpoints/step-00000003 (step 3 of 8)")
-    assert JobLogWatcher.DONE.search("42.5% done, 12,000 rows read, 4,000 rows/s, 3.1M tokens, ETA 4 s").group(1) == "42.5"
-    assert not JobLogWatcher.DONE.search("step 40/300: loss 1.2")
-    url = "https://wandb.ai/team/alignflow/runs/ab12cd34"
-    assert JobLogWatcher.WANDB.search(f"wandb run {url}").group(1) == url
+    formatter = JobRecords(rank=1)
+
+    def line(message: str, **extra) -> str:
+        record = logging.LogRecord("alignflow.train", logging.INFO, __file__, 1, message, None, None)
+        record.__dict__.update(extra)
+        return formatter.format(record)
+
+    step = job_record(line("step 40/300: loss 1.2, lr 0.0001", event={"step": 40, "total": 300, "loss": 1.2}))
+    assert step["rank"] == 1 and step["level"] == "INFO" and step["event"] == {"step": 40, "total": 300, "loss": 1.2}
+    assert "event" not in job_record(line("resumed from /x/checkpoints/step-00000003 (step 3 of 8)"))
+    assert job_record("step 40/300: loss 1.2") is None and job_record("{not json") is None
+    assert job_record('{"logger": "megatron.core", "message": "x"}') is None
 
 
 def test_only_alignflow_records_reach_the_flow_log_at_their_level():
     """The job's lines as the worker's log format writes them: submitit's, library warnings,
     prints, other libraries' records and alignflow's DEBUG records (where files go) stay in the
     job log."""
-    from alignflow.worker import LOG_FORMAT
+    from alignflow.worker import JobRecords
     from tasks.stage import JobLogWatcher
 
-    formatter = logging.Formatter(LOG_FORMAT.format(rank=0))
+    formatter = JobRecords(rank=0)
 
     def record(name: str, level: int, message: str) -> str:
         return formatter.format(logging.LogRecord(name, level, __file__, 1, message, None, None))

@@ -224,7 +224,7 @@ class Progress:
         read = min(self.position / self.total, 1.0)
         eta = f"{elapsed * (1 - read) / read:.0f} s" if read else "?"
         log.info("%.1f%% done, %s rows read, %s rows/s, %.1fM tokens, ETA %s",
-                 100 * read, f"{rows:,}", f"{rows / elapsed:,.0f}", tokens / 1e6, eta)
+                 100 * read, f"{rows:,}", f"{rows / elapsed:,.0f}", tokens / 1e6, eta, extra={"event": {"percent": 100 * read}})
         self.last = time.monotonic()
 
     def finish(self) -> None:

@@ -32,7 +32,8 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         parts = [f"{k} {_fmt(v)}" for k, v in record.items() if k != "step"]
-        log.info("step %d/%d: %s", record["step"], total_steps, ", ".join(parts))
+        event = {"step": record["step"], "total": total_steps} | ({"loss": record["loss"]} if "loss" in record else {})
+        log.info("step %d/%d: %s", record["step"], total_steps, ", ".join(parts), extra={"event": event})
 
     def close(self) -> None:
         if self.wandb is not None:
@@ -84,5 +85,5 @@ def _start_wandb(cfg: Any, out: Path, checkpoints: Path, run_name: str):
         dir=str(out),
     )
     if run.settings.mode == "online":  # the orchestrator links the run from the stage's artifacts
-        log.info("wandb run %s", run.url)
+        log.info("wandb run %s", run.url, extra={"event": {"link": run.url}})
     return run
