@@ -179,8 +179,8 @@ def _check_wiring(stages: dict[str, Stage], names: list[str]) -> list[str]:
                     problems.append(f"{key}: '{up}' is not a stage of this pipeline ({', '.join(names)})")
                 elif up == stage.name:
                     problems.append(f"{key}: a stage cannot be its own input")
-                elif expected is not None and up in stages and stages[up].spec.output != expected.output:
-                    problems.append(f"{key}: expects a {expected.output} output; '{up}' ({stages[up].kind}) gives a "
+                elif expected is not None and up in stages and stages[up].spec.output not in expected.outputs:
+                    problems.append(f"{key}: expects a {' or '.join(expected.outputs)} output; '{up}' ({stages[up].kind}) gives a "
                                     f"{stages[up].spec.output} output")
     return problems
 

@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage grpo --ref-model REF
     torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage eval (or ref_logprobs)
     torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA TEACHER OUT --stage teacher_logprobs
+    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage reward_model
     torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage distillation --teacher-logprobs T
     python tests/train_ranks.py CFG.json DATA MODEL OUT --pause-after-checkpoint 2
 
@@ -99,9 +100,10 @@ def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
 
 def stage_cfg(stage: str, demo_dir: Path, tp: int = 1, pp: int = 1, **section) -> dict:
     """The schema's defaults of a training stage (sft, dpo) as plain data, `section` merged over them."""
-    from alignflow.config.schema import DistillationConfig, DPOConfig, GRPOConfig, LoggingConfig, ModelConfig, SFTConfig
+    from alignflow.config.schema import DistillationConfig, DPOConfig, GRPOConfig, LoggingConfig, ModelConfig, RewardModelConfig, SFTConfig
 
-    base = OmegaConf.structured({"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "distillation": DistillationConfig}[stage])
+    base = OmegaConf.structured({"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "distillation": DistillationConfig,
+                                 "reward_model": RewardModelConfig}[stage])
     base.optim.min_lr = 1e-4  # the default is an interpolation of the composed config
     overrides = {
         "resources": {"tasks_per_node": tp * pp},
@@ -203,13 +205,13 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--pause-after-checkpoint", type=float, default=0.0)
-    parser.add_argument("--stage", default="sft", choices=["sft", "dpo", "grpo", "eval", "ref_logprobs", "teacher_logprobs", "distillation"])
+    parser.add_argument("--stage", default="sft", choices=["sft", "dpo", "grpo", "eval", "ref_logprobs", "teacher_logprobs", "distillation", "reward_model"])
     parser.add_argument("--ref-logprobs", default=None)
     parser.add_argument("--ref-model", default=None)
     parser.add_argument("--teacher-logprobs", default=None)
     args = parser.parse_args()
 
-    from alignflow.stages import distillation, dpo, eval as eval_stage, grpo, ref_logprobs, sft, teacher_logprobs
+    from alignflow.stages import distillation, dpo, eval as eval_stage, grpo, ref_logprobs, reward_model, sft, teacher_logprobs
     from alignflow.train import checkpointing
 
     if args.pause_after_checkpoint:
@@ -228,7 +230,7 @@ def main() -> int:
     inputs |= {"baselines": []} if args.stage == "eval" else {}
     inputs |= {"teacher": inputs.pop("model")} if args.stage == "teacher_logprobs" else {}
     stage = {"sft": sft, "dpo": dpo, "grpo": grpo, "eval": eval_stage, "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs,
-             "distillation": distillation}[args.stage]
+             "distillation": distillation, "reward_model": reward_model}[args.stage]
     metrics = stage.run(typed(json.loads(Path(args.cfg).read_text())), inputs, args.out)
     if int(os.environ.get("RANK", 0)) == 0:
         (Path(args.out) / "result.json").write_text(json.dumps(metrics))

@@ -491,6 +491,23 @@ class DPOConfig(TrainStageBase):
 
 
 @dataclass
+class RewardModelLossConfig:
+    """The reward model's Bradley-Terry loss (`alignflow.losses.reward`): TRL 1.16 RewardTrainer's."""
+
+    margin: float = 0.0  # -log sigmoid(r_chosen - r_rejected - margin); TRL reads it per pair from a `margin` column
+    center_rewards_coefficient: Optional[float] = None  # TRL's: + coef x (r_chosen + r_rejected)^2 per pair (0.01 recommended)
+
+
+@dataclass
+class RewardModelConfig(TrainStageBase):
+    """A reward model (NeMo-Aligner's reward model training, TRL's RewardTrainer): the input
+    model's trunk with a scalar head, trained on preference pairs. Only all_weights: with LoRA
+    the new head would stay frozen at its random init."""
+
+    loss: RewardModelLossConfig = field(default_factory=RewardModelLossConfig)
+
+
+@dataclass
 class RewardConfig:
     """A reward function by registry name, or any `module:function` import path."""
 

@@ -67,6 +67,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "mlp_only_layers": [],
     "decoder_sparse_step": 1,
     "partial_rotary_factor": None,  # older configs; transformers >= 5 keeps it in rope_parameters
+    "initializer_range": 0.02,  # the std of HF's normal init (a new scalar head's)
 }
 
 NO_LAYER_WINDOWS = ("use_sliding_window", True, "per-layer sliding windows (use_sliding_window) are not mapped")
@@ -230,6 +231,23 @@ ARCHITECTURES: dict[str, Family] = {
                               rope=partial(_rope, rope_types=PHI3_ROPE_TYPES, partial_rotary=True)),
 }
 
+# Each causal LM's HF sequence classifier: the same trunk ending in `score` (hidden -> num_labels,
+# no bias) at the last token that is not the pad token, no soft-cap. A model stage output of one
+# (num_labels 1) is a reward model (`alignflow.megatron.model.ScoreModel`, `score_config`).
+SCORE_ARCHITECTURES = {
+    "LlamaForCausalLM": "LlamaForSequenceClassification",
+    "MistralForCausalLM": "MistralForSequenceClassification",
+    "Qwen2ForCausalLM": "Qwen2ForSequenceClassification",
+    "Qwen3ForCausalLM": "Qwen3ForSequenceClassification",
+    "Gemma2ForCausalLM": "Gemma2ForSequenceClassification",
+    "Gemma3ForCausalLM": "Gemma3TextForSequenceClassification",
+    "MixtralForCausalLM": "MixtralForSequenceClassification",
+    "Qwen3MoeForCausalLM": "Qwen3MoeForSequenceClassification",
+    "Olmo2ForCausalLM": "Olmo2ForSequenceClassification",
+    "Phi3ForCausalLM": "Phi3ForSequenceClassification",
+}
+CAUSAL_OF = {score: causal for causal, score in SCORE_ARCHITECTURES.items()}
+
 # Architectures refused by name, with why (the generic refusal lists the supported ones).
 REFUSED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoint (a SigLIP vision tower beside the text model, "
@@ -281,6 +299,8 @@ class ModelShape:
     moe_norm_topk: bool = False  # renormalize the top-k router probabilities (HF's norm_topk_prob)
     moe_aux_loss_coef: float = 0.0  # HF's load-balancing loss weight in its training loss (0: not added)
     expert_names: str = ""  # which EXPERT_NAMES the HF checkpoint uses
+    score_head: bool = False  # a ...ForSequenceClassification: a scalar head `score` in place of the LM head (untied)
+    initializer_range: float = 0.02
 
     @property
     def rotary_dim(self) -> int:
@@ -288,8 +308,9 @@ class ModelShape:
         return int(self.head_dim * self.rotary_percent)
 
     @property
-    def untied_embeddings(self) -> bool:
-        return not self.tied_embeddings
+    def lm_head(self) -> bool:
+        """An output layer of its own (not the tied embedding, not a scalar head)."""
+        return not self.tied_embeddings and not self.score_head
 
     @property
     def input_norms(self) -> bool:
@@ -399,7 +420,8 @@ TABLE: tuple[Param, ...] = (
     Param(_EXP + "linear_fc2.weight", (_QMOE + "down_proj.weight",), when="qwen3_moe_experts"),
     Param(_MEG + "post_mlp_layernorm.weight", (_HF + "post_feedforward_layernorm.weight",), when="post_norm"),
     Param("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Param("output_layer.weight", ("lm_head.weight",), when="untied_embeddings"),
+    Param("output_layer.weight", ("lm_head.weight",), when="lm_head"),
+    Param("rm_head.weight", ("score.weight",), when="score_head"),  # NeMo-Aligner's name; [1, hidden]
 )
 
 # With tied embeddings, a last pipeline stage that lacks the embedding holds its own copy of
@@ -426,10 +448,13 @@ def slots(param: Param, shape: ModelShape) -> list[Slot]:
 def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
     """Read an HF config dict (config.json); raise ValueError for anything not supported."""
     architecture = _architecture(hf_config)
-    family = ARCHITECTURES[architecture]
+    family = ARCHITECTURES[CAUSAL_OF.get(architecture, architecture)]
     cfg = {**HF_DEFAULTS, **family.defaults, **hf_config}
     _refuse_unsupported(cfg, family)
-    heads = cfg["num_attention_heads"]
+    heads, score_head = cfg["num_attention_heads"], architecture in CAUSAL_OF
+    if score_head and cfg.get("id2label") is not None and len(cfg["id2label"]) != 1:
+        raise ValueError(f"unsupported {architecture} with {len(cfg['id2label'])} labels: a reward model has one (num_labels 1)")
+    flags = family.flags(cfg) | ({"logit_softcap": None} if score_head else {})  # HF's classifiers do not soft-cap the score
     return ModelShape(
         architecture=architecture,
         num_layers=cfg["num_hidden_layers"],
@@ -441,18 +466,30 @@ def model_shape(hf_config: Mapping[str, Any]) -> ModelShape:
         vocab_size=cfg["vocab_size"],
         max_position_embeddings=cfg["max_position_embeddings"],
         norm_eps=cfg["rms_norm_eps"],
-        tied_embeddings=bool(cfg["tie_word_embeddings"]),
+        tied_embeddings=bool(cfg["tie_word_embeddings"]) and not score_head,
+        score_head=score_head,
+        initializer_range=cfg["initializer_range"],
         **family.rope(cfg),
-        **family.flags(cfg),
+        **flags,
     )
+
+
+def score_config(hf_config: Mapping[str, Any], pad_token_id: int) -> dict[str, Any]:
+    """The HF config.json of a reward model on `hf_config`'s trunk: its ...ForSequenceClassification
+    with one label, as `save_pretrained` writes it, and the pad token HF's classifier scores
+    before (the last token that is not `pad_token_id`)."""
+    architecture = _architecture(hf_config)
+    return {**hf_config, "architectures": [SCORE_ARCHITECTURES.get(architecture, architecture)], "id2label": {"0": "LABEL_0"},
+            "label2id": {"LABEL_0": 0}, "pad_token_id": pad_token_id}
 
 
 def _architecture(cfg: Mapping[str, Any]) -> str:
     architecture = (cfg.get("architectures") or [None])[0]
     if architecture in REFUSED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r}: {REFUSED_ARCHITECTURES[architecture]}")
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+    if architecture not in ARCHITECTURES and architecture not in CAUSAL_OF:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)} "
+                         "and their ...ForSequenceClassification (SCORE_ARCHITECTURES)")
     return architecture
 
 

@@ -61,10 +61,18 @@ def local_model(uri: str, cache: Path) -> ModelOutput:
 
 def load_model_output(chunks: list, output: ModelOutput, cache: Path) -> None:
     """A model stage output's weights into plain chunks, at any layout; a LoRA output's are
-    its base's (fetched like any input) with its adapter merged in."""
+    its base's (fetched like any input) with its adapter merged in. Reward-model chunks
+    (`ScoreModel`) take a causal LM's trunk and keep their new head."""
+    from alignflow.convert.families import model_shape
     from alignflow.megatron import checkpoint, lora  # megatron costs a job ~110 MB of RSS
+    from alignflow.megatron.model import ScoreModel
 
-    lora.load_output(chunks, output, lambda uri: local_model(uri, cache), checkpoint.load)
+    new_head = isinstance(chunks[0], ScoreModel) and not model_shape(output.hf_config).score_head
+
+    def load(chunks: list, uri: str, select: str) -> None:
+        checkpoint.load(chunks, uri, "trunk" if new_head and select == "all" else select)
+
+    lora.load_output(chunks, output, lambda uri: local_model(uri, cache), load)
 
 
 def frozen_chunks(output: ModelOutput, parallel, divisible_by: int, cache: Path, params_dtype: Any) -> list:

@@ -1,7 +1,8 @@
 """The forwards whose outputs stages keep: per-token NLL (`sft_forward`, SFT's objective `SFT`,
 which eval's val loss and DPO/GRPO's log-probs share), logits (`logits_forward`, the teacher's
 top-k), and per-pair log-prob sums of preference pairs (`pair_logprobs`: the reference DPO
-reads, eval's preference accuracy). With THD attention a micro batch runs as one flat sequence
+reads, eval's preference accuracy); a reward model's score of each sequence of preference pairs
+(`sequence_scores`, from `logits_forward`'s [b, s, 1]). With THD attention a micro batch runs as one flat sequence
 of documents [1, b * s] (`alignflow.megatron.model.packed_thd`)."""
 
 import functools
@@ -42,6 +43,19 @@ def logits_forward(model, batch: dict) -> torch.Tensor:
         return model(tokens, batch["position_ids"], None, packed_seq_params=documents)
     out = model(tokens.view(1, -1), batch["position_ids"].view(1, -1), None, packed_seq_params=documents)
     return out.view(*tokens.shape, -1) if getattr(model, "module", model).post_process else out
+
+
+def sequence_scores(scores: torch.Tensor, batch: dict, pad_id: int) -> torch.Tensor:
+    """Each sequence's score [2 * pairs] (chosen, then rejected) of a micro batch of packed
+    pairs, from a reward model's scores at every position [b, s, 1] (`ScoreModel`): at the
+    sequence's last token that is not `pad_id`, or its first where all are (HF's
+    ...ForSequenceClassification rule, so an exported reward model scores as here)."""
+    sequence = batch["sequence"].to(scores.device).flatten()
+    positions = torch.arange(sequence.numel(), device=scores.device)
+    inside = sequence >= 0
+    kept = inside & (batch["tokens"].to(scores.device).flatten() != pad_id)
+    first = positions.new_full((2 * batch["pairs"],), sequence.numel()).scatter_reduce(0, sequence[inside], positions[inside], "amin")
+    return scores.flatten()[first.scatter_reduce(0, sequence[kept], positions[kept], "amax")]
 
 
 def pair_logprobs(chunks: list, pairs: PreferencePairs, micro_batch_size: int) -> dict | None:

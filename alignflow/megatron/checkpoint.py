@@ -35,8 +35,10 @@ OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib
 
 
 # Which tensors a checkpoint holds: all, the base weights, or LoRA adapters only
-# (`alignflow.megatron.lora`: a LoRA run's checkpoints, whose base is its frozen input model).
-SELECT = {"all": lambda key: True, "base": lambda key: not is_adapter_key(key), "adapters": is_adapter_key}
+# (`alignflow.megatron.lora`: a LoRA run's checkpoints, whose base is its frozen input model);
+# the trunk: all but a reward model's scalar head (`ScoreModel`), what a causal LM gives one.
+SELECT = {"all": lambda key: True, "base": lambda key: not is_adapter_key(key), "adapters": is_adapter_key,
+          "trunk": lambda key: not key.startswith("rm_head.")}
 
 
 def sharded_state_dict(chunks: Sequence[GPTModel], select: str = "all") -> dict:

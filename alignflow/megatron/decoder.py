@@ -65,7 +65,7 @@ from alignflow.device import device as rank_device
 from alignflow.megatron.attention import Documents, packed_attention
 from alignflow.megatron.gemma import LayerRopeSelfAttention, LayerTypeRotaryEmbedding, embedding_scale, gelu_tanh, is_window_layer, offset_rms_norm, softcap
 from alignflow.megatron.lora import effective_weight
-from alignflow.megatron.model import ProjectionRMSNorm, packed_thd
+from alignflow.megatron.model import ProjectionRMSNorm, output_weight, packed_thd
 from alignflow.megatron.vocab_parallel import mask_padded
 
 # TransformerConfig fields the decoder implements only at these values.
@@ -202,7 +202,7 @@ class Decoder:
         self.embedding = model.embedding.word_embeddings if model.pre_process else None
         if model.post_process:
             self.final_norm = model.decoder.final_layernorm.weight
-            self.output = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+            self.output = output_weight(model)  # a reward model's scalar head too: `LeanForward` gives its scores
         cache = (len(pad), self.groups, max_length, self.head_dim)
         self.keys = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
         self.values = [torch.empty(cache, dtype=self.dtype, device=device) for _ in self.layers]
@@ -429,7 +429,8 @@ def _signed_sin(angles: Tensor) -> Tensor:
 
 class LeanForward:
     """Whole sequences through the model, no cache: GPTModel's forward, called as it is
-    (`token_nll`, `logits_forward`: logits [b, s, padded vocab]), with `Decoder`'s weights and
+    (`token_nll`, `logits_forward`: logits [b, s, padded vocab], a reward model's (`ScoreModel`)
+    scores [b, s, 1]), with `Decoder`'s weights and
     layer math, ~20 torch ops a layer where Megatron's modules make ~80 calls and their own
     autograd functions. On the demo's 158k-parameter model that overhead was most of a
     reference pass (2.6x faster here) and of a DPO step (1.6x). Attention is

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -437,6 +438,43 @@ def _longrope(model: GPTModel, shape: ModelShape) -> None:
 RESCALED_ROPE = {"llama3": _llama3_rope, "longrope": _longrope}
 
 
+class ScoreModel(GPTModel):
+    """A GPTModel whose last stage ends in a scalar head, `rm_head` (NeMo-Aligner's name), in
+    place of the output layer: hidden -> 1 without a bias, as HF's ...ForSequenceClassification
+    `score` (`alignflow.convert.families.SCORE_ARCHITECTURES`), so its output is every
+    position's score [b, s, 1] (a reward model's; which position scores a sequence is the
+    caller's: `alignflow.forward.objectives.sequence_scores`). The head is replicated over TP:
+    every rank holds all of [1, hidden] and applies it to the whole hidden state, as it does
+    the norms (so its gradient needs no reduction, and TP computes TP1's scores). A new head
+    is drawn normal(0, initializer_range) (HF's and NeMo-Aligner's init) from its own generator
+    seeded by `head_seed`: the same head at every layout."""
+
+    def __init__(self, *args, head_std: float, head_seed: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.post_process:
+            del self.output_layer
+            self.rm_head = torch.nn.Linear(self.config.hidden_size, 1, bias=False, device="cpu")
+            with torch.no_grad():
+                self.rm_head.weight.normal_(0.0, head_std, generator=torch.Generator().manual_seed(head_seed))
+
+    def _postprocess(self, hidden_states: Tensor, **_) -> Tensor:
+        """[s, b, h] final hidden states -> scores [b, s, 1] (the hidden states on other stages)."""
+        if not self.post_process:
+            return hidden_states
+        return self.rm_head(hidden_states).transpose(0, 1).contiguous()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        """Megatron's module default: GPTModel's and LanguageModule's own additions handle the output layer it has not."""
+        return super(LanguageModule, self).sharded_state_dict(prefix, sharded_offsets, metadata)
+
+
+def output_weight(model: GPTModel) -> Tensor:
+    """The last stage's output matrix: the scalar head's [1, hidden], the output layer's or the tied embedding."""
+    if isinstance(model, ScoreModel):
+        return model.rm_head.weight
+    return model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+
+
 def build_gpt(
     hf_config: Mapping[str, Any],
     parallel_cfg: Any,
@@ -444,9 +482,11 @@ def build_gpt(
     params_dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
     parallel_output: bool = True,
+    head_seed: int = 0,
     **overrides,
 ) -> Union[GPTModel, list[GPTModel]]:
-    """This rank's GPTModel (its pipeline stage), or its list of chunks with virtual PP.
+    """This rank's GPTModel (its pipeline stage), or its list of chunks with virtual PP; a
+    `ScoreModel` for a ...ForSequenceClassification config (a new head drawn with `head_seed`).
 
     Call after `runtime.init_parallel`. `parallel_output` keeps logits vocab-parallel (for
     Megatron's vocab-parallel cross entropy); pass `runtime_gather_output=True` to forward
@@ -465,6 +505,8 @@ def build_gpt(
         rotary_percent=shape.rotary_percent,  # the first dims of each head, as HF's partial_rotary_factor
         **ROPE_ARGS[shape.rope_type](shape.rope_factor),
     )
+    if shape.score_head:
+        common |= {"head_std": shape.initializer_range, "head_seed": head_seed}
     chunks = [_build_chunk(common, shape, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
     return chunks if vp_size else chunks[0]
 
@@ -477,14 +519,14 @@ def _build_chunk(common: dict, shape: ModelShape, vp_stage: Optional[int], vp_si
     pre, post = stage_ends(
         parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(), vp_stage, vp_size
     )
-    model = GPTModel(pre_process=pre, post_process=post, vp_stage=vp_stage,
-                     transformer_layer_spec=block_spec(shape, common["config"], vp_stage), **common)
+    model = (ScoreModel if shape.score_head else GPTModel)(pre_process=pre, post_process=post, vp_stage=vp_stage,
+                                                          transformer_layer_spec=block_spec(shape, common["config"], vp_stage), **common)
     model.hf_shape = shape
     gemma.install(model, shape)
     if shape.rope_type in RESCALED_ROPE:
         RESCALED_ROPE[shape.rope_type](model, shape)
     model.real_vocab_size = shape.vocab_size
-    if post:
+    if post and not shape.score_head:
         model.output_layer.register_forward_hook(masking_hook(shape.vocab_size))
     # Every weight in params_dtype: the local spec builds its norms in fp32 whatever it says
     # (Megatron-LM's Float16Module casts them too; its optimizers expect one dtype).

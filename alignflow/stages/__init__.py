@@ -50,6 +50,11 @@ OUTPUTS = {
                                  (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False))),
     "teacher_logprobs": OutputFormat("Parquet per-row teacher top-k token ids and log-probs at the loss positions (alignflow.data.teacher_topk)",
                                      (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False))),
+    "reward_model": OutputFormat("Megatron torch_dist model/ with the scalar head rm_head.weight + hf/ (config.json: the "
+                                 "...ForSequenceClassification, one label, pad_token_id) + tokenizer/ (alignflow.stages.reward_model)",
+                                 (Need("hf/config.json", json_file), Need("tokenizer/*", nonempty), Need("model", torch_dist),
+                                  *(Need(f"checkpoints/step-*/{part}", check, required=False)
+                                    for part, check in (("model", torch_dist), ("optimizer", torch_dist), ("trainer.json", json_file))))),
     "eval": OutputFormat("eval.json: metrics per model and samples (alignflow.stages.eval)", (Need("eval.json", json_file),)),
     "hf": OutputFormat("HF safetensors shards + config + tokenizer, + adapter/ (HF PEFT) for LoRA (alignflow.stages.export)",
                        (Need("config.json", json_file), Need("*.safetensors", safetensors), Need("*.index.json", json_file, required=False),
@@ -62,13 +67,18 @@ class Role:
     output: str  # the output format it expects
     required: bool = True
     many: bool = False  # a list of upstream stages
+    also: tuple[str, ...] = ()  # other formats it takes
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output, *self.also)
 
     def describe(self) -> str:
-        return f"{'required' if self.required else 'optional'}, {'a list of' if self.many else 'one'} {self.output} output{'s' if self.many else ''}"
+        return f"{'required' if self.required else 'optional'}, {'a list of' if self.many else 'one'} {' or '.join(self.outputs)} output{'s' if self.many else ''}"
 
 
-def one(output: str) -> Role:
-    return Role(output)
+def one(output: str, *also: str) -> Role:
+    return Role(output, also=also)
 
 
 def many(output: str) -> Role:
@@ -115,7 +125,10 @@ STAGES: dict[str, StageKind] = {
                               headline=("val_kl", *_TRAIN_HEADLINE), reads=("model",), context=_TRAINING, resumable=True),
     "eval": StageKind(schema.EvalConfig, "eval", {"data": one("prep"), "model": one("model"), "baselines": many("model")},
                       headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"), reads=("model",), context=_CACHE),
-    "export": StageKind(schema.ExportConfig, "hf", {"model": one("model")}, headline=("architecture", "dtype", "shards", "destination")),
+    "reward_model": StageKind(schema.RewardModelConfig, "reward_model", {"data": one("prep"), "model": one("model", "reward_model")},
+                              headline=("val_reward_accuracy", "val_reward_margin", *_TRAIN_HEADLINE), reads=("model",), context=_TRAINING,
+                              resumable=True),
+    "export": StageKind(schema.ExportConfig, "hf", {"model": one("model", "reward_model")}, headline=("architecture", "dtype", "shards", "destination")),
 }
 
 

@@ -125,6 +125,7 @@ class Run:
     kind: str
     cfg: Any  # the stage's typed section
     init: ModelOutput  # the model it starts from (a local folder)
+    hf_config: dict  # the HF config of the model it trains: the input's, or a reward model's on its trunk
     source: str  # the URI of that model as the pipeline gave it (a LoRA output's base)
     cache: Path  # where input models from object stores are copied (`alignflow.train.workspace`)
     workspace: Workspace
@@ -170,12 +171,15 @@ class Run:
 
 
 @contextmanager
-def training(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int) -> Iterator[Run]:
+def training(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int,
+             model_config: Optional[Callable[[dict], dict]] = None) -> Iterator[Run]:
     """A run of the `kind` section of `cfg` from `inputs["model"]` into `out`, over `num_rows`
-    dataset items taken `rows_per_step` per step; the process groups are torn down after it."""
+    dataset items taken `rows_per_step` per step; the process groups are torn down after it.
+    `model_config` gives the HF config of the model to train from the input's (a reward model:
+    `alignflow.convert.families.score_config`); the output's hf/config.json is it."""
     run = None
     try:
-        run = setup(kind, cfg, inputs, out, num_rows, rows_per_step)
+        run = setup(kind, cfg, inputs, out, num_rows, rows_per_step, model_config)
         yield run
     finally:
         if run is not None and run.metrics is not None:
@@ -183,13 +187,15 @@ def training(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_pe
         runtime.teardown()
 
 
-def setup(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int) -> Run:
+def setup(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int,
+          model_config: Optional[Callable[[dict], dict]] = None) -> Run:
     section, cache = cfg[kind], cache_dir(cfg)
     check_supported(section.parallel)
     dtype = resolve_precision(section.precision)
     init = local_model(inputs["model"], cache)
+    hf_config = model_config(init.hf_config) if model_config else init.hf_config
     runtime.init_parallel(section.parallel, seed=section.trainer.seed)
-    built = build_gpt(init.hf_config, section.parallel, params_dtype=dtype,
+    built = build_gpt(hf_config, section.parallel, params_dtype=dtype, head_seed=section.trainer.seed,
                       make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                       hidden_dropout=section.hidden_dropout, attention_dropout=section.attention_dropout,
                       calculate_per_token_loss=True, **recompute_settings(section))
@@ -200,7 +206,7 @@ def setup(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_s
     model = wrap_ddp(chunks, ddp_config(section.parallel))
     batches = GlobalBatches(num_rows, rows_per_step, section.trainer.seed)
     trainer = section.trainer
-    run = Run(kind, section, init, inputs["model"], cache, workspace_for(out, cache), dtype, dist.get_rank(), parallel_state.get_data_parallel_rank(),
+    run = Run(kind, section, init, hf_config, inputs["model"], cache, workspace_for(out, cache), dtype, dist.get_rank(), parallel_state.get_data_parallel_rank(),
               parallel_state.get_data_parallel_world_size(), chunks, model, build_optimizer(model, section, dtype), batches,
               trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * batches.per_epoch)
     run.state = resume_or_start(run)
@@ -420,6 +426,8 @@ def finish(run: Run, result: TrainResult) -> dict:
     outputs on an object store); the stage's metrics."""
     if run.rank == 0:
         publish(result.weights, run.init, run.out, ADAPTER_DIR if run.cfg.finetuning_type == "lora" else MODEL_DIR)
+        if run.hf_config != run.init.hf_config:
+            (run.out / HF_DIR / "config.json").write_text(json.dumps(run.hf_config, indent=2) + "\n")
         if run.cfg.finetuning_type == "lora":
             settings = OmegaConf.to_container(run.cfg.lora, resolve=True)
             (run.out / LORA_FILE).write_text(json.dumps({"base": run.source, **settings}, indent=2) + "\n")

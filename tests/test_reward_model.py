@@ -1,0 +1,126 @@
+"""The reward_model stage: TRL's RewardTrainer loss and metrics on the same pairs and weights,
+HF's ...ForSequenceClassification scores of its export, equal losses across TP/PP layouts, and
+what it learns on the demo's preference pairs."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from alignflow.config.schema import RewardModelLossConfig
+from alignflow.data.prepared import Prepared
+from alignflow.device import to_device
+from alignflow.forward.models import frozen_chunks, local_model
+from alignflow.forward.objectives import logits_forward, sequence_scores
+from alignflow.megatron import runtime
+from alignflow.megatron.decoder import LeanForward
+from alignflow.stages import eval as eval_stage, export, prep, reward_model, sft
+from alignflow.train.datasets import PreferencePairs
+from alignflow.worker import typed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import assert_same_steps, convert_demo, metrics_lines, stage_cfg, torchrun  # noqa: E402
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def inputs(demo_dir, tmp_path_factory):
+    """The demo's SFT and preference data and the demo Llama as converted."""
+    root = tmp_path_factory.mktemp("rm")
+    data = demo_dir / "data"
+    spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
+                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "preference")}
+    prep.run(typed({
+        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+        "data": {**spec, "prompts": None, "seq_length": SEQ, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
+        "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
+    }), {}, str(root / "prep"))
+    return {"data": str(root / "prep"), "model": str(convert_demo(demo_dir, root / "base"))}
+
+
+def rm_cfg(demo_dir, tp=1, pp=1, **section) -> dict:
+    return stage_cfg("reward_model", demo_dir, tp, pp, **{"micro_batch_size": 2, "global_batch_size": 8, **section})
+
+
+@pytest.fixture(scope="module")
+def trained(demo_dir, inputs, tmp_path_factory):
+    """A reward model after a few steps (its head and trunk moved off their start) and its HF export."""
+    root = tmp_path_factory.mktemp("rm-trained")
+    reward_model.run(typed(rm_cfg(demo_dir, trainer={"max_steps": 4}, optim={"lr": 3e-3})), inputs, str(root / "rm"))
+    export_cfg = OmegaConf.create({"export": {"dtype": "float32", "max_shard_size": "2GB", "destination": None}})
+    export.run(export_cfg, {"model": str(root / "rm")}, str(root / "hf"))
+    return root
+
+
+def our_output(uri: str, batch: dict, lean: bool = False) -> torch.Tensor:
+    """Every position's score [b, s, 1] of a collated micro batch under the model at `uri` (one
+    rank, fp32): through Megatron's modules, or the lean forward."""
+    runtime.init_parallel(eval_stage.SINGLE_RANK)
+    try:
+        (chunk,) = frozen_chunks(local_model(uri, Path("/tmp")), OmegaConf.create(eval_stage.SINGLE_RANK), 128, Path("/tmp"), torch.float32)
+        model = LeanForward.of([chunk], batch["tokens"].shape[1]) if lean else chunk
+        assert model is not None
+        with torch.no_grad():
+            return logits_forward(model, to_device(batch))
+    finally:
+        runtime.teardown()
+
+
+def hf_batch(pairs: PreferencePairs, indices: list[int], pad_id: int) -> dict:
+    """TRL's DataCollatorForPreference batch of the same pairs: chosen then rejected, right-padded."""
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    return DataCollatorForPreference(pad_token_id=pad_id)([{f"{side}_ids": pairs.sequence(side, i)[0].tolist() for side in ("chosen", "rejected")}
+                                                           for i in indices])
+
+
+def test_the_export_loads_as_hf_sequence_classification_with_our_scores(inputs, trained):
+    """transformers loads the export (num_labels 1, pad_token_id set, `score.weight`); its logits at
+    the last non-pad token equal our scores, through Megatron's modules and the lean forward, to 1e-5."""
+    pairs, pad_id = PreferencePairs(Prepared(inputs["data"]), "val"), Prepared(inputs["data"]).pad_id
+    hf = AutoModelForSequenceClassification.from_pretrained(trained / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.num_labels == 1 and hf.config.pad_token_id == pad_id
+    indices = list(range(12))
+    batch = pairs.collate(indices)
+    with torch.no_grad():
+        theirs = hf(**hf_batch(pairs, indices, pad_id)).logits[:, 0]
+    for lean in (False, True):
+        ours = sequence_scores(our_output(str(trained / "rm"), batch, lean), batch, pad_id)
+        assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (lean, (ours - theirs).abs().max())
+    assert theirs.std() > 1e-3  # scores that differ from pair to pair
+
+
+@pytest.mark.parametrize("loss_cfg", [RewardModelLossConfig(), RewardModelLossConfig(margin=0.5, center_rewards_coefficient=0.01)],
+                         ids=["plain", "margin+centered"])
+def test_loss_and_metrics_equal_trls_reward_trainer(inputs, trained, tmp_path, loss_cfg):
+    """TRL 1.16's RewardTrainer.compute_loss on the same pairs (one micro batch) with the same
+    weights in HF's LlamaForSequenceClassification: loss, accuracy and margin (reward gap) to 1e-5."""
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    data = Prepared(inputs["data"])
+    pairs, pad_id = PreferencePairs(data, "val"), data.pad_id
+    indices = list(range(10))
+    hf = AutoModelForSequenceClassification.from_pretrained(trained / "hf", dtype=torch.float32)
+    batch = hf_batch(pairs, indices, pad_id)
+    if loss_cfg.margin:
+        batch["margin"] = torch.full((len(indices),), loss_cfg.margin)
+    rows = Dataset.from_list([{f"{side}_ids": pairs.sequence(side, i)[0].tolist() for side in ("chosen", "rejected")} for i in indices])
+    args = RewardConfig(output_dir=str(tmp_path), report_to=[], center_rewards_coefficient=loss_cfg.center_rewards_coefficient, use_cpu=True)
+    trainer = RewardTrainer(model=hf, args=args, train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(trained / "hf"))
+    trainer.model.train()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(trainer.model, batch).item()
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    collated = pairs.collate(indices)
+    terms = reward_model.reward_objective(loss_cfg, pad_id).loss(our_output(str(trained / "rm"), collated), collated)
+    n = terms.count.item()
+    assert terms.total.item() / n == pytest.approx(trl_loss, abs=1e-5)
+    assert terms.metrics["reward_accuracy"].item() / n == pytest.approx(trl_metrics["accuracy"], abs=1e-6)
+    assert terms.metrics["reward_margin"].item() / n == pytest.approx(trl_metrics["margin"], abs=1e-5)
+    assert 0 < trl_metrics["accuracy"] < 1  # the pairs are not all on one side
