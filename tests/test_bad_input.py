@@ -156,6 +156,7 @@ def an_export_marker(files_listed: list[str]) -> Callable[[Path, Path], None]:
 
 NEW_EXPORT = "pipeline.stages.export_hf={kind: export, inputs: {model: sft}, destination: {W}/models}"
 CONVERT = ("pipeline=convert", "model.tokenizer={D}/tokenizer")
+RM = "pipeline.stages.rm={kind: reward_model, inputs: {data: prep, model: sft}}"
 ERR_SECRET = "a secret must not be written in the config or an override"
 
 CASES = {
@@ -174,6 +175,11 @@ CASES = {
     "destination-in-the-job-folder": Case(("export.destination={W}/jobs/m",), ("export.destination: {W}/jobs/m is inside launcher.folder",)),
     "destination-of-two-exports": Case(("export.destination={W}/models", NEW_EXPORT), ("export.destination: {W}/models is pipeline.stages.export_hf.destination",)),
     # names: one charset wherever a name reaches a path, a shell line or an artifact key
+    # a reward model is a scorer: never a policy, and its head would not train under LoRA
+    "reward-model-as-a-policy": Case((RM, "pipeline.stages.dpo.inputs.model=rm"),
+                                     ("pipeline.stages.dpo.inputs.model: expects a model output; 'rm' (reward_model) gives a reward_model output",)),
+    "reward-model-lora": Case((RM, "pipeline.stages.rm.finetuning_type=lora"),
+                              ("pipeline.stages.rm.finetuning_type: lora is not supported by reward_model",)),
     "instance-name-uppercase": Case(("pipeline.stages.Export2={kind: export, inputs: {model: sft}}",), ("pipeline.stages.Export2: an instance name must be",)),
     "instance-name-dash": Case(("pipeline.stages.export-2={kind: export, inputs: {model: sft}}",), ("pipeline.stages.export-2: an instance name must be",)),
     "pipeline-name-path": Case(("pipeline.name=demo/nightly",), ("pipeline.name: a pipeline name must be",)),

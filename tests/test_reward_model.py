@@ -124,3 +124,16 @@ def test_loss_and_metrics_equal_trls_reward_trainer(inputs, trained, tmp_path, l
     assert terms.metrics["reward_accuracy"].item() / n == pytest.approx(trl_metrics["accuracy"], abs=1e-6)
     assert terms.metrics["reward_margin"].item() / n == pytest.approx(trl_metrics["margin"], abs=1e-5)
     assert 0 < trl_metrics["accuracy"] < 1  # the pairs are not all on one side
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_reward_model_losses_at_tp2_and_pp2_match_tp1(demo_dir, inputs, tmp_path, tp, pp):
+    """5 steps and a validation from the demo Llama: TP2 (the head replicated, Megatron's modules)
+    and PP2 (the head on the last stage) give TP1's (the lean forward) losses and rewards to 1e-5."""
+    reference = tmp_path / "tp1"
+    reward_model.run(typed(rm_cfg(demo_dir, optim={"lr": 3e-3})), inputs, str(reference))
+    parallel = tmp_path / f"tp{tp}pp{pp}"
+    torchrun(2, rm_cfg(demo_dir, tp, pp, optim={"lr": 3e-3}), inputs, parallel, "--stage", "reward_model")
+    assert_same_steps(reference, parallel, 1e-5, keys=("loss", "reward_margin", "chosen_reward", "rejected_reward", "val_loss"))
+    assert abs(metrics_lines(reference)[-1]["reward_margin"]) > 1e-3  # the rewards moved

@@ -258,7 +258,7 @@ def layout_of(kind: str, cfg: Any, inputs: Mapping[str, Any], dims: Dimensions) 
     if kind == "grpo":  # a row is a prompt and its completion; a step's samples cut into optimizer steps
         seq_length = min(data.seq_length, data.max_prompt_length + section.max_new_tokens)
         rows = section.num_prompts_per_step // dp * section.num_generations_per_prompt // section.num_optimizer_steps_per_batch
-    elif kind == "dpo":  # a row holds at least one pair: its two sequences, each up to seq_length
+    elif kind in ("dpo", "reward_model"):  # a row holds at least one pair: its two sequences, each up to seq_length
         seq_length, rows = 2 * data.seq_length, section.global_batch_size // dp
     else:
         seq_length, rows = data.seq_length, section.global_batch_size // dp

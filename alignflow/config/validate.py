@@ -216,6 +216,9 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
         problems += _check_dpo_loss(f"{key}.loss", section.loss)
     if kind == "grpo":
         problems += _check_grpo(key, section)
+    if kind == "reward_model" and section.finetuning_type != FinetuningType.all_weights:
+        problems.append(f"{key}.finetuning_type: {section.finetuning_type} is not supported by reward_model (LoRA would leave its new "
+                        "scalar head frozen at its random init); use all_weights")
     if shape is not None and shape.rope_original_max is not None and "data" in stage.inputs:
         problems += _check_longrope(stage.cfg.data.seq_length, shape.rope_original_max)
     return problems
