@@ -2,9 +2,11 @@
 HF's ...ForSequenceClassification scores of its export, equal losses across TP/PP layouts, and
 what it learns on the demo's preference pairs."""
 
+import json
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -22,7 +24,7 @@ from alignflow.train.datasets import PreferencePairs
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_demo, metrics_lines, stage_cfg, torchrun  # noqa: E402
+from train_ranks import assert_same_steps, convert_demo, metrics_lines, stage_cfg, torchrun, weights  # noqa: E402
 
 SEQ = 64
 
@@ -124,6 +126,25 @@ def test_loss_and_metrics_equal_trls_reward_trainer(inputs, trained, tmp_path, l
     assert terms.metrics["reward_accuracy"].item() / n == pytest.approx(trl_metrics["accuracy"], abs=1e-6)
     assert terms.metrics["reward_margin"].item() / n == pytest.approx(trl_metrics["margin"], abs=1e-5)
     assert 0 < trl_metrics["accuracy"] < 1  # the pairs are not all on one side
+
+
+def test_reward_model_fits_its_pairs(demo_dir, inputs, tmp_path):
+    """On 16 training pairs (one global batch) from the demo Llama, the loss falls from log 2 (a
+    new head scores near 0) and every pair ends up ranked right; the output is a reward model."""
+    table = pq.read_table(Path(inputs["data"]) / "preference" / "train-00000.parquet").slice(0, 16)
+    data = tmp_path / "data"
+    (data / "preference").mkdir(parents=True)
+    (data / "metadata.json").write_text((Path(inputs["data"]) / "metadata.json").read_text())
+    pq.write_table(table, data / "preference" / "train-00000.parquet")
+    cfg = rm_cfg(demo_dir, global_batch_size=16, micro_batch_size=4, trainer={"max_steps": 15}, optim={"lr": 3e-3})
+    metrics = reward_model.run(typed(cfg), {**inputs, "data": str(data)}, str(tmp_path / "out"))
+    lines = metrics_lines(tmp_path / "out")
+    print(f"reward model: loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}, accuracy {lines[-1]['reward_accuracy']:.2f}")
+    assert metrics["steps"] == 15 and lines[0]["loss"] == pytest.approx(0.6931, abs=0.01)
+    assert lines[-1]["loss"] < 0.05 and lines[-1]["reward_accuracy"] == 1.0 and lines[-1]["reward_margin"] > 2
+    config = json.loads((tmp_path / "out" / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["pad_token_id"] == Prepared(inputs["data"]).pad_id
+    assert set(weights(tmp_path / "out" / "model")) >= {"rm_head.weight"} and "output_layer.weight" not in weights(tmp_path / "out" / "model")
 
 
 @pytest.mark.slow
