@@ -158,3 +158,23 @@ def test_reward_model_losses_at_tp2_and_pp2_match_tp1(demo_dir, inputs, tmp_path
     torchrun(2, rm_cfg(demo_dir, tp, pp, optim={"lr": 3e-3}), inputs, parallel, "--stage", "reward_model")
     assert_same_steps(reference, parallel, 1e-5, keys=("loss", "reward_margin", "chosen_reward", "rejected_reward", "val_loss"))
     assert abs(metrics_lines(reference)[-1]["reward_margin"]) > 1e-3  # the rewards moved
+
+
+@pytest.mark.slow
+def test_a_pipeline_trains_and_exports_a_reward_model_in_real_jobs(base_overrides):
+    """prep -> convert -> reward_model -> export as local jobs through the runner: the job gets the
+    sections its kind declares, its output commits as a reward_model output (its headline
+    val_reward_accuracy among its metrics), and the export takes it."""
+    from alignflow.config.compose import build
+    from alignflow.runner import run_stage
+
+    pipeline = build("convert", [*base_overrides, "pipeline.stages.prep={}", "pipeline.stages.rm={kind: reward_model, inputs: "
+                                 "{data: prep, model: convert}}", "pipeline.stages.export.inputs.model=rm", "reward_model.trainer.max_steps=2",
+                              "reward_model.trainer.val_check_interval=2", "reward_model.micro_batch_size=4", "reward_model.global_batch_size=8"])
+    results = {}
+    for stage in pipeline:
+        results[stage.name] = run_stage(stage, {up: results[up] for up in stage.upstream()}, log=print)
+    rm, exported = Path(results["rm"].uri), Path(results["export"].uri)
+    assert results["rm"].metrics["steps"] == 2 and "val_reward_accuracy" in results["rm"].metrics
+    hf = AutoModelForSequenceClassification.from_pretrained(exported)
+    assert hf.config.num_labels == 1 and (rm / "model" / ".metadata").exists() and not (rm / "checkpoints").exists()

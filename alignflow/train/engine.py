@@ -423,7 +423,8 @@ def optimizer_state_bytes(optimizer: MegatronOptimizer) -> int:
 def finish(run: Run, result: TrainResult) -> dict:
     """After `training`: publish the final weights as `{out}/model` (a LoRA run's adapter as
     `{out}/adapter` + lora.json) beside the input model's hf/ and tokenizer/ (uploaded with the
-    outputs on an object store); the stage's metrics."""
+    outputs on an object store); the stage's metrics (the last validation's too: DPO's and the
+    reward model's headline val_reward_accuracy)."""
     if run.rank == 0:
         publish(result.weights, run.init, run.out, ADAPTER_DIR if run.cfg.finetuning_type == "lora" else MODEL_DIR)
         if run.hf_config != run.init.hf_config:
@@ -433,7 +434,7 @@ def finish(run: Run, result: TrainResult) -> dict:
             (run.out / LORA_FILE).write_text(json.dumps({"base": run.source, **settings}, indent=2) + "\n")
         shutil.rmtree(run.out / MERGED, ignore_errors=True)
         run.workspace.push_outputs()
-    return result.summary | {
+    return result.summary | run.last_val_metrics | {
         "train_loss": result.train_loss,
         "val_loss": result.val_loss,
         "steps": result.steps,
