@@ -19,7 +19,7 @@ from alignflow.forward.models import frozen_chunks, local_model
 from alignflow.forward.objectives import logits_forward, sequence_scores
 from alignflow.megatron import runtime
 from alignflow.megatron.decoder import LeanForward
-from alignflow.stages import eval as eval_stage, export, prep, reward_model, sft
+from alignflow.stages import eval as eval_stage, export, prep, reward_model
 from alignflow.train.datasets import PreferencePairs
 from alignflow.worker import typed
 
