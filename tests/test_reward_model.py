@@ -24,7 +24,7 @@ from alignflow.train.datasets import PreferencePairs
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_demo, metrics_lines, stage_cfg, torchrun, weights  # noqa: E402
+from train_ranks import assert_hardware_use, assert_same_steps, convert_demo, metrics_lines, stage_cfg, torchrun, weights  # noqa: E402
 
 SEQ = 64
 
@@ -145,6 +145,7 @@ def test_reward_model_fits_its_pairs(demo_dir, inputs, tmp_path):
     config = json.loads((tmp_path / "out" / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and config["pad_token_id"] == Prepared(inputs["data"]).pad_id
     assert set(weights(tmp_path / "out" / "model")) >= {"rm_head.weight"} and "output_layer.weight" not in weights(tmp_path / "out" / "model")
+    assert_hardware_use(metrics, tmp_path / "out", PreferencePairs(Prepared(str(data)), "train").row_length, passes=3)  # no vocab head counted
 
 
 @pytest.mark.slow

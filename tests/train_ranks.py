@@ -168,14 +168,17 @@ def assert_hardware_use(metrics: dict, model: Path, row_length: int, passes: int
     """A stage's hardware figures: on the CPU no MFU (no peak) and its peak RSS, on CUDA an MFU
     and torch's peak allocation; on both, model FLOPs per token
     between `passes` x 2N (N: the weight matrices a token goes through, counted on a model that
-    HF builds from the config) and that plus PaLM's attention term over the whole score matrix
-    of a full row (an upper bound: documents are no longer than a row, and causal)."""
+    HF builds from the config: its LM, or a reward model's classifier) and that plus PaLM's
+    attention term over the whole score matrix of a full row (an upper bound: documents are no
+    longer than a row, and causal)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(**json.loads((model / "hf" / "config.json").read_text()))
+    saved = json.loads((model / "hf" / "config.json").read_text())
+    config = LlamaConfig(**saved)
     with torch.device("meta"):
-        hf = LlamaForCausalLM(config)
+        hf = getattr(transformers, saved["architectures"][0])(config)
     lookup = 0 if config.tie_word_embeddings else hf.get_input_embeddings().weight.numel()  # a lookup, no product
     matrices = sum(p.numel() for p in hf.parameters() if p.dim() == 2) - lookup
     attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * row_length

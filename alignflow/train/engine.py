@@ -167,7 +167,7 @@ class Run:
     def step_flops(self, dataset: Dataset, indices: np.ndarray) -> float:
         """Model FLOPs of a training step on these items of `dataset` (a global batch)."""
         passes = utilization.LORA_TRAINING if self.lora else utilization.TRAINING
-        return utilization.model_flops(utilization.ModelShape.of(self.init.hf_config), dataset.document_lengths(indices), passes)
+        return utilization.model_flops(utilization.ModelShape.of(self.hf_config), dataset.document_lengths(indices), passes)
 
 
 @contextmanager

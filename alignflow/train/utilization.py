@@ -6,7 +6,7 @@ generalised to packed rows as Megatron-Bridge does (attention sums the squares o
 document's length, since a document never attends across another). Per token, forward:
 - weight GEMMs, 2 FLOPs per multiply-add: 2 h (q + 2 kv) [QKV, GQA: kv = kv_heads x head_dim]
   + 2 q h [output] + 2 x 3 h f [SwiGLU MLP: gate, up, down, as in every Llama-family model
-  alignflow converts] per layer, + 2 h V [logits, tied or not];
+  alignflow converts] per layer, + 2 h V [logits, tied or not; V = 1: a reward model's score];
 - core attention, causal (half of the score matrix is computed, as Megatron-LM counts it):
   QK^T and (QK^T)V, 2 x 2 q n / 2 per layer for a token of a document of n tokens.
 Norms, RoPE, softmax and the loss are left out (as Megatron-LM). A training step is 3 forwards
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Iterable, Optional
+
+from alignflow.convert.families import CAUSAL_OF
 
 # Dense (no sparsity) bf16 Tensor Core peak, TFLOP/s, by torch.cuda.get_device_name() pattern,
 # first match wins. NVIDIA's datasheets print the sparse figure, twice these: H100 SXM5 1,979
@@ -56,11 +58,13 @@ class ModelShape:
 
     @classmethod
     def of(cls, hf_config: dict) -> "ModelShape":
-        """From a Llama-family HF config.json (the models alignflow converts)."""
+        """From a Llama-family HF config.json (the models alignflow converts); a reward model's
+        ...ForSequenceClassification ends in one output, not the vocabulary."""
         h, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+        scores = (hf_config.get("architectures") or [""])[0] in CAUSAL_OF
         return cls(hidden=h, layers=hf_config["num_hidden_layers"], heads=heads,
                    kv_heads=hf_config.get("num_key_value_heads") or heads, head_dim=hf_config.get("head_dim") or h // heads,
-                   ffn=hf_config["intermediate_size"], vocab=hf_config["vocab_size"])
+                   ffn=hf_config["intermediate_size"], vocab=1 if scores else hf_config["vocab_size"])
 
     def weight_flops_per_token(self) -> float:
         """Forward FLOPs of the weight GEMMs for one token (independent of the context)."""
