@@ -80,6 +80,28 @@ def hf_batch(pairs: PreferencePairs, indices: list[int], pad_id: int) -> dict:
                                                            for i in indices])
 
 
+def test_an_hf_reward_model_converts_and_exports_back_bit_identical(demo_dir, tmp_path):
+    """An HF LlamaForSequenceClassification (one label; tied embeddings, which its classifier does
+    not use) -> convert -> export: every tensor, `score.weight` among them, comes back exactly."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from alignflow.stages import convert
+
+    config = AutoConfig.from_pretrained(demo_dir / "tiny-qwen3", num_labels=1, pad_token_id=0, architectures=["Qwen3ForSequenceClassification"])
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "hf")
+    cfg = OmegaConf.create({"model": {"source": str(tmp_path / "hf"), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
+                                      "make_vocab_size_divisible_by": 128},
+                            "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+                            "export": {"dtype": "float32", "max_shard_size": "2GB", "destination": None}})
+    convert.run(cfg, {}, str(tmp_path / "ckpt"))
+    assert weights(tmp_path / "ckpt" / "model")["rm_head.weight"].shape == (1, 64)
+    export.run(cfg, {"model": str(tmp_path / "ckpt")}, str(tmp_path / "back"))
+    source, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert source.keys() == back.keys() and "score.weight" in back and all(torch.equal(source[k], back[k]) for k in source)
+
+
 def test_the_export_loads_as_hf_sequence_classification_with_our_scores(inputs, trained):
     """transformers loads the export (num_labels 1, pad_token_id set, `score.weight`); its logits at
     the last non-pad token equal our scores, through Megatron's modules and the lean forward, to 1e-5."""

@@ -447,10 +447,13 @@ class ScoreModel(GPTModel):
     every rank holds all of [1, hidden] and applies it to the whole hidden state, as it does
     the norms (so its gradient needs no reduction, and TP computes TP1's scores). A new head
     is drawn normal(0, initializer_range) (HF's and NeMo-Aligner's init) from its own generator
-    seeded by `head_seed`: the same head at every layout."""
+    seeded by `head_seed`: the same head at every layout. Not with sequence parallelism (each
+    TP rank would score its share of the positions only)."""
 
     def __init__(self, *args, head_std: float, head_seed: int, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.config.sequence_parallel:
+            raise NotImplementedError("a reward model's scalar head under sequence_parallel is not implemented: set it to false")
         if self.post_process:
             del self.output_layer
             self.rm_head = torch.nn.Linear(self.config.hidden_size, 1, bias=False, device="cpu")
