@@ -180,6 +180,9 @@ CASES = {
                                      ("pipeline.stages.dpo.inputs.model: expects a model output; 'rm' (reward_model) gives a reward_model output",)),
     "reward-model-lora": Case((RM, "pipeline.stages.rm.finetuning_type=lora"),
                               ("pipeline.stages.rm.finetuning_type: lora is not supported by reward_model",)),
+    "reward-model-moe-load-balancing": Case((RM, "model.source={W}/moe"),
+                                            ("pipeline.stages.rm: the model's config.json (model.source) sets output_router_logits=true",
+                                             "which reward_model does not add (only sft and dpo do)"), moe_with_router_logits),
     "instance-name-uppercase": Case(("pipeline.stages.Export2={kind: export, inputs: {model: sft}}",), ("pipeline.stages.Export2: an instance name must be",)),
     "instance-name-dash": Case(("pipeline.stages.export-2={kind: export, inputs: {model: sft}}",), ("pipeline.stages.export-2: an instance name must be",)),
     "pipeline-name-path": Case(("pipeline.name=demo/nightly",), ("pipeline.name: a pipeline name must be",)),
@@ -268,6 +271,11 @@ CASES = {
                                                ("model.source: {W}/model/config.json: unsupported HF config partial_rotary_factor=0.5: "
                                                 "LlamaForCausalLM is mapped with RoPE over whole heads",),
                                                model_copy(config_changed(partial_rotary_factor=0.5))),
+    "source-classifier-of-two-labels": Case((*CONVERT, "model.source={W}/model"),
+                                            ("model.source: {W}/model/config.json: unsupported LlamaForSequenceClassification with 2 labels: "
+                                             "a reward model has one (num_labels 1)",),
+                                            model_copy(config_changed(architectures=["LlamaForSequenceClassification"],
+                                                                      id2label={"0": "bad", "1": "good"}))),
     "source-missing": Case((*CONVERT, "model.source={W}/nothing"), ("model.source: {W}/nothing/config.json does not exist",)),
     "source-multimodal-gemma3": Case((*CONVERT, "model.source={W}/model"),
                                      ("model.source: {W}/model/config.json: unsupported architecture 'Gemma3ForConditionalGeneration': "
