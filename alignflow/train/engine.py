@@ -422,9 +422,10 @@ def optimizer_state_bytes(optimizer: MegatronOptimizer) -> int:
 
 def finish(run: Run, result: TrainResult) -> dict:
     """After `training`: publish the final weights as `{out}/model` (a LoRA run's adapter as
-    `{out}/adapter` + lora.json) beside the input model's hf/ and tokenizer/ (uploaded with the
-    outputs on an object store); the stage's metrics (the last validation's too: DPO's and the
-    reward model's headline val_reward_accuracy)."""
+    `{out}/adapter` + lora.json) beside the input model's hf/ (its config.json the trained
+    model's, where that differs: a reward model's) and tokenizer/ (uploaded with the outputs on
+    an object store); the stage's metrics (the last validation's too: DPO's and the reward
+    model's headline val_reward_accuracy)."""
     if run.rank == 0:
         publish(result.weights, run.init, run.out, ADAPTER_DIR if run.cfg.finetuning_type == "lora" else MODEL_DIR)
         if run.hf_config != run.init.hf_config:
