@@ -287,7 +287,7 @@ def test_user_code_named_by_import_path_is_code_identity(tmp_path, monkeypatch):
     assert code_identity("alignflow.stages.grpo", ["my_rewards:boxed"]) == with_user
 
 
-KINDS = ("prep", "convert", "sft", "dpo", "grpo", "distillation", "ref_logprobs", "teacher_logprobs", "eval", "export")
+KINDS = ("prep", "convert", "sft", "dpo", "grpo", "distillation", "reward_model", "ref_logprobs", "teacher_logprobs", "eval", "export")
 IDENTITIES = "import json; from alignflow.fingerprint import code_identity; " \
              f"print(json.dumps({{k: code_identity('alignflow.stages.' + k) for k in {KINDS!r}}}))"
 
@@ -300,7 +300,7 @@ def identities_in(checkout) -> dict[str, dict]:
 
 def test_an_optimizer_or_training_loop_edit_reruns_training_stages_only(tmp_path):
     """Forward-only stages hash what computes their output, not the optimizer, the LR schedule or
-    the training loop: editing those re-runs sft, dpo, grpo and distillation, never
+    the training loop: editing those re-runs sft, dpo, grpo, distillation and reward_model, never
     ref_logprobs, teacher_logprobs or eval (whose outputs would be the same)."""
     checkout = tmp_path / "checkout"
     shutil.copytree(PROJECT_ROOT / "alignflow", checkout / "alignflow", ignore=shutil.ignore_patterns("__pycache__"))
@@ -313,7 +313,7 @@ def test_an_optimizer_or_training_loop_edit_reruns_training_stages_only(tmp_path
         (checkout / "alignflow" / path).write_text(text.replace(old, new))
     after = identities_in(checkout)
     changed = {kind for kind in KINDS if before[kind] != after[kind]}
-    assert changed == {"sft", "dpo", "grpo", "distillation"}
+    assert changed == {"sft", "dpo", "grpo", "distillation", "reward_model"}
 
 
 def test_no_stage_module_imports_another():
