@@ -93,9 +93,9 @@ def gemma_source(demo_dir: Path, out: Path, config_cls: type, changes: dict) -> 
     return out
 
 
-# Every family's tensors under SFT; DPO (the same forward, another loss: Llama's TP2 DPO is
-# tests/test_dpo.py's) on the family whose soft-capped logits bend its log-probs.
-@pytest.mark.parametrize("case,stage", [(case, "sft") for case in sorted(CASES | RANKS_CASES)] + [("gemma2", "dpo")])
+# Every family's tensors under SFT and under DPO (the same forward, another loss; plain Llama's
+# TP2 DPO is tests/test_dpo.py's, the MoE's EP2 DPO too).
+@pytest.mark.parametrize("case,stage", [(case, stage) for case in sorted(CASES | RANKS_CASES) for stage in ("sft", "dpo")])
 def test_two_tensor_parallel_ranks_give_one_ranks_losses(demo_dir, data, tmp_path, case, stage):
     inputs = inputs_of(case, stage, demo_dir, data, tmp_path)
     section = {"trainer": {"val_check_interval": 5}, **({"loss": {"beta": 0.1}} if stage == "dpo" else {})}
