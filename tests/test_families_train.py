@@ -1,4 +1,4 @@
-"""SFT and DPO on the families beyond Llama: a few steps at TP2 give TP1's losses within 1e-5
+"""SFT and DPO on the families beyond Llama: a few steps at TP2 (a MoE: EP2) give TP1's losses within 1e-5
 (fp32), where the q/k norms are replicated (per head) or split with their sum of squares
 all-reduced (OLMo 2's, over the whole projection), the biases split (fc1's) or added after the
 reduction (the attention output's, fc2's), and Gemma's post norms follow the reduction."""
@@ -43,7 +43,11 @@ RANKS_CASES = {
     # fused qkv_proj / gate_up_proj, longrope on 3/4 of each head (its attention factor on those dims), tied;
     # the data's 64-token rows within the original positions
     "phi4-mini": ("phi4_mini_longrope", {"original_max_position_embeddings": 64}),
+    "phi3-window": ("phi3_window", {}),  # Phi-3: fused projections, full rotary, a 4-token window
+    "llama3-rope": ("llama3_rope_other", {}),  # Llama-3 rope scaling with constants Megatron-Core's own cannot take
+    "mixtral": ("mixtral", {}),  # experts split over EP2 (Megatron-Core trains MoE at TP > 1 only with sequence parallelism)
 }
+MOE = {"mixtral"}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +106,7 @@ def test_two_tensor_parallel_ranks_give_one_ranks_losses(demo_dir, data, tmp_pat
     run = {"sft": sft.run, "dpo": dpo.run}[stage]
     run(typed(stage_cfg(stage, demo_dir, **section)), inputs, str(tmp_path / "tp1"))
     extra = ["--stage", "dpo", "--ref-logprobs", inputs["ref_logprobs"]] if stage == "dpo" else []
-    torchrun(2, stage_cfg(stage, demo_dir, tp=2, **section), inputs, tmp_path / "tp2", *extra)
+    split = {"parallel": {"expert_model_parallel_size": 2}, "resources": {"tasks_per_node": 2}} if case in MOE else {"tp": 2}
+    torchrun(2, stage_cfg(stage, demo_dir, **split, **section), inputs, tmp_path / "tp2", *extra)
     keys = ("loss", "reward_margin", "chosen_reward", "val_loss") if stage == "dpo" else ("loss", "grad_norm", "val_loss")
     assert_same_steps(tmp_path / "tp1", tmp_path / "tp2", TOLERANCE, keys=keys)
