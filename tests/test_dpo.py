@@ -21,9 +21,7 @@ from alignflow.train.datasets import PreferencePairs, sequence_sums
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_demo, metrics_lines, stage_cfg, torchrun  # noqa: E402
-
-SEQ = 64
+from train_ranks import assert_same_steps, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +29,7 @@ def inputs(demo_dir, tmp_path_factory):
     """Demo SFT and preference data, the demo model after a short SFT as policy and reference,
     and its reference log-probs (DPO from a random model has nothing to sharpen)."""
     root = tmp_path_factory.mktemp("dpo")
-    data = demo_dir / "data"
-    spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
-                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "preference")}
-    prep.run(typed({
-        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-        "data": {**spec, "prompts": None, "seq_length": SEQ, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
-        "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
-    }), {}, str(root / "prep"))
+    prep_demo(demo_dir, root / "prep", preference=True)
     base = convert_demo(demo_dir, root / "base")
     sft_cfg = stage_cfg("sft", demo_dir, micro_batch_size=4, global_batch_size=16, trainer={"max_steps": 120, "val_check_interval": 120},
                         optim={"lr": 3e-3, "warmup_steps": 10})

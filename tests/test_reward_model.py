@@ -19,28 +19,19 @@ from alignflow.forward.models import frozen_chunks, local_model
 from alignflow.forward.objectives import logits_forward, sequence_scores
 from alignflow.megatron import runtime
 from alignflow.megatron.decoder import LeanForward
-from alignflow.stages import eval as eval_stage, export, prep, reward_model
+from alignflow.stages import eval as eval_stage, export, reward_model
 from alignflow.train.datasets import PreferencePairs
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_hardware_use, assert_same_steps, convert_demo, metrics_lines, stage_cfg, torchrun, weights  # noqa: E402
-
-SEQ = 64
+from train_ranks import assert_hardware_use, assert_same_steps, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun, weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def inputs(demo_dir, tmp_path_factory):
     """The demo's SFT and preference data and the demo Llama as converted."""
     root = tmp_path_factory.mktemp("rm")
-    data = demo_dir / "data"
-    spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
-                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "preference")}
-    prep.run(typed({
-        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-        "data": {**spec, "prompts": None, "seq_length": SEQ, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
-        "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
-    }), {}, str(root / "prep"))
+    prep_demo(demo_dir, root / "prep", preference=True)
     return {"data": str(root / "prep"), "model": str(convert_demo(demo_dir, root / "base"))}
 
 

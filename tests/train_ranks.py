@@ -32,16 +32,17 @@ RANKS = Path(__file__)
 LAYOUT_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
 
 
-def prep_demo(demo_dir: Path, out: Path, prompts: bool = False) -> Path:
-    """The demo SFT task packed into rows of SEQ_LENGTH tokens (and its prompts, for GRPO)."""
+def prep_demo(demo_dir: Path, out: Path, prompts: bool = False, preference: bool = False) -> Path:
+    """The demo SFT task packed into rows of SEQ_LENGTH tokens (and its prompts, for GRPO; its
+    preference pairs, for DPO and reward models)."""
     from alignflow.stages import prep
 
     data = demo_dir / "data"
     spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
-                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "prompts")}
+                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "prompts", "preference")}
     prep.run(typed({
         "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-        "data": {"sft": spec["sft"], "preference": None, "prompts": spec["prompts"] if prompts else None,
+        "data": {"sft": spec["sft"], "preference": spec["preference"] if preference else None, "prompts": spec["prompts"] if prompts else None,
                  "seq_length": SEQ_LENGTH, "max_prompt_length": 32,
                  "truncation": "keep_start", "packing": True, "seed": 0},
         "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
