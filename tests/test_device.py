@@ -49,7 +49,9 @@ MODULES = {"sft": sft, "dpo": dpo, "dpo_bf16": dpo, "distillation": distillation
            "teacher_logprobs": teacher_logprobs, "eval": eval_stage}
 TIMINGS = ("tokens_per_s", "tflops", "mfu", "peak_memory_gib", "peak_memory_of")  # how fast and how big, not what
 # bf16 validation attends through torch's kernels: math on accel, flash on the CPU, rounding apart in bf16
-TOLERANCE = {"dpo_bf16": 1e-3}
+# (relative, absolute): bf16 DPO's rewards are beta x log-prob sums of a few hundredths, whose bf16
+# rounding in another summation order moves them by up to about 2e-4 (its validation metrics too)
+TOLERANCE = {"dpo_bf16": (1e-3, 5e-4)}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,8 @@ def test_a_stage_on_another_device_computes_what_it_computes_on_the_cpu(kind, de
     assert accelerator.host_reads > reads  # it really ran there
     device.use(None)
     on_cpu = run_stage(kind, demo_dir, inputs, tmp_path / "cpu")
-    assert on_device == pytest.approx(on_cpu, rel=TOLERANCE.get(kind, 1e-5), abs=1e-6, nan_ok=True)
+    rel, abs_ = TOLERANCE.get(kind, (1e-5, 1e-6))
+    assert on_device == pytest.approx(on_cpu, rel=rel, abs=abs_, nan_ok=True)
 
 
 def test_a_cpu_tensor_planted_in_a_dpo_step_fails_naming_the_op(demo_dir, inputs, tmp_path, on_accel):

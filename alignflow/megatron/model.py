@@ -458,7 +458,7 @@ class ScoreModel(GPTModel):
             del self.output_layer
             self.rm_head = torch.nn.Linear(self.config.hidden_size, 1, bias=False, device="cpu")
             with torch.no_grad():
-                self.rm_head.weight.normal_(0.0, head_std, generator=torch.Generator().manual_seed(head_seed))
+                self.rm_head.weight.normal_(0.0, head_std, generator=torch.Generator(device="cpu").manual_seed(head_seed))
 
     def _postprocess(self, hidden_states: Tensor, **_) -> Tensor:
         """[s, b, h] final hidden states -> scores [b, s, 1] (the hidden states on other stages)."""
