@@ -51,7 +51,7 @@ def row_topk(chunks: list, rows: PackedSFT, micro_batch_size: int, k: int, vocab
     batch; the columns of `alignflow.data.teacher_topk` on the rank that writes them."""
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     share = np.array_split(np.arange(len(rows)), dp_size)[dp_rank]
-    micro = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+    micro = rows.micro_batches(share, micro_batch_size)
     batches = [rows.collate(m) for m in micro]
 
     def forward_step(data_iterator, model):
