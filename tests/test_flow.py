@@ -100,6 +100,8 @@ def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path, monkey
     monkeypatch.setattr(Pipeline, "build", classmethod(lambda cls, cfg: builds.append(cfg) or build(cfg)))
     assert main(["run", "pipeline=demo", *base_overrides]) == 0  # `align run`, every stage a cache hit
     assert (len(hydra_calls), len(builds)) == (1, 1)  # one composition, one pipeline: the CLI's, the flow's and the tasks'
+    assert main(["run", "pipeline=demo", *base_overrides, "force=[eval]"]) == 0  # README's `align run ... force=[eval]`
+    assert jobs_submitted(tmp_path) == 6  # eval alone ran again
 
 
 def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(base_overrides, tmp_path, capsys):

@@ -159,6 +159,8 @@ def test_nightly_is_scheduled_at_two_utc(prefect_stack):
     assert len(times) >= 3, times
     assert all((t.hour, t.minute, t.second) == (2, 0, 0) and t > now for t in times), times
     assert times[0] - now <= timedelta(days=1) and all(b - a == timedelta(days=1) for a, b in zip(times, times[1:])), times
+    inspected = prefect_stack.prefect("deployment", "inspect", "align/nightly")  # README's commands
+    assert inspected.returncode == 0 and "0 2 * * *" in inspected.stdout, inspected.stdout + inspected.stderr
     listed = prefect_stack.prefect("flow-run", "ls", "--state", "Scheduled", "--limit", "20")
     assert listed.returncode == 0 and sum(line.count("SCHEDULED") for line in listed.stdout.splitlines()) >= 3, listed.stdout
 
