@@ -2,6 +2,8 @@
 declaration cannot be left half done without an error."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,26 @@ def test_a_kind_must_say_what_a_default_would_get_wrong():
         StageKind(schema=schema.EvalConfig, output="eval", inputs={}, resumable=False, rows=lambda section, data, dp: (1, 1))
     with pytest.raises(TypeError):  # keyword-only: no positional field can land in the wrong slot
         StageKind(schema.EvalConfig, "eval", {}, False)
+
+
+def test_a_kind_whose_output_format_no_kind_declares_fails_at_import(tmp_path):
+    """A kind naming an output format that no kind declares (a typo, or a forgotten
+    `output_format`) stops the registry's import, before any config is composed."""
+    from test_plan import checkout_copy, edit
+
+    checkout = checkout_copy(tmp_path)
+    edit(checkout / "alignflow" / "kinds" / "sft.py", 'output="model"', 'output="modle"')
+    imported = subprocess.run([sys.executable, "-c", "import alignflow.kinds"], cwd=checkout, capture_output=True, text=True)
+    assert imported.returncode == 1
+    assert "TypeError: stage kinds whose output format no kind declares (output_format=): sft: modle" in imported.stderr
+
+
+def test_evals_table_has_a_row_per_model():
+    """The UI table eval adds beside its headline one (`tasks.stage` publishes it as `models-<stage>`)."""
+    from alignflow.kinds import STAGES
+
+    table = STAGES["eval"].table({"sft.accuracy": 0.5, "sft.val_loss": 1.25, "convert.accuracy": 0.125, "dpo_round1.val_loss": 2.0})
+    assert (table.name, table.title) == ("models", "every metric of every model")
+    assert table.rows == [{"model": "sft", "accuracy": 0.5, "val_loss": 1.25}, {"model": "convert", "accuracy": 0.125},
+                          {"model": "dpo_round1", "val_loss": 2.0}]
+    assert all(STAGES[kind].table({"train_loss": 1.0}) is None for kind in STAGES if kind != "eval")
