@@ -113,3 +113,13 @@ def test_evals_table_has_a_row_per_model():
     assert table.rows == [{"model": "sft", "accuracy": 0.5, "val_loss": 1.25}, {"model": "convert", "accuracy": 0.125},
                           {"model": "dpo_round1", "val_loss": 2.0}]
     assert all(STAGES[kind].table({"train_loss": 1.0}) is None for kind in STAGES if kind != "eval")
+
+
+def test_no_stage_identity_covers_a_kinds_module():
+    """A kind's declaration decides whether and where its job runs, not what it computes: editing
+    alignflow/kinds/ (grpo's batch rule, which its trainer also calls) re-runs nothing."""
+    from alignflow.fingerprint import code_identity
+    from alignflow.kinds import STAGES, worker_module
+
+    covered = {path for kind in STAGES for path in code_identity(worker_module(kind))}
+    assert "alignflow/stages/grpo.py" in covered and not [path for path in covered if path.startswith("alignflow/kinds/")]
