@@ -398,8 +398,8 @@ VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", 
 
 def _check_lineage(pipeline: Pipeline, stage: Stage, cfg: DictConfig | None) -> list[str]:
     """The lineage rules of `stage`'s kind between its inputs (`StageKind.same_upstream`,
-    `same_tokenizer`). Tokenizers at different URIs are compared by
-    content, so only when paths are checked (`cfg` given; `align config` does not read files)."""
+    `same_tokenizer`). Tokenizers at different URIs are compared by content, so only when paths
+    are checked (`cfg` given; `align config` does not read files)."""
     key, problems = f"pipeline.stages.{stage.name}.inputs", []
     for role, via, upstream_role in stage.spec.same_upstream:
         mine, theirs = stage.inputs[role], pipeline[stage.inputs[via]].inputs[upstream_role]
