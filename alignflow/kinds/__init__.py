@@ -15,7 +15,7 @@ from dataclasses import field, make_dataclass
 from importlib import import_module
 
 from alignflow.config import schema
-from alignflow.kinds.spec import MODEL, Role, StageKind, many, one  # noqa: F401 (the registry's vocabulary)
+from alignflow.kinds.spec import MODEL, StageKind
 
 # The kinds, in the order `align` lists them and the root config holds their sections.
 KINDS = ("prep", "convert", "ref_logprobs", "sft", "dpo", "grpo", "teacher_logprobs", "distillation", "eval", "reward_model", "export")
