@@ -1,6 +1,6 @@
 """alignflow: multi-stage LLM alignment pipelines.
 
-Light parts (config, store, launch, stages registry) import no torch; the worker side
+Light parts (config, store, launch, the stage kinds in `alignflow.kinds`) import no torch; the worker side
 (`alignflow.stages.*`, `alignflow.data`) runs inside jobs and never imports prefect.
 """
 

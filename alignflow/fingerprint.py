@@ -42,7 +42,8 @@ from alignflow import PROJECT_ROOT
 
 FINGERPRINT_CHARS = 16
 NUMERIC_PACKAGES = ("torch", "megatron-core", "transformers", "tokenizers")
-ORCHESTRATOR_MODULES = ("alignflow", "alignflow.stages", "alignflow.store", "alignflow.config")  # and alignflow.config.*
+ORCHESTRATOR_MODULES = ("alignflow", "alignflow.stages", "alignflow.store", "alignflow.config", "alignflow.kinds")
+_ORCHESTRATOR_PACKAGES = ("alignflow.config.", "alignflow.kinds.")  # and their modules (alignflow.stages: the worker modules' package)
 _HASH_CONTENT_BELOW = 64 << 20  # files smaller than this are identified by content
 _SHOWN_DIFFERENCES = 6
 
@@ -106,7 +107,7 @@ def _closure(modules: list[str], find: Callable[[str], Found | None]) -> dict[st
 
 
 def _orchestrator_side(name: str) -> bool:
-    return name in ORCHESTRATOR_MODULES or name.startswith("alignflow.config.")
+    return name in ORCHESTRATOR_MODULES or name.startswith(_ORCHESTRATOR_PACKAGES)
 
 
 def _module_file(name: str, root: Path) -> Path | None:

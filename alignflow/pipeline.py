@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from alignflow.config.schema import Precision, resolved_precision
 from alignflow.launch import gpus_per_node
-from alignflow.stages import STAGES, StageKind, as_names
+from alignflow.kinds import STAGES, StageKind, as_names
 
 RESERVED = ("kind", "inputs")
 # Instance and pipeline names: they name store folders, job names and submitit folders, and

@@ -23,7 +23,7 @@ from alignflow.lease import Lease
 from alignflow.pipeline import Pipeline, Stage
 from alignflow.report import REPORT, read_metrics, stage_report
 from alignflow.train.utilization import HARDWARE_METRICS
-from alignflow.stages import OUTPUTS, job_paths, user_imports, worker_module
+from alignflow.kinds import OUTPUTS, job_paths, user_imports, worker_module
 from alignflow.store import TRAINING_STATE, Store, options_for, store_of
 from alignflow.worker import run_stage_job
 

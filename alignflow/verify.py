@@ -1,4 +1,4 @@
-"""What an output must hold before it is committed: the checks behind `alignflow.stages.OUTPUTS`.
+"""What an output must hold before it is committed: the checks behind `alignflow.kinds.OUTPUTS`.
 
 Each output format declares its files as data (`Need`: a glob under the output, and a check
 that the file opens), and `Store.commit` runs them on the staging folder before it writes the

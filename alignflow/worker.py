@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from alignflow.fingerprint import NUMERIC_PACKAGES, code_identity, package_versions
 from alignflow.lease import holds, watch
 from alignflow.orphans import reap_on_exit
-from alignflow.stages import AlignConfig, job_paths, user_imports, worker_module
+from alignflow.kinds import AlignConfig, job_paths, user_imports, worker_module
 
 FENCED_EXIT_CODE = 75  # EX_TEMPFAIL: the job was stopped because its run is gone; nothing of it is committed
 
@@ -111,7 +111,7 @@ def _full_disk(out: str, reserve: int = 16 << 20) -> str | None:
 def typed(cfg: dict, kind: str | None = None) -> DictConfig:
     """The job's config slice typed by the schema (enums intact) and read-only; secrets are still
     `${oc.env:...}` here and resolve from this job's environment. With `kind`, only the paths the
-    kind declares are there (`alignflow.stages.job_paths`, schema defaults filled in) and reading
+    kind declares are there (`alignflow.kinds.job_paths`, schema defaults filled in) and reading
     any other raises (OmegaConf's ConfigAttributeError, naming the key); without, every section."""
     config = OmegaConf.merge(OmegaConf.structured(AlignConfig), cfg)
     if kind is not None:

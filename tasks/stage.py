@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Completed, State
 
+from alignflow.kinds import STAGES
 from alignflow.launch import InfrastructureError, JobCancelled, JobError
 from alignflow.pipeline import Stage
 from alignflow.report import REPORT, curves_markdown, read_metrics
@@ -143,12 +144,9 @@ def _publish(result: StageResult, kind: str) -> None:
     shown += [k for k in HARDWARE_METRICS if k in result.metrics and k not in shown]
     rows += [{"field": k, "value": format_value(result.metrics[k])} for k in shown]
     _publish_table(result.stage, rows)
-    if kind == "eval":  # every metric of every model, one row per model
-        models: dict[str, dict] = {}
-        for key, value in result.metrics.items():
-            model, _, metric = key.rpartition(".")
-            models.setdefault(model, {"model": model})[metric] = format_value(value)
-        dashboard.table(_key("models", result.stage), list(models.values()), f"{result.stage}: every metric of every model")
+    if (table := STAGES[kind].table(result.metrics)) is not None:  # the kind's own table of its output
+        rows = [{k: format_value(v) for k, v in row.items()} for row in table.rows]
+        dashboard.table(_key(table.name, result.stage), rows, f"{result.stage}: {table.title}")
 
 
 def _job_rows(job: dict | None) -> list[dict]:

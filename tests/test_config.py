@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from alignflow.config.compose import ConfigError, compose
 from alignflow.config.slices import MASK, for_job, identity, masked
-from alignflow.stages import STAGES
+from alignflow.kinds import STAGES
 from flows.cli import main
 
 

@@ -25,7 +25,7 @@ from alignflow.data.prepared import Prepared
 from alignflow.gc import CATEGORIES
 from alignflow.pipeline import Pipeline
 from alignflow.runner import plan, run_stage
-from alignflow.stages import OUTPUTS
+from alignflow.kinds import OUTPUTS
 from alignflow.store import TRAINING_STATE, Store
 from flows.cli import main
 

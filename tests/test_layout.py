@@ -8,21 +8,29 @@ import sys
 from dataclasses import fields
 
 from alignflow import PROJECT_ROOT
-from alignflow.stages import AlignConfig
-from alignflow.stages import STAGES, worker_module
+from alignflow.kinds import STAGES, AlignConfig, worker_module
 
 HEAVY = ("torch", "megatron", "transformers")
 
 
-def imported_after(statement: str) -> set[str]:
+def imported_after(statement: str, top: bool = True) -> set[str]:
     code = f"import sys, json; {statement}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PROJECT_ROOT)
-    return {m.split(".")[0] for m in json.loads(out.stdout.strip().splitlines()[-1])}
+    return {m.split(".")[0] if top else m for m in json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+ORCHESTRATOR = "import flows.align, flows.cli, tasks.stage, alignflow.runner, alignflow.demo, alignflow.config.validate"
 
 
 def test_orchestrator_side_imports_no_worker_stack():
-    loaded = imported_after("import flows.align, flows.cli, tasks.stage, alignflow.runner, alignflow.demo")
+    loaded = imported_after(ORCHESTRATOR)
     assert not loaded & set(HEAVY), loaded & set(HEAVY)
+
+
+def test_orchestrator_side_imports_no_worker_module():
+    """The kinds' declarations are `alignflow.kinds`; `alignflow.stages` is the job side's."""
+    loaded = imported_after(ORCHESTRATOR, top=False)
+    assert "alignflow.kinds" in loaded and not {m for m in loaded if m.startswith("alignflow.stages")}
 
 
 def test_worker_side_imports_no_prefect():
@@ -42,6 +50,7 @@ def test_every_stage_is_mirrored():
     for stage in STAGES:
         assert stage in sections, f"config section {stage} missing"
         assert (PROJECT_ROOT / "alignflow" / "stages" / f"{stage}.py").exists()
+        assert (PROJECT_ROOT / "alignflow" / "kinds" / f"{stage}.py").exists()
     pipelines = [p.read_text() for p in (PROJECT_ROOT / "conf" / "pipeline").glob("*.yaml")]
     assert all(text.splitlines()[1].startswith("# align run pipeline=") for text in pipelines)
 

@@ -100,7 +100,12 @@ NEW_KIND_SCHEMA = '''
 class RowCountConfig(StageBase):
     scale: int = 1
 '''
-NEW_KIND_ENTRY = '''    "row_count": StageKind(schema.RowCountConfig, "eval", {"data": one("prep")}, headline=("rows",)),
+NEW_KIND_DECLARATION = '''"""The `row_count` kind: the rows of a prep output's SFT train split, times `scale`."""
+
+from alignflow.config import schema
+from alignflow.kinds.spec import StageKind, one
+
+KIND = StageKind(schema=schema.RowCountConfig, output="eval", inputs={"data": one("prep")}, resumable=False, headline=("rows",))
 '''
 NEW_KIND_PIPELINE = '''# @package _global_
 # align run pipeline=count
@@ -121,14 +126,15 @@ print(json.dumps({"count": results["count"].metrics, "packs": results["prep"].me
 """
 
 
-def test_a_new_stage_kind_is_its_module_its_schema_class_and_one_registry_entry(base_overrides, tmp_path):
+def test_a_new_stage_kind_is_its_two_modules_its_schema_class_and_its_name(base_overrides, tmp_path):
     """What README's "Adding a stage kind" says, done in a copy of the checkout: the kind
     composes, plans and runs as a job, with its instance's setting."""
     checkout = checkout_copy(tmp_path)
     (checkout / "alignflow" / "stages" / "row_count.py").write_text(NEW_KIND_MODULE)
+    (checkout / "alignflow" / "kinds" / "row_count.py").write_text(NEW_KIND_DECLARATION)
     with open(checkout / "alignflow" / "config" / "schema.py", "a") as f:
         f.write(NEW_KIND_SCHEMA)
-    edit(checkout / "alignflow" / "stages" / "__init__.py", '    "export": StageKind(', NEW_KIND_ENTRY + '    "export": StageKind(')
+    edit(checkout / "alignflow" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "row_count")')
     (checkout / "conf" / "pipeline" / "count.yaml").write_text(NEW_KIND_PIPELINE)
     overrides = [*base_overrides, "data.preference=null", "data.prompts=null"]
     planned = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=count", *overrides], cwd=checkout,

@@ -80,6 +80,8 @@ def run(cfg, inputs, out):
         f.write("{}")
     return {"rows": 0}
 ''',
+    "alignflow/kinds/forgetful.py": "from alignflow.config import schema\nfrom alignflow.kinds.spec import StageKind\n\n"
+                                    'KIND = StageKind(schema=schema.ForgetfulConfig, output="eval", inputs={}, resumable=False)\n',
     "conf/pipeline/forgetful.yaml": "# @package _global_\n# align run pipeline=forgetful\npipeline:\n  name: forgetful\n  stages:\n    forgetful: {}\n",
 }
 RUN_FORGETFUL = """
@@ -105,8 +107,7 @@ def test_a_stage_whose_output_lacks_a_declared_file_commits_nothing(base_overrid
         (checkout / path).write_text(text)
     with open(checkout / "alignflow" / "config" / "schema.py", "a") as f:
         f.write("\n\n@dataclass\nclass ForgetfulConfig(StageBase):\n    pass\n")
-    edit(checkout / "alignflow" / "stages" / "__init__.py", '    "export": StageKind(',
-         '    "forgetful": StageKind(schema.ForgetfulConfig, "eval"),\n    "export": StageKind(')
+    edit(checkout / "alignflow" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "forgetful")')
     ran = subprocess.run([sys.executable, "-c", RUN_FORGETFUL, *base_overrides], cwd=checkout, capture_output=True, text=True, check=True)
     staging = next((tmp_path / "store" / "forgetful" / "_staging").iterdir())
     assert ran.stdout.strip() == f"forgetful {staging.name}: not committed: the output staged at {staging} is incomplete: eval.json: missing"
@@ -171,7 +172,7 @@ def test_a_job_reads_only_the_sections_its_kind_declares(base_overrides):
     from omegaconf.errors import ConfigAttributeError
 
     from alignflow.config.slices import for_job
-    from alignflow.stages import job_paths
+    from alignflow.kinds import job_paths
     from alignflow.worker import typed
 
     cfg = build("sft_dpo", [*base_overrides, "ref_logprobs.micro_batch_size=3"], check_paths=False)["ref_logprobs"].cfg

@@ -14,7 +14,7 @@ import fsspec
 import pytest
 
 from alignflow.lease import LeaseLost, watch
-from alignflow.stages import OUTPUTS
+from alignflow.kinds import OUTPUTS
 from alignflow.store import MANIFEST, Store
 from alignflow.verify import IncompleteOutput, OutputFormat
 

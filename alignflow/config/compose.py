@@ -1,7 +1,7 @@
 """Compose and validate the Hydra config (orchestrator side: no torch).
 
 `build(pipeline, overrides)` is the one entry point: Hydra's compose API over `conf/` with
-`AlignConfig` (`alignflow.stages`) as the typed schema, then the pipeline is built and every
+`AlignConfig` (`alignflow.kinds`) as the typed schema, then the pipeline is built and every
 cross-field rule checked (`alignflow.config.validate`); it returns that pipeline, whose `cfg` is
 the read-only root config (nothing mutates it after validation), so a run composes once and
 the flow, the plan and the tasks share what was built. `compose` is its config alone. Hugging Face Hub ids under `model` are replaced
@@ -24,7 +24,7 @@ from alignflow import PROJECT_ROOT
 from alignflow.config.hub import resolve_hub_ids
 from alignflow.config.validate import ConfigError, validate
 from alignflow.pipeline import Pipeline, name_problems
-from alignflow.stages import AlignConfig
+from alignflow.kinds import AlignConfig
 
 CONF_DIR = PROJECT_ROOT / "conf"
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from alignflow.convert.lora import BY_PATH, select
+from alignflow.kinds import STAGES
 
 GIB = 2**30
 
@@ -244,7 +245,8 @@ def lora_params(dims: Dimensions, targets: list[str], rank: int) -> int:
 
 def layout_of(kind: str, cfg: Any, inputs: Mapping[str, Any], dims: Dimensions) -> Optional[Layout]:
     """A training stage's Layout from its config as the instance sees it (`Stage.cfg`, precision
-    resolved); None for a stage that does not train."""
+    resolved), with what its kind's micro batch rows hold and the frozen models it keeps
+    (`StageKind.rows`, `frozen_models`); None for a stage that does not train."""
     section = cfg[kind]
     if "optim" not in section:
         return None
@@ -254,20 +256,13 @@ def layout_of(kind: str, cfg: Any, inputs: Mapping[str, Any], dims: Dimensions) 
              par.expert_model_parallel_size, section.micro_batch_size, section.recompute_num_layers)
     if min(sizes) < 1:  # refused by the layout checks
         return None
-    dp = max(world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size), 1)
-    if kind == "grpo":  # a row is a prompt and its completion; a step's samples cut into optimizer steps
-        seq_length = min(data.seq_length, data.max_prompt_length + section.max_new_tokens)
-        rows = section.num_prompts_per_step // dp * section.num_generations_per_prompt // section.num_optimizer_steps_per_batch
-    elif kind in ("dpo", "reward_model"):  # a row holds at least one pair: its two sequences, each up to seq_length
-        seq_length, rows = 2 * data.seq_length, section.global_batch_size // dp
-    else:
-        seq_length, rows = data.seq_length, section.global_batch_size // dp
+    dp, spec = max(world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size), 1), STAGES[kind]
+    seq_length, rows = spec.rows(section, data, dp)
     lora = None if section.finetuning_type == "all_weights" else lora_params(dims, list(section.lora.target_modules), section.lora.adapter_dim)
-    second_reference = kind == "grpo" and section.loss.ref_policy_kl_penalty > 0 and not (lora and inputs.get("ref_model") == inputs.get("model"))
     return Layout(world=world, tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
                   vpp=par.virtual_pipeline_model_parallel_size, ep=par.expert_model_parallel_size, sequence_parallel=par.sequence_parallel,
                   distributed_optimizer=par.use_distributed_optimizer, bf16=section.precision == "bf16",
                   micro_batch=section.micro_batch_size, seq_length=seq_length, micro_batches=max(rows // section.micro_batch_size, 1),
                   recompute=str(section.recompute_granularity), recompute_method=str(section.recompute_method),
                   recompute_layers=section.recompute_num_layers, dropout=section.hidden_dropout > 0,
-                  vocab_divisible_by=cfg.model.make_vocab_size_divisible_by, frozen_copies=int(second_reference), lora_params=lora)
+                  vocab_divisible_by=cfg.model.make_vocab_size_divisible_by, frozen_copies=spec.frozen_models(section, inputs, lora), lora_params=lora)

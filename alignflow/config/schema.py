@@ -597,7 +597,7 @@ class PipelineConfig:
 @dataclass
 class AlignBase:
     """The shared sections; `alignflow.config.compose.AlignConfig` adds one section per stage
-    kind of the registry (`alignflow.stages.STAGES`), typed by the kind's schema."""
+    kind of the registry (`alignflow.kinds.STAGES`), typed by the kind's schema."""
 
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

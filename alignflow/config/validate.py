@@ -20,17 +20,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from alignflow.config.destinations import destination_problems
 from alignflow.config.memory import GIB, Dimensions, Footprint, Layout, estimate, layout_of
-from alignflow.config.schema import DPO_REFERENCE_FREE, DPO_SMOOTHED, DPOLoss, FinetuningType, LauncherName, RecomputeGranularity, RecomputeMethod
+from alignflow.config.schema import FinetuningType, LauncherName, RecomputeGranularity, RecomputeMethod
 from alignflow.config.slices import secret_problems
 from alignflow.convert import lora as lora_targets
 from alignflow.convert.families import ModelShape, model_shape
-from alignflow.data.formats import FORMATS
+from alignflow.kinds import STAGES
 from alignflow.launch import gpus_per_node, local_gpus, time_limit
 from alignflow.lease import conditional_writes_problem
 from alignflow.pipeline import Pipeline, PipelineError, Stage
-from alignflow.rewards import resolve
 from alignflow.store import options_for
-from alignflow.verify import safetensors, why_not
 
 
 class ConfigError(ValueError):
@@ -51,14 +49,10 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
     for stage in pipeline:
         key = stage.kind if stage.name == stage.kind else f"pipeline.stages.{stage.name}"
         shape = _model_shape(stage.cfg, problems, shapes) if check_paths and "parallel" in stage.section else None
-        problems += _check_stage(stage, key, shape) + _check_time_limit(stage, key) + _check_ranks_on_gpus(stage.section, key, gpus)
-        problems += KIND_CHECKS.get(stage.kind, lambda key, section: [])(key, stage.section)
+        problems += _check_stage(stage, key, shape) + stage.spec.checks(stage, key, check_paths)
+        problems += _check_time_limit(stage, key) + _check_ranks_on_gpus(stage.section, key, gpus)
         problems += _check_memory(key, memory.get(stage.name), cfg.launcher.gpu_memory_gib)
         problems += _check_lineage(pipeline, stage, cfg if check_paths else None)
-        if stage.kind == "prep":
-            problems += _check_data(stage.cfg, key if stage.name != stage.kind else "", check_paths)
-        if stage.kind == "convert" and check_paths:
-            problems += _check_safetensors(stage.cfg) + _check_not_pickled(stage.cfg)
     problems += _check_retention(cfg.store.retention) + _check_lease(cfg.store) + _check_gpus(cfg.launcher)
     if cfg.launcher.gpu_memory_gib is not None and not cfg.launcher.gpu_memory_gib > 0:
         problems.append(f"launcher.gpu_memory_gib: must be > 0 GiB, or null (unknown: not checked), got {cfg.launcher.gpu_memory_gib}")
@@ -212,20 +206,9 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
         problems += _check_lora(key, section, shape)
     if "optim" in section and shape is not None and shape.moe_aux_loss_coef:
         problems += _check_load_balancing(kind, key, section, shape)
-    if kind == "dpo":
-        problems += _check_dpo_loss(f"{key}.loss", section.loss)
-    if kind == "grpo":
-        problems += _check_grpo(key, section)
-    if kind == "reward_model" and section.finetuning_type != FinetuningType.all_weights:
-        problems.append(f"{key}.finetuning_type: {section.finetuning_type} is not supported by reward_model (LoRA would leave its new "
-                        "scalar head frozen at its random init); use all_weights")
     if shape is not None and shape.rope_original_max is not None and "data" in stage.inputs:
         problems += _check_longrope(stage.cfg.data.seq_length, shape.rope_original_max)
     return problems
-
-
-# Training kinds whose objective adds HF's load-balancing loss (`alignflow.train.objectives.with_load_balancing`).
-LOAD_BALANCING_KINDS = ("sft", "dpo")
 
 
 def _check_load_balancing(kind: str, key: str, section: DictConfig, shape: ModelShape) -> list[str]:
@@ -235,8 +218,9 @@ def _check_load_balancing(kind: str, key: str, section: DictConfig, shape: Model
     why = (f"the model's config.json (model.source) sets output_router_logits=true, so HF's training loss adds router_aux_loss_coef "
            f"({shape.moe_aux_loss_coef}) x its load-balancing loss")
     off = "or set output_router_logits to false (HF's default) to train on the language-model loss alone"
-    if kind not in LOAD_BALANCING_KINDS:
-        return [f"{key}: {why}, which {kind} does not add (only {' and '.join(LOAD_BALANCING_KINDS)} do); {off}"]
+    if not STAGES[kind].load_balancing:
+        adding = [name for name, spec in STAGES.items() if spec.load_balancing]
+        return [f"{key}: {why}, which {kind} does not add (only {' and '.join(adding)} do); {off}"]
     problems, par = [], section.parallel
     if par.pipeline_model_parallel_size > 1:
         problems.append(f"{key}.parallel.pipeline_model_parallel_size: {par.pipeline_model_parallel_size}, but {why}, computed over "
@@ -257,29 +241,6 @@ def _check_longrope(seq_length: int, original_max: int) -> list[str]:
         return []
     return [f"data.seq_length: {seq_length} passes the model's original_max_position_embeddings={original_max} (model.source: "
             "longrope), past which HF switches its RoPE to long_factor; that switch is not mapped"]
-
-
-def _check_dpo_loss(key: str, loss: DictConfig) -> list[str]:
-    types, problems = [DPOLoss(name) for name in loss.loss_type], []
-    if loss.beta <= 0:
-        problems.append(f"{key}.beta: must be > 0, got {loss.beta}")
-    if not types:
-        problems.append(f"{key}.loss_type: needs at least one loss type")
-    if loss.loss_weights is not None and len(loss.loss_weights) != len(types):
-        problems.append(f"{key}.loss_weights: {len(loss.loss_weights)} weights for {len(types)} loss types (one each, as TRL)")
-    if not 0 <= loss.label_smoothing < 0.5:
-        problems.append(f"{key}.label_smoothing: must be in [0, 0.5), got {loss.label_smoothing}")
-    elif loss.label_smoothing > 0 and not DPO_SMOOTHED.intersection(types):
-        problems.append(f"{key}.label_smoothing: none of {[t.value for t in types]} uses it (TRL 1.16 ignores it there); "
-                        f"conservative DPO is loss_type [cdpo]; label smoothing enters {sorted(t.value for t in DPO_SMOOTHED)}")
-    if DPOLoss.exo_pair in types and loss.label_smoothing == 0:
-        problems.append(f"{key}.label_smoothing: exo_pair needs it > 0 (the EXO paper uses 1e-3)")
-    if DPO_REFERENCE_FREE.intersection(types) and set(types) - DPO_REFERENCE_FREE - {DPOLoss.sft}:
-        problems.append(f"{key}.loss_type: {[t.value for t in types]} mixes reference-free losses "
-                        f"({sorted(t.value for t in DPO_REFERENCE_FREE)}) with ones against the reference")
-    if loss.discopop_tau <= 0:
-        problems.append(f"{key}.discopop_tau: must be > 0, got {loss.discopop_tau}")
-    return problems
 
 
 def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, shape: ModelShape | None) -> list[str]:
@@ -315,13 +276,8 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
             problems.append(f"{key}.pipeline_model_parallel_size: {pp} x virtual {vpp or 1} does not divide the model's {shape.num_layers} layers (model.source)")
     if section.micro_batch_size < 1:
         problems.append(f"{stage_key}.micro_batch_size: must be >= 1")
-    elif kind == "grpo":
-        problems += grpo_batch_problems(section, dp, stage_key)
-    elif "global_batch_size" in section and section.global_batch_size % (section.micro_batch_size * dp):
-        problems.append(
-            f"{stage_key}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
-            f"x data-parallel size ({dp})"
-        )
+    else:
+        problems += STAGES[kind].batch_problems(section, dp, stage_key)
     return problems
 
 
@@ -338,19 +294,6 @@ def _check_experts(key: str, ep: int, dp: int, shape: ModelShape | None) -> list
     if shape is not None and shape.num_experts % ep:
         problems.append(f"{key}.expert_model_parallel_size: {ep} does not divide the model's {shape.num_experts} experts (model.source)")
     return problems
-
-
-def grpo_batch_problems(section: DictConfig, dp: int, key: str = "grpo") -> list[str]:
-    """GRPO's batch is num_prompts_per_step x num_generations_per_prompt samples (global_batch_size
-    is unused); checked at compose time and again by the trainer, which knows its DP size."""
-    if section.num_prompts_per_step % dp:
-        return [f"{key}.num_prompts_per_step: {section.num_prompts_per_step} is not divisible by the data-parallel size ({dp})"]
-    samples = section.num_prompts_per_step // dp * section.num_generations_per_prompt
-    if samples % (section.num_optimizer_steps_per_batch * section.micro_batch_size):
-        return [f"{key}.micro_batch_size: the {samples} samples per data-parallel rank and step (num_prompts_per_step / DP x "
-                f"num_generations_per_prompt) do not split into num_optimizer_steps_per_batch ({section.num_optimizer_steps_per_batch}) "
-                f"x micro_batch_size ({section.micro_batch_size})"]
-    return []
 
 
 def _check_gpus(launcher: DictConfig) -> list[str]:
@@ -450,81 +393,20 @@ def _post_normed_targets(key: str, patterns: list[str], shape: ModelShape) -> li
             "norm sits in that module); target linear_qkv and linear_fc1 (q_proj, k_proj, v_proj, gate_proj, up_proj)"] if chosen else []
 
 
-def _check_grpo(key: str, section: DictConfig) -> list[str]:
-    problems = []
-    if section.loss.ratio_clip_c is not None and section.loss.ratio_clip_c <= 1:
-        problems.append(f"{key}.loss.ratio_clip_c: must be > 1 (typically 3) or null, got {section.loss.ratio_clip_c}")
-    if section.generation_temperature < 0:
-        problems.append(f"{key}.generation_temperature: must be >= 0 (0 = greedy)")
-    if not 0 < section.generation_top_p <= 1:
-        problems.append(f"{key}.generation_top_p: must be in (0, 1]")
-    if section.generation_top_k is not None and section.generation_top_k < 1:
-        problems.append(f"{key}.generation_top_k: must be >= 1 or null")
-    for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
-        if section.loss[name] is not None and section.loss[name] <= 0:
-            problems.append(f"{key}.loss.{name}: must be > 0 or null (no clamp), got {section.loss[name]}")
-    if not 0 <= section.loss.ratio_clip_min < 1 or section.loss.ratio_clip_max < 0:
-        problems.append(f"{key}.loss.ratio_clip_min / ratio_clip_max: the clip range [1 - min, 1 + max] needs 0 <= min < 1 and max >= 0")
-    if section.overlong_buffer_length is not None and not 0 < section.overlong_buffer_length <= section.max_new_tokens:
-        problems.append(f"{key}.overlong_buffer_length: must be in (0, max_new_tokens = {section.max_new_tokens}] or null, "
-                        f"got {section.overlong_buffer_length}")
-    if section.overlong_buffer_penalty < 0:
-        problems.append(f"{key}.overlong_buffer_penalty: must be >= 0, got {section.overlong_buffer_penalty}")
-    if section.use_dynamic_sampling and section.num_generations_per_prompt < 2:
-        problems.append(f"{key}.use_dynamic_sampling: keeps groups whose rewards differ, so it needs num_generations_per_prompt >= 2")
-    if section.dynamic_sampling_max_gen_batches < 1:
-        problems.append(f"{key}.dynamic_sampling_max_gen_batches: must be >= 1, got {section.dynamic_sampling_max_gen_batches}")
-    if section.num_generations_per_prompt < 2 and (section.use_rloo or section.normalize_rewards):
-        problems.append(f"{key}.num_generations_per_prompt: group baselines need at least 2 generations per prompt")
-    if not section.environment:
-        problems.append(f"{key}.environment: needs at least one reward function")
-    for i, reward in enumerate(section.environment):
-        try:
-            resolve(reward.name)
-        except ValueError as err:
-            problems.append(f"{key}.environment[{i}].name: {err}")
-    return problems
-
-
-def _check_distillation(key: str, section: DictConfig) -> list[str]:
-    loss, problems = section.loss, []
-    if not 0 <= loss.sft_loss_weight <= 1:
-        problems.append(f"{key}.loss.sft_loss_weight: must be in [0, 1] (loss = (1 - w) x KL + w x SFT), got {loss.sft_loss_weight}")
-    if not 0 <= loss.mixed_kl_weight <= 1:
-        problems.append(f"{key}.loss.mixed_kl_weight: must be in [0, 1], got {loss.mixed_kl_weight}")
-    if loss.zero_outside_topk and loss.kl_type != "forward":
-        problems.append(f"{key}.loss.zero_outside_topk: only with kl_type forward (NeMo-RL's entropy correction for reverse and "
-                        "mixed KL is not built)")
-    return problems
-
-
-def _check_teacher_logprobs(key: str, section: DictConfig) -> list[str]:
-    return [] if section.topk_logits_k >= 1 else [f"{key}.topk_logits_k: must be >= 1, got {section.topk_logits_k}"]
-
-
-KIND_CHECKS = {"distillation": _check_distillation, "teacher_logprobs": _check_teacher_logprobs}
-
-# Lineage rules between a stage's inputs. The tokenizer of a stage's output is that of the input
-# named here (default: `model`), up to the stage whose own config names it (convert, prep).
-TOKENIZER_ROLE = {"teacher_logprobs": "teacher"}
-# Input roles whose outputs must share one tokenizer (the teacher's token ids index the
-# student's vocab), and roles that must be the very same upstream stage as a role of another
-# input (the teacher's top-k are joined to prep's rows by row index).
-SAME_TOKENIZER = {"teacher_logprobs": ("data", "teacher"), "distillation": ("model", "teacher_logprobs")}
-SAME_UPSTREAM = {"distillation": (("data", "teacher_logprobs", "data"),)}
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
 def _check_lineage(pipeline: Pipeline, stage: Stage, cfg: DictConfig | None) -> list[str]:
-    """SAME_UPSTREAM and SAME_TOKENIZER for `stage`. Tokenizers at different URIs are compared by
-    content, so only when paths are checked (`cfg` given; `align config` does not read files)."""
+    """The lineage rules of `stage`'s kind between its inputs (`StageKind.same_upstream`,
+    `same_tokenizer`). Tokenizers at different URIs are compared by content, so only when paths
+    are checked (`cfg` given; `align config` does not read files)."""
     key, problems = f"pipeline.stages.{stage.name}.inputs", []
-    for role, via, upstream_role in SAME_UPSTREAM.get(stage.kind, ()):
+    for role, via, upstream_role in stage.spec.same_upstream:
         mine, theirs = stage.inputs[role], pipeline[stage.inputs[via]].inputs[upstream_role]
         if mine != theirs:
             problems.append(f"{key}.{role}: '{mine}' is not the {upstream_role} '{theirs}' that its {via} "
                             f"'{stage.inputs[via]}' was computed on; give both the same {role}")
-    roles = SAME_TOKENIZER.get(stage.kind)
+    roles = stage.spec.same_tokenizer
     if roles:
         (chain_a, tok_a), (chain_b, tok_b) = (output_tokenizer(pipeline, stage.inputs[role]) for role in roles)
         if tok_a != tok_b and cfg is not None and _vocab_digest(tok_a, cfg) != _vocab_digest(tok_b, cfg):
@@ -536,9 +418,9 @@ def _check_lineage(pipeline: Pipeline, stage: Stage, cfg: DictConfig | None) -> 
 
 def output_tokenizer(pipeline: Pipeline, name: str) -> tuple[list[str], str]:
     """The tokenizer URI of stage `name`'s output, and the stages it was followed through, from
-    `name` up to the one whose config names it."""
+    `name` up to the one whose config names it (its kind's `tokenizer_role` input, if wired)."""
     stage = pipeline[name]
-    upstream = stage.inputs.get(TOKENIZER_ROLE.get(stage.kind, "model"))
+    upstream = stage.inputs.get(stage.spec.tokenizer_role)
     if isinstance(upstream, str):
         chain, uri = output_tokenizer(pipeline, upstream)
         return [name, *chain], uri
@@ -565,72 +447,6 @@ def _vocab_digest(uri: str, cfg: DictConfig) -> str | None:
         digest.update(name.encode() + b"\0" + data)
         found = True
     return digest.hexdigest() if found else None
-
-
-def _check_data(cfg: DictConfig, instance_key: str, check_paths: bool) -> list[str]:
-    """A prep instance's data (`cfg` is the root config as it sees it)."""
-    data, problems = cfg.data, []
-    at = f"{instance_key}.data" if instance_key else "data"
-    if data.seq_length < 2:
-        problems.append(f"{at}.seq_length: must be >= 2, got {data.seq_length}")
-    if not 0 < data.max_prompt_length < data.seq_length:
-        problems.append(f"{at}.max_prompt_length: {data.max_prompt_length} must be in [1, data.seq_length={data.seq_length})")
-    if check_paths and not _exists(cfg.model.tokenizer, cfg):
-        problems.append(f"model.tokenizer: {cfg.model.tokenizer} does not exist (for the demo tokenizer run `align demo` first)")
-    kinds = [kind for kind in ("sft", "preference", "prompts") if data[kind] is not None]
-    if not kinds:
-        problems.append(f"{at}: prep needs at least one of data.sft, data.preference, data.prompts")
-    for kind in kinds:
-        spec = data[kind]
-        if not 0 <= spec.val_fraction < 1:
-            problems.append(f"{at}.{kind}.val_fraction: must be in [0, 1)")
-        if spec.format != "auto" and spec.format not in FORMATS[kind]:
-            problems.append(f"{at}.{kind}.format: {spec.format} is not a {kind} format; use auto or one of {', '.join(FORMATS[kind])}")
-        for split in ("train", "val"):
-            if check_paths and spec[split] is not None and (problem := _data_problem(spec[split], cfg)):
-                problems.append(f"{at}.{kind}.{split}: {spec[split]} {problem}")
-    return problems
-
-
-def _data_problem(uri: str, cfg: DictConfig) -> str | None:
-    """Why a data source cannot be read, or None: missing, an empty folder, an empty file."""
-    fs, path = fsspec.core.url_to_fs(uri, **options_for(uri, cfg))
-    if any(c in path for c in "*?["):
-        files = fs.glob(path)
-        return None if files else "matches no file"
-    if not fs.exists(path):
-        return "does not exist"
-    if fs.isdir(path):
-        return None if any(fs.info(f)["size"] for f in fs.find(path)) else "is a folder with no data file in it"
-    return None if fs.info(path)["size"] else "is an empty file"
-
-
-def _check_safetensors(cfg: DictConfig) -> list[str]:
-    """Every safetensors file of `model.source` as long as its header says (a cut-short copy or
-    download fails here, not half-way through a conversion)."""
-    fs, path = fsspec.core.url_to_fs(cfg.model.source, **options_for(cfg.model.source, cfg))
-    problems = []
-    for file in fs.glob(f"{path.rstrip('/')}/*.safetensors") if fs.isdir(path) else []:
-        if why := why_not(safetensors, fs, file):
-            problems.append(f"model.source: {cfg.model.source.rstrip('/')}/{file.rsplit('/', 1)[-1]} is {why}")
-    return problems
-
-
-PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-def _check_not_pickled(cfg: DictConfig) -> list[str]:
-    """A `model.source` with pickled weights only (`pytorch_model.bin`): alignflow reads
-    safetensors or torch_dist and never unpickles a source (README: trust boundary)."""
-    source = cfg.model.source.rstrip("/")
-    fs, path = fsspec.core.url_to_fs(source, **options_for(source, cfg))
-    names = {name.rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)} if fs.isdir(path) else set()
-    pickled = sorted(name for name in names if name.endswith(PICKLED_WEIGHTS))
-    if not pickled or any(name.endswith(".safetensors") for name in names) or {"metadata.json", ".metadata"} <= names:
-        return []
-    return [f"model.source: {source} holds pickled weights only ({', '.join(pickled)}), which alignflow never loads: unpickling "
-            "runs any code a file holds. Re-save the model as safetensors (save_pretrained(..., safe_serialization=True)) "
-            "on a machine where you trust it (see README: trust boundary)"]
 
 
 def _check_store(cfg: DictConfig) -> list[str]:
@@ -708,7 +524,3 @@ def _check_launcher(cfg: DictConfig) -> list[str]:
         return ["launcher=slurm: sbatch is not on this machine's PATH (run the flow where Slurm's client is, or use launcher=local)"]
     return []
 
-
-def _exists(uri: str, cfg: DictConfig) -> bool:
-    fs, path = fsspec.core.url_to_fs(uri, **options_for(uri, cfg))
-    return bool(fs.glob(path)) if any(c in path for c in "*?[") else fs.exists(path)

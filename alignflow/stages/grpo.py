@@ -56,7 +56,7 @@ from transformers import AutoTokenizer
 
 from alignflow.checkpoint import ModelOutput
 from alignflow.config.schema import GRPOLossConfig, KLEstimator
-from alignflow.config.validate import grpo_batch_problems
+from alignflow.kinds.grpo import grpo_batch_problems
 from alignflow.data.prepared import Prepared
 from alignflow.device import device
 from alignflow.generation import Completion, Sampling, filter_logits, generate
