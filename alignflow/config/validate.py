@@ -216,6 +216,8 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
         problems += _check_dpo_loss(f"{key}.loss", section.loss)
     if kind == "grpo":
         problems += _check_grpo(key, section)
+    if kind == "eval":
+        problems += eval_sampling_problems(section, key)
     if kind == "reward_model" and section.finetuning_type != FinetuningType.all_weights:
         problems.append(f"{key}.finetuning_type: {section.finetuning_type} is not supported by reward_model (LoRA would leave its new "
                         "scalar head frozen at its random init); use all_weights")
@@ -483,6 +485,25 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
             resolve(reward.name)
         except ValueError as err:
             problems.append(f"{key}.environment[{i}].name: {err}")
+    return problems
+
+
+def eval_sampling_problems(section: DictConfig, key: str = "eval") -> list[str]:
+    """eval.sampling (pass@k, maj@k): n samples per prompt, k of them at a time, drawn at random."""
+    s, key, problems = section.sampling, f"{key}.sampling", []
+    if any(k < 1 for k in s.k):
+        problems.append(f"{key}.k: every k must be >= 1, got {list(s.k)}")
+    elif s.k and max(s.k) > s.n:
+        problems.append(f"{key}.k: k = {max(s.k)} is more than the {s.n} completions sampled per prompt ({key}.n); raise n or lower k")
+    if s.n < 1:
+        problems.append(f"{key}.n: must be >= 1, got {s.n}")
+    if s.temperature < 0:
+        problems.append(f"{key}.temperature: must be >= 0 (0 = greedy), got {s.temperature}")
+    elif s.temperature == 0 and s.n > 1 and s.k:
+        problems.append(f"{key}.temperature: 0 is greedy, so the {s.n} completions of a prompt would be one repeated; "
+                        "sample with a temperature > 0 (e.g. 1.0) or set n: 1")
+    if not 0 < s.top_p <= 1:
+        problems.append(f"{key}.top_p: must be in (0, 1], got {s.top_p}")
     return problems
 
 
