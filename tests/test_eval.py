@@ -12,11 +12,12 @@ from transformers import AutoModelForCausalLM
 
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
-from alignflow.stages import convert, eval as eval_stage, prep
+from alignflow.rewards import extract_answer, gold_answer
+from alignflow.stages import convert, eval as eval_stage, prep, sft
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_hardware_use  # noqa: E402
+from train_ranks import assert_hardware_use, convert_demo, prep_demo, sft_cfg  # noqa: E402
 
 
 def prep_cfg(demo_dir):
@@ -51,6 +52,41 @@ def test_eval_reports_each_model(outputs, tmp_path):
     assert 0 <= metrics["convert.preference_accuracy"] <= 1 and metrics["convert.accuracy"] == 0.0  # random weights
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert saved["metrics"] == metrics and len(saved["samples"]["convert"]) == 2
+
+
+def test_prompt_scores_worked_example():
+    """Gold 1/2; 8 answers, 4 of them 1/2 as math-verify reads them (0.5, 2/4, $1/2$, boxed 0.5).
+    pass@k = 1 - C(4, k)/C(8, k): 1/2, 1 - 4/56, 1; maj@1: 1/3 (wrong); maj@3: 1/3 twice against
+    0.5 (wrong); maj@8: 1/2 four times against 1/3 twice (right)."""
+    texts = ["1/3", "0.5", "1/3", "\\frac{2}{4}", "7", "$\\frac{1}{2}$", "no idea", "\\boxed{0.5}"]
+    scores = eval_stage.prompt_scores(gold_answer("\\frac{1}{2}"), [extract_answer(t) for t in texts], [1, 3, 8])
+    assert scores == pytest.approx({"pass@1": 0.5, "pass@3": 1 - 4 / 56, "pass@8": 1.0, "maj@1": 0.0, "maj@3": 0.0, "maj@8": 1.0}, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def tuned(demo_dir, tmp_path_factory):
+    """The demo model fine-tuned briefly (tests/test_grpo.py's): it answers with numbers, some right."""
+    root = tmp_path_factory.mktemp("eval-tuned")
+    data = str(prep_demo(demo_dir, root / "data", prompts=True))
+    cfg = sft_cfg(demo_dir, micro_batch_size=8, global_batch_size=16, trainer={"max_steps": 60, "val_check_interval": 60},
+                  optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4}, checkpoint={"every_n_steps": 60})
+    sft.run(typed(cfg), {"data": data, "model": str(convert_demo(demo_dir, root / "base"))}, str(root / "sft" / "s1"))
+    return {"data": data, "model": str(root / "sft" / "s1"), "baselines": []}
+
+
+def test_sampled_pass_at_k_rises_in_k_and_greedy_accuracy_stays(outputs, tuned, tmp_path):
+    """8 samples at temperature 1 of 16 prompts: pass@k rises with k, maj@k is reported, and
+    the greedy metrics equal a run without sampling."""
+    cfg, _ = outputs
+    greedy = {"eval": {"num_generation_samples": 16, "max_new_tokens": 4}}
+    sampled = {"eval": {"sampling": {"k": [1, 4, 8], "n": 8, "temperature": 1.0}}}
+    plain = eval_stage.run(typed(OmegaConf.merge(cfg, greedy)), tuned, str(tmp_path / "plain"))
+    metrics = eval_stage.run(typed(OmegaConf.merge(cfg, greedy, sampled)), tuned, str(tmp_path / "sampled"))
+    print({k: v for k, v in metrics.items() if "@" in k or "accuracy" in k})
+    assert {k: v for k, v in metrics.items() if "@" not in k} == plain
+    assert 0 < metrics["sft.pass@1"] < metrics["sft.pass@4"] < metrics["sft.pass@8"] <= 1
+    assert {"sft.maj@1", "sft.maj@4", "sft.maj@8"} <= metrics.keys() and all(0 <= metrics[f"sft.maj@{k}"] <= 1 for k in (1, 4, 8))
+    assert json.loads((tmp_path / "sampled" / "eval.json").read_text())["metrics"] == metrics
 
 
 @pytest.mark.parametrize("precision", ["auto", "bf16"])

@@ -568,11 +568,23 @@ class GRPOConfig(TrainStageBase):
 
 
 @dataclass
+class EvalSamplingConfig:
+    """pass@k and maj@k for each k, from n completions sampled per prompt (`alignflow.stages.eval`)."""
+
+    k: List[int] = field(default_factory=list)  # e.g. [1, 4]; empty: no sampling, greedy accuracy only
+    n: int = 4  # completions per prompt, >= every k (more: a less noisy pass@k)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
 class EvalConfig(ModelStageBase):
     limit_batches: int = 16
     num_generation_samples: int = 200
     max_new_tokens: int = 16
     num_examples_shown: int = 5
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
 
 
 @dataclass

@@ -6,8 +6,12 @@ the converted base model and the SFT model), on prep's validation splits:
 - preference accuracy: the share of held-out pairs whose chosen response the model finds
   more likely than the rejected one (summed log-probs of the response tokens);
 - task accuracy: greedy generation (up to `eval.max_new_tokens`, stopping at EOS) on the
-  first `eval.num_generation_samples` prompts, scored by exact numeric match with the answer;
-  `eval.num_examples_shown` generations are kept as samples.
+  first `eval.num_generation_samples` prompts, scored by `alignflow.rewards.exact_match`
+  (math-verify); `eval.num_examples_shown` generations are kept as samples;
+- with `eval.sampling.k` set: `eval.sampling.n` completions sampled per prompt (its temperature,
+  top_p, seed), and for each k pass@k (Chen et al.'s unbiased estimator from the c correct of
+  n) and maj@k (the majority answer of the first k completions, correct or not), averaged
+  over the prompts.
 Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
 `eval.json` holds them and the samples. Runs in `eval.precision` at any layout (`eval.parallel`,
 `eval.resources`): TP, PP and EP through Megatron's schedule and `alignflow.generation`, the
@@ -32,7 +36,7 @@ from alignflow.data.prepared import Prepared
 from alignflow.device import device
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
-from alignflow.rewards import exact_match
+from alignflow.rewards import exact_match, extract_answer, gold_answer, majority_answer, pass_at_k, same_answer
 from alignflow.forward.models import cache_dir, frozen_chunks, local_model
 from alignflow.forward.objectives import SFT, pair_logprobs
 from alignflow.forward.passes import loss_sums, resolve_precision
@@ -98,6 +102,8 @@ def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list]:
         results["preference_accuracy"] = preference_accuracy(chunks, pairs, cfg.micro_batch_size)
     if prompts := optional(Prompts, data, "val"):
         results["accuracy"], samples = task_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
+        if cfg.sampling.k:
+            results |= sampled_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
     return results, samples
 
 
@@ -138,6 +144,27 @@ def task_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) 
                      "correct": exact_match(prompts.text[i], text, prompts.answer[i])})
     scored = [row for part in _gather_dp(mine) for row in part]
     return sum(s["correct"] for s in scored) / max(len(scored), 1), scored[: cfg.num_examples_shown]
+
+
+def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> dict:
+    """pass@k and maj@k for each k of `cfg.sampling`, over n sampled completions of each of the
+    first num_generation_samples prompts; each DP rank draws its share from its own seed."""
+    s, share = cfg.sampling, _my_share(min(len(prompts), cfg.num_generation_samples))
+    sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer["eos_token_id"], vocab_size=tokenizer["vocab_size"],
+                        temperature=s.temperature, top_p=s.top_p)
+    seed = int(np.random.SeedSequence([s.seed, parallel_state.get_data_parallel_rank()]).generate_state(1)[0])
+    completions = generate(chunks, [prompts.tokens(int(i)) for i in share for _ in range(s.n)], sampling, cfg.micro_batch_size, seed=seed)
+    answers = [extract_answer(decode(c.tokens)) for c in completions]
+    mine = [prompt_scores(gold_answer(prompts.answer[int(i)]), answers[j * s.n : (j + 1) * s.n], s.k) for j, i in enumerate(share)]
+    scored = [row for part in _gather_dp(mine) for row in part]
+    return {name: float(np.mean([row[name] for row in scored])) for name in scored[0]} if scored else {}
+
+
+def prompt_scores(gold: list, answers: list[list], ks: list[int]) -> dict:
+    """One prompt's pass@k and maj@k for each k, from its n parsed answers."""
+    correct = sum(same_answer(gold, answer) for answer in answers)
+    return {**{f"pass@{k}": pass_at_k(len(answers), correct, k) for k in ks},
+            **{f"maj@{k}": float(same_answer(gold, majority_answer(answers[:k]))) for k in ks}}
 
 
 def _gather_dp(obj) -> list:
