@@ -44,14 +44,21 @@ class Verdict:
 
     @property
     def state(self) -> str:
-        return REGRESSED if self.regressed else "Completed"
+        """Regressed; else Failed where a threshold matched no metric (a typo would gate nothing,
+        night after night); else Completed."""
+        return REGRESSED if self.regressed else "Failed" if self.unmatched else "Completed"
 
     @property
     def regressed(self) -> list[Check]:
         return [c for c in self.checks if c.regressed]
 
     def message(self) -> str:
-        """One line for the flow run's state (the table follows where there is one)."""
+        """One line for the flow run's state (the table follows where there is one), what made it fail first."""
+        typo = [f"gate.thresholds: {', '.join(self.unmatched)} matches no metric of this run "
+                "(its metrics are `{stage}.{metric}`, as its record and `align compare` show them)"] if self.unmatched else []
+        return "; ".join([self._compared(), *typo] if self.regressed else [*typo, self._compared()])
+
+    def _compared(self) -> str:
         if self.baseline is None:
             return "gate: no baseline run yet (the first of its series): nothing compared"
         if self.regressed:

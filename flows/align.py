@@ -92,14 +92,11 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
 
 
 def _gate_state(verdict: gate.Verdict, results: dict[str, StageResult]) -> State:
-    """Regressed (a Failed type, the table in its message), Failed where a threshold matched no
-    metric (a typo would gate nothing, night after night), else Completed naming its baseline."""
-    if verdict.unmatched:
-        return Failed(message=f"gate.thresholds: {', '.join(verdict.unmatched)} matches no metric of this run "
-                              f"(its metrics are `{{stage}}.{{metric}}`, as the run's record and `align compare` show them)")
-    if verdict.regressed:
-        return Failed(name=gate.REGRESSED, message=verdict.markdown())
-    return Completed(data=results, message=verdict.message())
+    """The gate's state (`gate.Verdict.state`): Regressed (a Failed type) with the table in its
+    message, Failed, or Completed naming its baseline, its data the results."""
+    if verdict.state == "Completed":
+        return Completed(data=results, message=verdict.message())
+    return Failed(name=verdict.state, message=verdict.markdown() if verdict.regressed else verdict.message())
 
 
 def _name_task_runs(futures: dict[str, PrefectFuture]) -> None:

@@ -70,7 +70,9 @@ def test_losses_regress_when_they_rise_and_a_metric_without_stderr_by_its_thresh
 def test_a_threshold_that_matches_no_metric_is_said_and_the_first_run_has_no_baseline():
     verdict = gate.judge({"eval.sft.acuracy": 0.1, "eval.*.accuracy": 0.1}, 2.0, record("a", night("arithmetic_1dc")), None)
     assert verdict.unmatched == ["eval.sft.acuracy"] and verdict.baseline is None and verdict.checks == []
-    assert verdict.state == "Completed" and "no baseline run yet" in verdict.message()
+    assert verdict.state == "Failed" and verdict.message().startswith("gate.thresholds: eval.sft.acuracy matches no metric of this run")
+    assert "no baseline run yet" in verdict.message()
+    assert gate.judge({"eval.*.accuracy": 0.1}, 2.0, record("a", night("arithmetic_1dc")), None).state == "Completed"
 
 
 def test_the_last_baseline_is_the_last_successful_run_of_the_same_deployment_or_pipeline(tmp_path):
