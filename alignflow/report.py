@@ -6,7 +6,8 @@
 - `stage_report`: a self-contained report.html for the stage's output: an inline SVG chart per
   metric, how well it used the hardware (tokens/s, TFLOP/s, MFU, peak memory), the headline
   metrics and the config, no external file or script, so it opens offline;
-- `pipeline_report`: one page for a pipeline run linking every stage's report.
+- `pipeline_report`: one page for a pipeline run linking every stage's report, and the
+  trend of its metrics across the runs of its series (`trend_markdown` says the same in markdown).
 
 Orchestrator side: no torch, no prefect; the records are metrics.jsonl's.
 """
@@ -60,7 +61,7 @@ def curves_markdown(stage: str, records: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def svg_chart(name: str, steps: list[int], values: list[float], width: int = 420, height: int = 160) -> str:
+def svg_chart(name: str, steps: list[int], values: list[float], width: int = 420, height: int = 160, x_label: str = "step") -> str:
     pad, low, high = 34, min(values), max(values)
     span, step_span = (high - low) or 1.0, (steps[-1] - steps[0]) or 1
     x = lambda s: pad + (s - steps[0]) / step_span * (width - 2 * pad)  # noqa: E731
@@ -71,8 +72,8 @@ def svg_chart(name: str, steps: list[int], values: list[float], width: int = 420
             f'<text x="{pad}" y="16" font-size="13" font-family="sans-serif">{html.escape(name)}</text>'
             f'<text x="4" y="{pad}" font-size="10" font-family="sans-serif">{high:.4g}</text>'
             f'<text x="4" y="{height - pad}" font-size="10" font-family="sans-serif">{low:.4g}</text>'
-            f'<text x="{pad}" y="{height - 8}" font-size="10" font-family="sans-serif">step {steps[0]}</text>'
-            f'<text x="{width - pad - 50}" y="{height - 8}" font-size="10" font-family="sans-serif">step {steps[-1]}</text>'
+            f'<text x="{pad}" y="{height - 8}" font-size="10" font-family="sans-serif">{x_label} {steps[0]}</text>'
+            f'<text x="{width - pad - 50}" y="{height - 8}" font-size="10" font-family="sans-serif">{x_label} {steps[-1]}</text>'
             f'<polyline fill="none" stroke="#2563eb" stroke-width="2" points="{points}"/></svg>')
 
 
@@ -97,14 +98,40 @@ def _table(metrics: dict) -> str:
     return "<table>" + "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in metrics.items()) + "</table>"
 
 
-def pipeline_report(title: str, stages: list[dict]) -> str:
-    """`stages`: {name, kind, state, fingerprint, uri, metrics} per stage, in pipeline order (no uri: no output)."""
+def pipeline_report(title: str, stages: list[dict], trend: list[tuple[str, dict]] | None = None, gate: str = "") -> str:
+    """`stages`: {name, kind, state, fingerprint, uri, metrics} per stage, in pipeline order (no uri: no output);
+    `trend`: (run name, {metric: value}) per run of the series, oldest first; `gate`: its verdict, a line."""
     rows = "".join(
         f"<tr><td>{_link(s['name'], s['uri'])}</td><td>{html.escape(s['kind'])}</td>"
         f"<td>{html.escape(s['state'])}</td><td><code>{s['fingerprint']}</code></td>"
         f"<td>{html.escape(', '.join(f'{k}={_fmt(v)}' for k, v in list(s['metrics'].items())[:4]))}</td></tr>" for s in stages)
     return _page(title, f"<h1>{html.escape(title)}</h1><table><tr><th>stage</th><th>kind</th><th>state</th><th>fingerprint</th>"
-                        f"<th>headline metrics</th></tr>{rows}</table>")
+                        f"<th>headline metrics</th></tr>{rows}</table>{f'<p>{html.escape(gate)}</p>' if gate else ''}"
+                        f"{trend_html(trend or [])}")
+
+
+def _trend_series(trend: list[tuple[str, dict]]) -> dict[str, tuple[list[int], list[float]]]:
+    """{metric: (run numbers, values)}, 1 the oldest run shown; runs without the metric left out."""
+    names = dict.fromkeys(k for _, metrics in trend for k in metrics)
+    return {k: ([i for i, (_, m) in enumerate(trend, 1) if k in m], [m[k] for _, m in trend if k in m]) for k in names}
+
+
+def trend_html(trend: list[tuple[str, dict]]) -> str:
+    """A chart per metric across the runs (x: run number, listed below), where there are two runs or more."""
+    if len(trend) < 2:
+        return ""
+    charts = "".join(svg_chart(k, runs, values, x_label="run") for k, (runs, values) in _trend_series(trend).items() if len(values) >= 2)
+    listed = "".join(f"<li>{html.escape(name)}</li>" for name, _ in trend)
+    return f"<h2>trend over the last {len(trend)} runs</h2><div class='charts'>{charts}</div><ol>{listed}</ol>"
+
+
+def trend_markdown(title: str, trend: list[tuple[str, dict]]) -> str:
+    """A row per run (oldest first), a column per metric, and a sparkline per metric below."""
+    columns = _trend_series(trend)
+    rows = [f"# {title}", "", f"| run | {' | '.join(columns)} |", f"|---|{'---|' * len(columns)}"]
+    rows += [f"| {name} | {' | '.join(_fmt(m[k]) if k in m else '-' for k in columns)} |" for name, m in trend]
+    rows.append(f"| trend | {' | '.join(f'`{sparkline(values)}`' for _, values in columns.values())} |")
+    return "\n".join(rows)
 
 
 def _link(name: str, uri: str) -> str:

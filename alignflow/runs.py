@@ -12,6 +12,7 @@ Orchestrator side: no torch, no prefect.
 import json
 import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from alignflow.fingerprint import differences
 from alignflow.store import Store
@@ -26,11 +27,17 @@ def slug(name: str) -> str:
 
 
 def write(store: Store, name: str, record: dict) -> str:
-    """The run's record; returns its URI."""
+    """The run's record, stamped with when it ended (UTC, ISO 8601); returns its URI."""
     path = store.path(RUNS, f"{slug(name)}.json")
     store.fs.makedirs(store.path(RUNS), exist_ok=True)
-    store.fs.pipe(path, json.dumps({"name": name, **record}, indent=2).encode())
+    store.fs.pipe(path, json.dumps({"name": name, "ended": datetime.now(timezone.utc).isoformat(), **record}, indent=2).encode())
     return store.uri(path)
+
+
+def history(store: Store) -> list[dict]:
+    """Every run record of the store, oldest first (records from before the `ended` stamp first)."""
+    records = [json.loads(store.fs.cat(p)) for p in store.fs.glob(store.path(RUNS, "*.json"))]
+    return sorted(records, key=lambda r: r.get("ended", ""))
 
 
 def read(store: Store, run: str) -> dict:

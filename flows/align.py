@@ -5,24 +5,26 @@ The flow reads like the pipeline: one task per stage instance, in run order
 is submitted until the whole config has validated. Stopping the flow run (SIGTERM from the
 Prefect worker, Ctrl-C, SIGHUP) cancels the stages' jobs too, and the process exits within
 seconds; a flow process that dies (SIGKILL) leaves them running, for a rerun to adopt. The UI
-is best effort (`tasks.dashboard`).
+is best effort (`tasks.dashboard`). With `gate.thresholds` set, the run ends by comparing its
+metrics with a baseline run's (`alignflow.gate`): a regression ends it Failed, named Regressed.
 """
 
 import time
+from fnmatch import fnmatch
 
 import fsspec
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
-from prefect.runtime import flow_run
-from prefect.states import Cancelled
+from prefect.runtime import deployment, flow_run
+from prefect.states import Cancelled, Completed, Failed, State
 
-from alignflow import runs
+from alignflow import gate, runs
 from alignflow.config.compose import build
 from alignflow.launch import cancel_jobs_on_interrupt, cpu_warning
 from alignflow.orphans import reap_on_exit
 from alignflow.pipeline import Pipeline
-from alignflow.report import pipeline_report
+from alignflow.report import pipeline_report, trend_markdown
 from alignflow.runner import StageResult
 from alignflow.store import options_for, store_of
 from tasks import dashboard
@@ -35,13 +37,13 @@ DRAIN_S = 30.0  # how long a finished run waits for the UI to catch up with a Pr
 _VALIDATED: dict[tuple[str, tuple[str, ...]], Pipeline] = {}  # what `align run` validated before Prefect started, by run
 
 
-def align_validated(stages: Pipeline, pipeline: str, overrides: list[str]) -> dict[str, StageResult]:
+def align_validated(stages: Pipeline, pipeline: str, overrides: list[str]) -> State:
     """`align` on a pipeline this process has just built (the CLI's check before Prefect starts),
-    which the flow then takes instead of composing it again."""
+    which the flow then takes instead of composing it again; the flow run's final state."""
     key = (pipeline, tuple(overrides))
     _VALIDATED[key] = stages
     try:
-        return align(pipeline=pipeline, overrides=overrides)
+        return align(pipeline=pipeline, overrides=overrides, return_state=True)
     finally:
         _VALIDATED.pop(key, None)
 
@@ -56,8 +58,9 @@ def run_name() -> str:
 
 
 @flow(name="align", flow_run_name=run_name, log_prints=True)
-def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, StageResult]:
-    """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed."""
+def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, StageResult] | State:
+    """Run `pipeline` with Hydra `overrides`; stages named in `force` re-run even if committed.
+    Gated (`gate.thresholds`), it ends in the gate's state, its data the results where it completes."""
     reap_on_exit()  # if this process is killed, its helpers (the ephemeral Prefect server) die with it; its jobs run on
     overrides = [*(overrides or []), *([f"force=[{','.join(force)}]"] if force else [])]
     stages = _VALIDATED.pop((pipeline, tuple(overrides)), None) or build(pipeline, overrides)  # composed once per run
@@ -84,8 +87,17 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
         _cancel_unfinished(futures)
         raise
 
-    _publish_summary(pipeline, stages, futures)
-    return {stage: future.result() for stage, future in futures.items()}
+    verdict = _publish_summary(pipeline, stages, futures)
+    results = {stage: future.result() for stage, future in futures.items()}
+    return results if verdict is None else _gate_state(verdict, results)
+
+
+def _gate_state(verdict: gate.Verdict, results: dict[str, StageResult]) -> State:
+    """The gate's state (`gate.Verdict.state`): Regressed (a Failed type) with the table in its
+    message, Failed, or Completed naming its baseline, its data the results."""
+    if verdict.state == "Completed":
+        return Completed(data=results, message=verdict.message())
+    return Failed(name=verdict.state, message=verdict.markdown() if verdict.regressed else verdict.message())
 
 
 def _name_task_runs(futures: dict[str, PrefectFuture]) -> None:
@@ -117,9 +129,10 @@ def _force_state(task_run_id, state) -> None:
         client.set_task_run_state(task_run_id, state, force=True)
 
 
-def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, PrefectFuture]) -> None:
-    """The summary artifact (a table narrow enough for a laptop screen), the run's report.html
-    and its run record (`align compare` reads it)."""
+def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, PrefectFuture]) -> gate.Verdict | None:
+    """The summary artifact (a table narrow enough for a laptop screen), the run's report.html,
+    its run record (`align compare` reads it), the gate's verdict (None: no gate) and the trend
+    across the runs of its series."""
     lines = [f"# align `{pipeline}`", "", "| stage | kind | state | fingerprint | headline metrics |", "|---|---|---|---|---|"]
     rows = []
     for name, future in futures.items():
@@ -130,24 +143,61 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
                      "uri": result.uri if done else "", "metrics": result.metrics if done else {}})
         metrics = ", ".join(f"{k}={format_value(v)}" for k, v in list(rows[-1]["metrics"].items())[:3])
         lines.append(f"| {name} | {stages[name].kind} | {state.name} | {f'`{result.fingerprint}`' if done else ''} | {metrics} |")
-    store = store_of(stages.cfg)
-    report = _write_report(stages, rows)
-    record = runs.write(store, flow_run.name or "align", {"pipeline": stages.name, "flow_run_id": str(flow_run.id),
-                                                          "overrides": list(flow_run.parameters.get("overrides") or []), "stages": rows})
+    store, name = store_of(stages.cfg), flow_run.name or "align"
+    record = {"name": name, "pipeline": stages.name, "flow_run_id": str(flow_run.id), "deployment": _deployment(),
+              "overrides": list(flow_run.parameters.get("overrides") or []), "stages": rows}
+    verdict = _judge(stages.cfg.gate, store, record)
+    record |= {"gate": verdict.as_dict()} if verdict else {}
+    trend = _trend(stages, store, record)
+    report = _write_report(stages, rows, trend, verdict.message() if verdict else "")
+    uri = runs.write(store, name, record)
     lines += ["", f"report: `{report}` (every stage's curves and config)",
-              f"compare with another run: `align compare '{flow_run.name}' OTHER_RUN` (record: `{record}`)"]
-    dashboard.markdown(f"align-{pipeline}".replace("_", "-"), "\n".join(lines), "pipeline summary")
+              f"compare with another run: `align compare '{flow_run.name}' OTHER_RUN` (record: `{uri}`)"]
+    lines += ["", verdict.markdown()] if verdict and verdict.baseline else ["", verdict.message()] if verdict else []
+    key = pipeline.replace("_", "-")
+    dashboard.markdown(f"align-{key}", "\n".join(lines), "pipeline summary")
+    if verdict and verdict.regressed:
+        dashboard.markdown("regression", verdict.markdown(), f"align {pipeline}: what dropped against the baseline run")
+    if len(trend) >= 2:
+        dashboard.markdown(f"trend-{key}", trend_markdown(f"align {pipeline}: the last {len(trend)} runs", trend),
+                           f"align {pipeline}: metrics across runs")
     logger = get_run_logger()
     logger.info("\n".join(lines))
     if missed := dashboard.drain(DRAIN_S):
         logger.warning(f"the Prefect API is still unreachable: {len(missed)} updates of the UI wait for it "
-                       f"({', '.join(missed[:5])}); every stage's output and the run's record are in the store: {record}")
+                       f"({', '.join(missed[:5])}); every stage's output and the run's record are in the store: {uri}")
+    return verdict
 
 
-def _write_report(stages: Pipeline, rows: list[dict]) -> str:
-    """`{store.root}/_reports/<run name>.html`, linking each stage's report.html."""
+def _deployment() -> str | None:
+    """`align/nightly` for a deployment's flow run: its series for the gate's `last` baseline and the trend."""
+    return f"align/{deployment.name}" if deployment.id else None
+
+
+def _judge(section, store, record: dict) -> gate.Verdict | None:
+    if not section.thresholds:
+        return None
+    return gate.judge(dict(section.thresholds), section.sigmas, record, gate.baseline_of(store, section.baseline, record))
+
+
+def _trend(stages: Pipeline, store, record: dict) -> list[tuple[str, dict]]:
+    """The gated metrics (ungated: the eval stages') across the last `gate.trend_runs` runs of the series, this one last."""
+    metrics = gate.metrics_of(record)
+    names = list(gate.gated(stages.cfg.gate.thresholds, metrics)) or [k for k in metrics if _charted(stages, k)]
+    earlier = [r for r in gate.series(store, record) if r["name"] != record["name"]]
+    return gate.trend([*earlier, record][-stages.cfg.gate.trend_runs:], names)
+
+
+def _charted(stages: Pipeline, key: str) -> bool:
+    """A `{stage}.{metric}` its kind charts across runs when no gate names what to chart."""
+    stage, _, metric = key.partition(".")
+    return any(fnmatch(metric, pattern) for pattern in stages[stage].spec.trend)
+
+
+def _write_report(stages: Pipeline, rows: list[dict], trend: list[tuple[str, dict]], verdict: str) -> str:
+    """`{store.root}/_reports/<run name>.html`, linking each stage's report.html, with the trend across runs."""
     cfg = stages.cfg
     uri = f"{cfg.store.root.rstrip('/')}/{runs.REPORTS}/{runs.slug(flow_run.name or 'align')}.html"
     with fsspec.open(uri, "w", auto_mkdir=True, **options_for(uri, cfg)) as f:
-        f.write(pipeline_report(f"align {stages.name}: {flow_run.name}", rows))
+        f.write(pipeline_report(f"align {stages.name}: {flow_run.name}", rows, trend, verdict))
     return uri

@@ -4,7 +4,8 @@
   align plan   [--json] [overrides...] the DAG: fingerprints, output URIs, what would run and why;
                                       each training stage's estimated memory per rank
   align config [overrides...]         the resolved config and each stage instance's, secrets masked
-  align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL)
+  align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL);
+                                      exits 1 where the gate (gate.thresholds) finds a regression
   align compare [--json] RUN_A RUN_B [overrides...]
                                       two runs' stages side by side: which differ, why, headline metrics
   align gc     [--yes] [--json] [overrides...]
@@ -40,6 +41,7 @@ from alignflow import __version__  # noqa: E402
 from alignflow.config.compose import ConfigError, build, compose  # noqa: E402
 from alignflow.config.slices import masked  # noqa: E402
 from alignflow.config.validate import memory_estimates  # noqa: E402
+from alignflow.gate import REGRESSED  # noqa: E402
 from alignflow.gc import CATEGORIES, reclaim, survey  # noqa: E402
 from alignflow.pipeline import Pipeline  # noqa: E402
 from alignflow.runner import plan  # noqa: E402
@@ -142,7 +144,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     pipeline = pipeline or "sft_dpo"
     stages = build(pipeline, overrides)  # a config error fails fast, before Prefect starts; the flow takes what was built
     try:
-        results = align_validated(stages, pipeline, overrides)
+        state = align_validated(stages, pipeline, overrides)
+        if state.name == REGRESSED:  # the stages' outputs are committed; the gate found a metric dropped
+            console.print(f"[red]Regressed[/] {escape(state.message or '')}", highlight=False)
+            return 1
+        results = state.result()
     except Exception as err:
         if not _api_unreachable(err):
             raise

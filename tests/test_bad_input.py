@@ -366,6 +366,13 @@ CASES = {
                                                                ("grpo.parallel.expert_model_parallel_size: 2 does not divide the data-parallel size 1",)),
     "expert-parallel-zero": Case(("model=tiny_qwen3_moe", "sft.parallel.expert_model_parallel_size=0"),
                                  ("sft.parallel.expert_model_parallel_size: must be >= 1, got 0",)),
+    # the nightly gate
+    "gate-threshold-on-no-stage": Case(("+gate.thresholds={evl.dpo.accuracy: 0.02}",), ("gate.thresholds.evl.dpo.accuracy: names no stage of pipeline 'sft_dpo'",)),
+    "gate-negative-threshold": Case(("+gate.thresholds={eval.dpo.accuracy: -0.02}",),
+                                    ("gate.thresholds.eval.dpo.accuracy: the largest tolerated drop must be >= 0, got -0.02",)),
+    "gate-negative-sigmas": Case(("gate.sigmas=-1",), ("gate.sigmas: must be >= 0, got -1.0",)),
+    "gate-pinned-baseline-missing": Case(("+gate.thresholds={eval.dpo.accuracy: 0.02}", "gate.baseline=last-tuesday"),
+                                         ("gate.baseline: no run 'last-tuesday' in {W}/store/_runs (recent runs: none yet)",)),
 }
 
 

@@ -31,6 +31,8 @@ RUN_BY = {
                                        '"deployment", "run"'),
     r"prefect deployment inspect align/nightly": ("tests/integration/test_deployments.py", "test_nightly_is_scheduled_at_two_utc", '"inspect"'),
     r"prefect flow-run ls --state Scheduled": ("tests/integration/test_deployments.py", "test_nightly_is_scheduled_at_two_utc", '"ls", "--state"'),
+    r"prefect automation create --from-file deployments/automations\.yaml": (
+        "tests/test_gate.py", "test_the_documented_automation_notifies_on_the_nightlys_regressed_state", '"automation", "create", "--from-file"'),
     r"infra/slurm\.sh up": ("tests/conftest.py", "slurm_cluster", '"up"'),
     r"infra/s3\.sh up": ("tests/test_docs.py", "test_infra_s3_up_serves_the_bucket_it_prints", "s3.sh"),
     r"python3 bench/gpu\.py": ("tests/test_bench_gpu.py", "test_the_gpu_bench_runs_end_to_end_on_cpu", "gpu.py"),

@@ -1,6 +1,8 @@
 """The eval stage on the demo base model, and Megatron greedy decoding against HF's."""
 
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -10,10 +12,12 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from alignflow.data.prepared import Prepared
 from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.rewards import extract_answer, gold_answer
 from alignflow.stages import convert, eval as eval_stage, prep, sft
+from alignflow.train.datasets import PreferencePairs
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -47,9 +51,15 @@ def test_eval_reports_each_model(outputs, tmp_path):
     cfg, root = outputs
     model = str(root / "convert" / "c1")
     metrics = eval_stage.run(cfg, {"data": str(root / "prep" / "p1"), "model": model, "baselines": []}, str(tmp_path / "out"))
-    assert set(metrics) == {"convert.val_loss", "convert.perplexity", "convert.preference_accuracy", "convert.accuracy"}
+    assert set(metrics) == {"convert.val_loss", "convert.perplexity", "convert.preference_accuracy", "convert.accuracy",
+                            "convert.preference_accuracy_stderr", "convert.accuracy_stderr"}
     assert metrics["convert.perplexity"] == pytest.approx(torch.tensor(metrics["convert.val_loss"]).exp().item(), rel=1e-6)
     assert 0 <= metrics["convert.preference_accuracy"] <= 1 and metrics["convert.accuracy"] == 0.0  # random weights
+    pairs = len(PreferencePairs(Prepared(str(root / "prep" / "p1")), "val"))  # each pair a 0/1 outcome: lm-eval's acc_stderr of them
+    wins = round(metrics["convert.preference_accuracy"] * pairs)
+    outcomes = [1.0] * wins + [0.0] * (pairs - wins)
+    assert metrics["convert.preference_accuracy_stderr"] == pytest.approx(statistics.stdev(outcomes) / math.sqrt(pairs), rel=1e-12)
+    assert metrics["convert.accuracy_stderr"] == 0.0  # every answer wrong: no spread
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert saved["metrics"] == metrics and len(saved["samples"]["convert"]) == 2
 

@@ -204,6 +204,17 @@ class StoreConfig:
 
 
 @dataclass
+class GateConfig:
+    """The nightly gate (`alignflow.gate`): does this run keep its metrics against a baseline run?
+    Off while `thresholds` is empty."""
+
+    baseline: str = "last"  # `last`: the last successful run of this deployment (outside one: of this pipeline, deployment-less) in this store; or a run's name / record file, as `align compare` takes them
+    thresholds: Dict[str, float] = field(default_factory=dict)  # `{stage}.{metric}` (fnmatch patterns, e.g. `eval.*.accuracy`) -> largest tolerated drop (a rise, for losses)
+    sigmas: float = 2.0  # a drop counts only beyond sigmas x the standard error of the difference, where the metric reports `<metric>_stderr`
+    trend_runs: int = 14  # the runs the trend (report.html, the `trend-...` artifact) shows, this one included
+
+
+@dataclass
 class ModelConfig:
     source: str = MISSING  # HF checkpoint directory, or a Megatron / NeMo 2 torch_dist one (any fsspec URI)
     hf_config: Optional[str] = None  # directory with the HF config.json of a torch_dist source
@@ -619,3 +630,4 @@ class AlignBase:
     paths: PathsConfig = field(default_factory=PathsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     force: List[str] = not_identity(factory=list)
+    gate: GateConfig = not_identity(factory=GateConfig)

@@ -11,6 +11,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import fsspec
@@ -28,7 +29,8 @@ from alignflow.kinds import STAGES
 from alignflow.launch import gpus_per_node, local_gpus, time_limit
 from alignflow.lease import conditional_writes_problem
 from alignflow.pipeline import Pipeline, PipelineError, Stage
-from alignflow.store import options_for
+from alignflow.runs import read as read_run
+from alignflow.store import options_for, store_of
 
 
 class ConfigError(ValueError):
@@ -54,6 +56,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         problems += _check_memory(key, memory.get(stage.name), cfg.launcher.gpu_memory_gib)
         problems += _check_lineage(pipeline, stage, cfg if check_paths else None)
     problems += _check_retention(cfg.store.retention) + _check_lease(cfg.store) + _check_gpus(cfg.launcher)
+    problems += _check_gate(cfg, pipeline, check_paths)
     if cfg.launcher.gpu_memory_gib is not None and not cfg.launcher.gpu_memory_gib > 0:
         problems.append(f"launcher.gpu_memory_gib: must be > 0 GiB, or null (unknown: not checked), got {cfg.launcher.gpu_memory_gib}")
     if check_paths:
@@ -517,6 +520,24 @@ def _check_time_limit(stage: Stage, key: str) -> list[str]:
 
 def _check_retention(retention: DictConfig) -> list[str]:
     return [f"store.retention.{key}: must be >= 0, got {retention[key]}" for key in ("keep_runs", "keep_days") if not retention[key] >= 0]
+
+
+def _check_gate(cfg: DictConfig, pipeline: Pipeline, check_paths: bool) -> list[str]:
+    """Thresholds `{stage}.{metric}` on stages of the pipeline, tolerating a drop >= 0; a pinned baseline run in the store."""
+    section, names = cfg.gate, [stage.name for stage in pipeline]
+    problems = [f"gate.{key}: must be >= {low}, got {section[key]}" for key, low in (("sigmas", 0), ("trend_runs", 1)) if not section[key] >= low]
+    for pattern, drop in section.thresholds.items():
+        if "." not in pattern or not any(fnmatchcase(name, pattern.split(".", 1)[0]) for name in names):
+            problems.append(f"gate.thresholds.{pattern}: names no stage of pipeline '{pipeline.name}' (a key is `{{stage}}.{{metric}}`, "
+                            f"fnmatch patterns allowed, e.g. eval.sft.accuracy; its stages: {', '.join(names)})")
+        if not drop >= 0:
+            problems.append(f"gate.thresholds.{pattern}: the largest tolerated drop must be >= 0, got {drop}")
+    if check_paths and section.thresholds and section.baseline != "last":
+        try:
+            read_run(store_of(cfg), section.baseline)
+        except FileNotFoundError as err:
+            problems.append(f"gate.baseline: {err}")
+    return problems
 
 
 def _check_launcher(cfg: DictConfig) -> list[str]:

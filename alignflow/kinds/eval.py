@@ -41,4 +41,5 @@ def table(metrics: dict) -> Table:
 
 KIND = StageKind(schema=schema.EvalConfig, output="eval", inputs={"data": one("prep"), "model": one("model"), "baselines": many("model")},
                  resumable=False, output_format=OutputFormat("eval.json: metrics per model and samples (alignflow.stages.eval)", (Need("eval.json", json_file),)),
-                 headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"), reads=("model",), context=CACHE, checks=checks, table=table)
+                 headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"),
+                 trend=("*.accuracy", "*.preference_accuracy", "*.val_loss"), reads=("model",), context=CACHE, checks=checks, table=table)

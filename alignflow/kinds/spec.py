@@ -88,6 +88,7 @@ class StageKind:
       optional, one upstream stage or a list; checked at compose time, and the fingerprint
       hashes `{role: upstream fingerprint}`.
     - `headline`: the metrics its summary and artifact lead with (fnmatch patterns).
+    - `trend`: the metrics a run's report charts across runs when no gate names them.
     - `reads`: the config paths it reads besides its own section (its config slice, hence its
       identity; an instance may override them, e.g. a second prep's `data`).
     - `context`: config paths the job also receives that never change its output (logging,
@@ -118,6 +119,7 @@ class StageKind:
     resumable: bool
     output_format: OutputFormat | None = None
     headline: tuple[str, ...] = ()
+    trend: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
     context: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()

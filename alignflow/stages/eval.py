@@ -12,6 +12,8 @@ the converted base model and the SFT model), on prep's validation splits:
   top_p, seed), and for each k pass@k (Chen et al.'s unbiased estimator from the c correct of
   n) and maj@k (the majority answer of the first k completions, correct or not), averaged
   over the prompts.
+Beside each share (accuracy, preference accuracy) its standard error as lm-eval reports one
+(`<metric>_stderr`: `binomial_stderr`), which the nightly gate (`alignflow.gate`) weighs drops by.
 Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
 `eval.json` holds them and the samples. Runs in `eval.precision` at any layout (`eval.parallel`,
 `eval.resources`): TP, PP and EP through Megatron's schedule and `alignflow.generation`, the
@@ -22,6 +24,7 @@ Greedy decoding is `alignflow.generation`'s (KV-cached, prompts of mixed lengths
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -95,16 +98,23 @@ def load_model(uri: str, divisible_by: int, cache: Path | None = None):
 def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list]:
     """The metrics of one model, the same on every rank, at any TP/PP/DP layout: the data are
     shared among the DP ranks (the last share may be smaller) and the sums gathered."""
-    results, samples = {}, []
+    results, samples, outcomes = {}, [], {}  # outcomes: share -> how many 0/1 outcomes it is the mean of
     if val := optional(PackedSFT, data, "val"):
         results |= sft_val_loss(chunks, val, cfg.micro_batch_size, cfg.limit_batches)
     if pairs := optional(PreferencePairs, data, "val"):
-        results["preference_accuracy"] = preference_accuracy(chunks, pairs, cfg.micro_batch_size)
+        results["preference_accuracy"], outcomes["preference_accuracy"] = preference_accuracy(chunks, pairs, cfg.micro_batch_size), len(pairs)
     if prompts := optional(Prompts, data, "val"):
         results["accuracy"], samples = task_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
+        outcomes["accuracy"] = min(len(prompts), cfg.num_generation_samples)
         if cfg.sampling.k:
             results |= sampled_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
-    return results, samples
+    return results | {f"{k}_stderr": binomial_stderr(results[k], n) for k, n in outcomes.items() if n > 1}, samples
+
+
+def binomial_stderr(share: float, n: int) -> float:
+    """The standard error of the mean of n 0/1 outcomes as lm-eval's `acc_stderr` (`mean_stderr`):
+    the sample standard deviation (n - 1 in the variance) over sqrt(n) = sqrt(p (1 - p) / (n - 1))."""
+    return math.sqrt(share * (1 - share) / (n - 1))
 
 
 def _my_share(n: int) -> np.ndarray:
