@@ -141,7 +141,7 @@ class Layout:
     recompute_layers: int = 1
     dropout: bool = False
     vocab_divisible_by: int = 128
-    frozen_copies: int = 0  # whole frozen models beside the trained one (GRPO's reference)
+    frozen_copies: int = 0  # whole frozen models beside the trained one (GRPO's reference, its reward model)
     lora_params: Optional[int] = None  # trainable adapter parameters of the whole model; None: all weights train
 
     @property
@@ -270,4 +270,4 @@ def layout_of(kind: str, cfg: Any, inputs: Mapping[str, Any], dims: Dimensions) 
                   micro_batch=section.micro_batch_size, seq_length=seq_length, micro_batches=max(rows // section.micro_batch_size, 1),
                   recompute=str(section.recompute_granularity), recompute_method=str(section.recompute_method),
                   recompute_layers=section.recompute_num_layers, dropout=section.hidden_dropout > 0,
-                  vocab_divisible_by=cfg.model.make_vocab_size_divisible_by, frozen_copies=int(second_reference), lora_params=lora)
+                  vocab_divisible_by=cfg.model.make_vocab_size_divisible_by, frozen_copies=int(second_reference) + int("reward_model" in inputs), lora_params=lora)

@@ -28,7 +28,7 @@ from alignflow.data.formats import FORMATS
 from alignflow.launch import gpus_per_node, local_gpus, time_limit
 from alignflow.lease import conditional_writes_problem
 from alignflow.pipeline import Pipeline, PipelineError, Stage
-from alignflow.rewards import resolve
+from alignflow.rewards import SCORE, resolve
 from alignflow.store import options_for
 from alignflow.verify import safetensors, why_not
 
@@ -215,7 +215,7 @@ def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
     if kind == "dpo":
         problems += _check_dpo_loss(f"{key}.loss", section.loss)
     if kind == "grpo":
-        problems += _check_grpo(key, section)
+        problems += _check_grpo(key, section) + _check_reward_model_use(stage, key)
     if kind == "reward_model" and section.finetuning_type != FinetuningType.all_weights:
         problems.append(f"{key}.finetuning_type: {section.finetuning_type} is not supported by reward_model (LoRA would leave its new "
                         "scalar head frozen at its random init); use all_weights")
@@ -480,10 +480,23 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
         problems.append(f"{key}.environment: needs at least one reward function")
     for i, reward in enumerate(section.environment):
         try:
-            resolve(reward.name)
+            reward.name == SCORE or resolve(reward.name)
         except ValueError as err:
             problems.append(f"{key}.environment[{i}].name: {err}")
     return problems
+
+
+def _check_reward_model_use(stage: Stage, key: str) -> list[str]:
+    """grpo's `score` rewards and its `reward_model` input come together: one without the other
+    is a reward model never trained against, or a reward that cannot be computed."""
+    scores = [i for i, reward in enumerate(stage.section.environment) if reward.name == SCORE]
+    if scores and "reward_model" not in stage.inputs:
+        return [f"{key}.environment[{scores[0]}].name: {SCORE} needs a reward_model input "
+                f"(pipeline.stages.{stage.name}.inputs.reward_model: a reward_model stage)"]
+    if not scores and "reward_model" in stage.inputs:
+        return [f"pipeline.stages.{stage.name}.inputs.reward_model: no {key}.environment entry uses it; add {{name: {SCORE}}} "
+                "(with a weight to mix it with rule rewards) or drop the input"]
+    return []
 
 
 def _check_distillation(key: str, section: DictConfig) -> list[str]:

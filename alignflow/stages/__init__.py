@@ -81,6 +81,10 @@ def one(output: str, *also: str) -> Role:
     return Role(output, also=also)
 
 
+def optional(output: str) -> Role:
+    return Role(output, required=False)
+
+
 def many(output: str) -> Role:
     return Role(output, required=False, many=True)
 
@@ -114,7 +118,8 @@ STAGES: dict[str, StageKind] = {
                      reads=("model",), context=_TRAINING, resumable=True),
     "dpo": StageKind(schema.DPOConfig, "model", {"data": one("prep"), "model": one("model"), "ref_logprobs": one("ref_logprobs")},
                      headline=("val_reward_accuracy", *_TRAIN_HEADLINE), reads=("model",), context=_TRAINING, resumable=True),
-    "grpo": StageKind(schema.GRPOConfig, "model", {"data": one("prep"), "model": one("model"), "ref_model": one("model")},
+    "grpo": StageKind(schema.GRPOConfig, "model", {"data": one("prep"), "model": one("model"), "ref_model": one("model"),
+                                                   "reward_model": optional("reward_model")},
                       headline=("reward_first_tenth", "reward_last_tenth", "accuracy", "steps"),
                       reads=("model",), context=_TRAINING, resumable=True, imports=("environment.*.name",)),
     "teacher_logprobs": StageKind(schema.TeacherLogprobsConfig, "teacher_logprobs", {"data": one("prep"), "teacher": one("model")},
@@ -123,7 +128,8 @@ STAGES: dict[str, StageKind] = {
     "distillation": StageKind(schema.DistillationConfig, "model",
                               {"data": one("prep"), "model": one("model"), "teacher_logprobs": one("teacher_logprobs")},
                               headline=("val_kl", *_TRAIN_HEADLINE), reads=("model",), context=_TRAINING, resumable=True),
-    "eval": StageKind(schema.EvalConfig, "eval", {"data": one("prep"), "model": one("model"), "baselines": many("model")},
+    "eval": StageKind(schema.EvalConfig, "eval", {"data": one("prep"), "model": one("model"), "baselines": many("model"),
+                                                  "reward_model": optional("reward_model")},
                       headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"), reads=("model",), context=_CACHE),
     "reward_model": StageKind(schema.RewardModelConfig, "reward_model", {"data": one("prep"), "model": one("model", "reward_model")},
                               headline=("val_reward_accuracy", "val_reward_margin", *_TRAIN_HEADLINE), reads=("model",), context=_TRAINING,
