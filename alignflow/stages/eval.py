@@ -10,7 +10,7 @@ the converted base model and the SFT model), on prep's validation splits:
   `eval.num_examples_shown` generations are kept as samples;
 - with a `reward_model` input: each model's mean reward-model score of its greedy completions
   (`rm_score`; prompt + completion, `alignflow.forward.objectives.model_scores`) and its win rate
-  against the first baseline (`rm_win_rate`: the share of those prompts where its completion
+  against the first baseline, where there is one (`rm_win_rate`: the share of those prompts where its completion
   scores higher than the baseline's, ties counting one half, AlpacaEval's rule; TRL 1.16 has no
   WinRateCallback, whose older versions counted judge wins the same way without ties).
 Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`, ...);
@@ -61,10 +61,11 @@ def run(cfg, inputs: dict, out: str) -> dict:
             metrics |= {f"{name}.{k}": v for k, v in results.items()}
             if dist.get_rank() == 0:
                 log.info("%s: %s", name, results)
-        if "reward_model" in inputs and inputs["baselines"]:
+        if "reward_model" in inputs:
             chunks, _ = load_chunks(inputs["reward_model"], section.parallel, cfg.model.make_vocab_size_divisible_by,
                                     resolve_precision(section.precision), cache_dir(cfg))
-            metrics |= reward_model_metrics(chunks, completions, _stage_name(inputs["baselines"][0]), data.pad_id, section.micro_batch_size)
+            baseline = _stage_name(inputs["baselines"][0]) if inputs["baselines"] else None
+            metrics |= reward_model_metrics(chunks, completions, baseline, data.pad_id, section.micro_batch_size)
         dist.barrier()
     finally:
         runtime.teardown()
@@ -152,19 +153,20 @@ def task_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) 
     return sum(s["correct"] for s in scored) / max(len(scored), 1), scored[: cfg.num_examples_shown], rows
 
 
-def reward_model_metrics(chunks: list, rows: dict[str, list], baseline: str, pad_id: int, micro_batch_size: int) -> dict:
-    """Each model's mean reward-model score of its completions (`rm_score`) and, but the
-    baseline's, its win rate against the baseline's completions of the same prompts
-    (`rm_win_rate`, ties one half); `rows`: model -> this rank's prompt + completion rows."""
+def reward_model_metrics(chunks: list, rows: dict[str, list], baseline: str | None, pad_id: int, micro_batch_size: int) -> dict:
+    """Each model's mean reward-model score of its completions (`rm_score`) and, with a
+    baseline, but the baseline's, its win rate against the baseline's completions of the same
+    prompts (`rm_win_rate`, ties one half); `rows`: model -> this rank's prompt + completion rows."""
     scores = {name: model_scores(chunks, mine, pad_id, micro_batch_size) if mine else torch.zeros(0, dtype=torch.float64)
               for name, mine in rows.items()}
     metrics = {}
     for name, mine in scores.items():
-        wins = (mine > scores[baseline]).double() + 0.5 * (mine == scores[baseline]).double()
+        theirs = scores[baseline] if baseline else mine
+        wins = (mine > theirs).double() + 0.5 * (mine == theirs).double()
         sums = torch.tensor([mine.sum(), wins.sum(), len(mine)], dtype=torch.float64, device=device())
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         metrics[f"{name}.rm_score"] = float(sums[0] / sums[2])
-        if name != baseline:
+        if baseline not in (None, name):
             metrics[f"{name}.rm_win_rate"] = float(sums[1] / sums[2])
     return metrics
 
