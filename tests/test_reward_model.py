@@ -16,7 +16,8 @@ from alignflow.config.schema import RewardModelLossConfig
 from alignflow.data.prepared import Prepared
 from alignflow.device import to_device
 from alignflow.forward.models import frozen_chunks, local_model
-from alignflow.forward.objectives import logits_forward, model_scores, sequence_scores
+from alignflow.forward.objectives import logits_forward, sequence_scores
+from alignflow.forward.scores import model_scores
 from alignflow.megatron import runtime
 from alignflow.megatron.decoder import LeanForward
 from alignflow.stages import eval as eval_stage, export, grpo, reward_model

@@ -9,7 +9,7 @@ the converted base model and the SFT model), on prep's validation splits:
   first `eval.num_generation_samples` prompts, scored by exact numeric match with the answer;
   `eval.num_examples_shown` generations are kept as samples;
 - with a `reward_model` input: each model's mean reward-model score of its greedy completions
-  (`rm_score`; prompt + completion, `alignflow.forward.objectives.model_scores`) and its win rate
+  (`rm_score`; prompt + completion, `alignflow.forward.scores.model_scores`) and its win rate
   against the first baseline, where there is one (`rm_win_rate`: the share of those prompts where its completion
   scores higher than the baseline's, ties counting one half, AlpacaEval's rule; TRL 1.16 has no
   WinRateCallback, whose older versions counted judge wins the same way without ties).
@@ -39,8 +39,9 @@ from alignflow.generation import Sampling, generate
 from alignflow.megatron import runtime
 from alignflow.rewards import exact_match
 from alignflow.forward.models import cache_dir, frozen_chunks, local_model
-from alignflow.forward.objectives import SFT, model_scores, pair_logprobs
+from alignflow.forward.objectives import SFT, pair_logprobs
 from alignflow.forward.passes import loss_sums, resolve_precision
+from alignflow.forward.scores import model_scores
 from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
 
 log = logging.getLogger("alignflow.eval")

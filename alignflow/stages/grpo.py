@@ -9,7 +9,7 @@ Each step (NeMo-RL's loop, one process group for generation and training):
    resumed run samples exactly what an uninterrupted one would);
 3. score them with the `environment` rewards (their sum weighted by each entry's `weight`, as
    TRL's `reward_weights`; `alignflow.rewards`, and `score`: the `reward_model` input's scalar
-   head on prompt + completion, `alignflow.forward.objectives.model_scores`, a frozen forward-only copy in the policy's
+   head on prompt + completion, `alignflow.forward.scores.model_scores`, a frozen forward-only copy in the policy's
    layout, as TRL's reward model in `reward_funcs` and NeMo-RL's reward-model environment; less DAPO's soft
    overlong penalty with `overlong_buffer_length`) and, with `use_dynamic_sampling`, drop the
    groups whose rewards agree and draw the next batch until the share is full (`rollout`);
@@ -67,8 +67,9 @@ from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import lora
 from alignflow.rewards import SCORE, exact_match, resolve
 from alignflow.forward.models import cache_dir, frozen_chunks, local_model
-from alignflow.forward.objectives import model_scores, sft_forward
+from alignflow.forward.objectives import sft_forward
 from alignflow.forward.passes import LossTerms, Objective
+from alignflow.forward.scores import model_scores
 from alignflow.train import engine
 from alignflow.train.data import packed_rows
 from alignflow.train.datasets import Prompts
