@@ -55,6 +55,7 @@ SPLITS = {  # file stem -> (row kind, train rows, seed offset, operators)
     "preference": ("preference", 1000, 2, "+-"),
     "prompts": ("prompts", 4000, 3, "+-"),
     "sft_domain": ("messages", 1000, 4, "-"),  # a "domain" set: subtraction only (pipeline sft_general_domain)
+    "preference_rm": ("preference", 4000, 5, "+-"),  # the reward model's pairs (pipeline sft_rm_grpo; its val: preference's)
 }
 
 MODEL_CONFIG = {

@@ -11,6 +11,8 @@ A reward function takes `(prompt, completion, answer, **kwargs)` and returns a f
 - `closeness`: partial credit for numeric answers, 1 - |x - answer| / scale (at least 0),
   for the completion's first number x: a dense signal where exact matches are rare (the
   demo's tiny model samples the exact sum about one time in five).
+`score` is not a function here: it names the grpo stage's `reward_model` input, whose scalar
+head scores prompt + completion (`alignflow.stages.grpo.model_scores`).
 Any other name is an import path `package.module:function` to a function with the same
 signature, so users plug in their own reward without touching alignflow:
     grpo.environment=[{name: my_rewards.math:boxed_answer, kwargs: {strict: true}}]
@@ -102,6 +104,8 @@ def closeness(prompt: str, completion: str, answer: str, scale: float = 10.0, **
 def format_reward(prompt: str, completion: str, answer: str, **_) -> float:
     return float(_BARE_NUMBER.fullmatch(completion) is not None)
 
+
+SCORE = "score"  # the reward model's score (grpo's `reward_model` input)
 
 REGISTRY: dict[str, RewardFn] = {"exact_match": exact_match, "closeness": closeness, "format": format_reward}
 

@@ -233,6 +233,13 @@ CASES = {
                                                  ("grpo.use_dynamic_sampling: keeps groups whose rewards differ, so it needs num_generations_per_prompt >= 2",)),
     "grpo-token-level-loss-renamed": Case(("pipeline=sft_grpo", "grpo.loss.token_level_loss=false"),
                                           ("Key 'token_level_loss' not in 'GRPOLossConfig'", "grpo.loss.token_level_loss")),
+    # a reward model as GRPO's reward
+    "grpo-score-without-reward-model": Case(("pipeline=sft_grpo", "grpo.environment=[{name: score}]"),
+                                            ("grpo.environment[0].name: score needs a reward_model input (pipeline.stages.grpo.inputs.reward_model",)),
+    "grpo-reward-model-unused": Case(("pipeline=sft_rm_grpo", "grpo.environment=[{name: exact_match}]"),
+                                     ("pipeline.stages.grpo.inputs.reward_model: no grpo.environment entry uses it; add {name: score}",)),
+    "eval-reward-model-not-a-reward-model": Case(("pipeline=sft_rm_grpo", "pipeline.stages.eval.inputs.reward_model=sft"),
+                                                 ("pipeline.stages.eval.inputs.reward_model: expects a reward_model output; 'sft' (sft) gives a model output",)),
     # time limits
     "timeout-zero": Case(("sft.timeout_min=0",), ("sft.timeout_min: must be > 0 minutes",)),
     "timeout-negative-prep": Case(("prep.timeout_min=-1",), ("prep.timeout_min: must be > 0 minutes",)),

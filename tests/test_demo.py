@@ -97,6 +97,7 @@ def test_task_data(assets):
         "preference_train.jsonl": 1000, "preference_val.jsonl": 200,
         "prompts_train.jsonl": 4000, "prompts_val.jsonl": 200,
         "sft_domain_train.jsonl": 1000, "sft_domain_val.jsonl": 102,  # the held-out problems that are subtractions
+        "preference_rm_train.jsonl": 4000, "preference_rm_val.jsonl": 200,  # the reward model's pairs (sft_rm_grpo)
     }
     for row in read_jsonl(data / "sft_domain_train.jsonl"):
         assert " - " in row["messages"][0]["content"] and solve(row["messages"][0]["content"]) == row["messages"][1]["content"]
@@ -104,7 +105,7 @@ def test_task_data(assets):
         user, reply = row["messages"]
         assert (user["role"], reply["role"]) == ("user", "assistant")
         assert solve(user["content"]) == reply["content"]
-    for row in read_jsonl(data / "preference_train.jsonl"):
+    for row in read_jsonl(data / "preference_train.jsonl") + read_jsonl(data / "preference_rm_train.jsonl"):
         assert solve(row["prompt"]) == row["chosen"] != row["rejected"]
     for row in read_jsonl(data / "prompts_val.jsonl"):
         assert solve(row["prompt"]) == row["answer"]
@@ -118,7 +119,7 @@ def test_no_kind_trains_on_a_held_out_problem(assets):
         assert len(found) == len(rows)  # no duplicates within a split
         return found
 
-    stems = ("sft", "preference", "prompts")
+    stems = ("sft", "preference", "prompts", "preference_rm")
     val = questions("sft", "val")
     assert all(questions(stem, "val") == val for stem in stems)
     assert questions("sft_domain", "val") == {q for q in val if " - " in q}

@@ -150,6 +150,15 @@ def test_the_estimate_shrinks_as_the_layout_says(base_overrides):
     assert total("sft.parallel.tensor_model_parallel_size=1", "sft.micro_batch_size=2").activations == pytest.approx(2 * base.activations)
 
 
+def test_grpo_counts_its_frozen_reward_model_as_one_more_model(base_overrides):
+    """A reward_model input adds one frozen model's weights, as the reference does (against GRPO without a KL term)."""
+    def weights(pipeline: str, *overrides: str) -> float:
+        return plan_memory([*base_overrides, "model=qwen3_8b", "launcher.gpu_memory_gib=null", *overrides], pipeline)["grpo"].footprint.weights
+
+    alone, with_reference = weights("sft_grpo", "grpo.loss.ref_policy_kl_penalty=0"), weights("sft_grpo")
+    assert with_reference > alone and weights("sft_rm_grpo") - with_reference == pytest.approx(with_reference - alone)
+
+
 # ----------------------------------------------------------------------------- measured (slow)
 
 SEQ = 512

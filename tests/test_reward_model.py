@@ -17,10 +17,11 @@ from alignflow.data.prepared import Prepared
 from alignflow.device import to_device
 from alignflow.forward.models import frozen_chunks, local_model
 from alignflow.forward.objectives import logits_forward, sequence_scores
+from alignflow.forward.scores import model_scores
 from alignflow.megatron import runtime
 from alignflow.megatron.decoder import LeanForward
-from alignflow.stages import eval as eval_stage, export, reward_model
-from alignflow.train.datasets import PreferencePairs
+from alignflow.stages import eval as eval_stage, export, grpo, reward_model
+from alignflow.train.datasets import PreferencePairs, Prompts
 from alignflow.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,9 +30,9 @@ from train_ranks import assert_hardware_use, assert_same_steps, convert_demo, me
 
 @pytest.fixture(scope="module")
 def inputs(demo_dir, tmp_path_factory):
-    """The demo's SFT and preference data and the demo Llama as converted."""
+    """The demo's SFT, preference and prompt data and the demo Llama as converted."""
     root = tmp_path_factory.mktemp("rm")
-    prep_demo(demo_dir, root / "prep", preference=True)
+    prep_demo(demo_dir, root / "prep", preference=True, prompts=True)
     return {"data": str(root / "prep"), "model": str(convert_demo(demo_dir, root / "base"))}
 
 
@@ -192,3 +193,87 @@ def test_a_pipeline_trains_and_exports_a_reward_model_in_real_jobs(base_override
     assert results["rm"].metrics["steps"] == 2 and "val_reward_accuracy" in results["rm"].metrics
     hf = AutoModelForSequenceClassification.from_pretrained(exported)
     assert hf.config.num_labels == 1 and (rm / "model" / ".metadata").exists() and not (rm / "checkpoints").exists()
+
+
+def test_grpos_score_reward_equals_hf_sequence_classification_of_prompt_and_completion(inputs, trained):
+    """GRPO's `score` reward (`model_scores`, micro batches of rows of mixed lengths, one ending in
+    pad tokens) equals HF's LlamaForSequenceClassification logit of each row alone, to 1e-5."""
+    data = Prepared(inputs["data"])
+    pairs, prompts = PreferencePairs(data, "val"), Prompts(data, "val")
+    rows = [prompts.tokens(i) + pairs.sequence("chosen", i)[0].tolist()[-n:] for i, n in enumerate((3, 5, 1, 4, 2))]
+    rows[1] = rows[1] + [data.pad_id] * 2  # HF scores its last token that is not the pad token
+    hf = AutoModelForSequenceClassification.from_pretrained(trained / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = torch.tensor([hf(input_ids=torch.tensor([row])).logits[0, 0].item() for row in rows], dtype=torch.float64)
+    runtime.init_parallel(eval_stage.SINGLE_RANK)
+    try:
+        chunks = frozen_chunks(local_model(str(trained / "rm"), Path("/tmp")), OmegaConf.create(eval_stage.SINGLE_RANK), 128, Path("/tmp"),
+                               torch.float32)
+        ours = model_scores(chunks, rows, data.pad_id, micro_batch_size=2)
+    finally:
+        runtime.teardown()
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
+    assert theirs.std() > 1e-3
+
+
+def constant(prompt: str, completion: str, answer: str, **_) -> float:
+    return 1.0
+
+
+def test_grpo_sums_a_reward_model_and_rule_rewards_by_weight_as_trl(demo_dir, inputs, trained, tmp_path):
+    """grpo with a reward_model input: step 1 (the same policy, the same seeded samples) with
+    `score` x 3 + constant 1.0 x 0.5 rewards each sample 3 x its score + 0.5, TRL's
+    `(rewards_per_func * reward_weights).nansum(dim=1)` (grpo_trainer.py, 1.16): the mean reward moves
+    from the score-only run's r to exactly 3r + 0.5."""
+    cfg = stage_cfg("grpo", demo_dir, num_prompts_per_step=4, num_generations_per_prompt=4, micro_batch_size=8, generation_batch_size=16,
+                    max_new_tokens=4, trainer={"max_steps": 1}, optim={"lr": 1e-3, "warmup_steps": 0})
+    grpo_inputs = {**inputs, "ref_model": inputs["model"], "reward_model": str(trained / "rm")}
+    means = {}
+    for name, environment in {"score": [{"name": "score"}],
+                              "mixed": [{"name": "score", "weight": 3.0}, {"name": "test_reward_model:constant", "weight": 0.5}]}.items():
+        grpo.run(typed({**cfg, "grpo": {**cfg["grpo"], "environment": environment}}), grpo_inputs, str(tmp_path / name))
+        means[name] = metrics_lines(tmp_path / name)[0]["reward_mean"]
+    assert means["score"] != 0 and means["mixed"] == pytest.approx(3 * means["score"] + 0.5, abs=1e-9), means
+
+
+def test_eval_reports_reward_model_scores_and_win_rates_against_the_first_baseline(demo_dir, inputs, trained, tmp_path):
+    """eval with a reward_model input: a model's `rm_score` is the mean of HF's
+    ...ForSequenceClassification scores of prompt + HF's greedy completion, and against a copy of
+    itself as the baseline (every prompt a tie) its `rm_win_rate` is one half."""
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "x").symlink_to(inputs["model"])
+    n, new_tokens = 6, 5
+    cfg = typed({"model": {"make_vocab_size_divisible_by": 128},
+                 "eval": {"limit_batches": 1, "num_generation_samples": n, "max_new_tokens": new_tokens, "num_examples_shown": 1,
+                          "micro_batch_size": 4}})
+    metrics = eval_stage.run(cfg, {"data": inputs["data"], "model": inputs["model"], "baselines": [str(tmp_path / "twin" / "x")],
+                                   "reward_model": str(trained / "rm")}, str(tmp_path / "out"))
+    model = eval_stage._stage_name(inputs["model"])
+    assert metrics[f"{model}.rm_win_rate"] == 0.5 and "twin.rm_win_rate" not in metrics
+    data = Prepared(inputs["data"])
+    prompts, policy = Prompts(data, "val"), AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", dtype=torch.float32).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(trained / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = [policy.generate(torch.tensor([prompts.tokens(i)]), do_sample=False, max_new_tokens=new_tokens,
+                                eos_token_id=data.tokenizer["eos_token_id"], pad_token_id=data.pad_id)[0] for i in range(n)]
+        theirs = [rm(input_ids=row[None]).logits[0, 0].item() for row in rows]
+    assert metrics[f"{model}.rm_score"] == pytest.approx(sum(theirs) / n, abs=1e-5) and metrics["twin.rm_score"] == metrics[f"{model}.rm_score"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
+def test_the_sft_rm_grpo_demo_learns_a_reward_model_that_grpo_and_eval_use(base_overrides):
+    """The demo pipeline as shipped (conf/pipeline/sft_rm_grpo.yaml): the reward model prefers the
+    chosen answer of more than 0.8 of the 200 held-out pairs, GRPO trains against it (mixed with
+    exact match) and eval scores every model with it. (That GRPO with it beats SFT's held-out
+    accuracy, issue 25's bar, does not hold yet on the demo: 0.30 against 0.34; README.)"""
+    from flows.align import align
+
+    results = align(pipeline="sft_rm_grpo", overrides=base_overrides)
+    assert list(results) == ["prep", "convert", "sft", "reward_model", "grpo", "eval", "export"]
+    rm, evaluated = results["reward_model"].metrics, results["eval"].metrics
+    print({k: rm[k] for k in ("val_reward_accuracy", "val_reward_margin")}, {k: v for k, v in evaluated.items() if "accuracy" in k or "rm_" in k})
+    assert rm["val_reward_accuracy"] > 0.8
+    assert {"grpo.rm_score", "grpo.rm_win_rate", "sft.rm_score", "convert.rm_win_rate"} <= set(evaluated)

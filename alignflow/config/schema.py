@@ -520,10 +520,13 @@ class RewardModelConfig(TrainStageBase):
 
 @dataclass
 class RewardConfig:
-    """A reward function by registry name, or any `module:function` import path."""
+    """A reward function by registry name, any `module:function` import path, or `score`: the
+    grpo stage's `reward_model` input's score of prompt + completion. A sample's reward is the
+    weighted sum over the entries (TRL's `reward_weights`)."""
 
     name: str = "exact_match"
     kwargs: Dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from omegaconf import DictConfig
 
 from alignflow.config import schema
-from alignflow.kinds.spec import CACHE, StageKind, Table, many, one
+from alignflow.kinds.spec import CACHE, StageKind, Table, many, one, optional
 from alignflow.verify import Need, OutputFormat, json_file
 
 
@@ -39,7 +39,8 @@ def table(metrics: dict) -> Table:
     return Table("models", "every metric of every model", list(models.values()))
 
 
-KIND = StageKind(schema=schema.EvalConfig, output="eval", inputs={"data": one("prep"), "model": one("model"), "baselines": many("model")},
+KIND = StageKind(schema=schema.EvalConfig, output="eval", inputs={"data": one("prep"), "model": one("model"), "baselines": many("model"),
+                                                                  "reward_model": optional("reward_model")},
                  resumable=False, output_format=OutputFormat("eval.json: metrics per model and samples (alignflow.stages.eval)", (Need("eval.json", json_file),)),
                  headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"),
                  trend=("*.accuracy", "*.preference_accuracy", "*.val_loss"), reads=("model",), context=CACHE, checks=checks, table=table)

@@ -3,12 +3,12 @@
 from omegaconf import DictConfig
 
 from alignflow.config import schema
-from alignflow.kinds.spec import TRAINING, StageKind, one
-from alignflow.rewards import resolve
+from alignflow.kinds.spec import TRAINING, StageKind, one, optional
+from alignflow.rewards import SCORE, resolve
 
 
 def checks(stage, key: str, check_paths: bool) -> list[str]:
-    return _check_grpo(key, stage.section)
+    return _check_grpo(key, stage.section) + _check_reward_model_use(stage, key)
 
 
 def _check_grpo(key: str, section: DictConfig) -> list[str]:
@@ -41,11 +41,24 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
         problems.append(f"{key}.environment: needs at least one reward function")
     for i, reward in enumerate(section.environment):
         try:
-            resolve(reward.name)
+            reward.name == SCORE or resolve(reward.name)
         except ValueError as err:
             problems.append(f"{key}.environment[{i}].name: {err}")
     return problems
 
+
+
+def _check_reward_model_use(stage, key: str) -> list[str]:
+    """grpo's `score` rewards and its `reward_model` input come together: one without the other
+    is a reward model never trained against, or a reward that cannot be computed."""
+    scores = [i for i, reward in enumerate(stage.section.environment) if reward.name == SCORE]
+    if scores and "reward_model" not in stage.inputs:
+        return [f"{key}.environment[{scores[0]}].name: {SCORE} needs a reward_model input "
+                f"(pipeline.stages.{stage.name}.inputs.reward_model: a reward_model stage)"]
+    if not scores and "reward_model" in stage.inputs:
+        return [f"pipeline.stages.{stage.name}.inputs.reward_model: no {key}.environment entry uses it; add {{name: {SCORE}}} "
+                "(with a weight to mix it with rule rewards) or drop the input"]
+    return []
 
 
 def grpo_batch_problems(section: DictConfig, dp: int, key: str = "grpo") -> list[str]:
@@ -68,10 +81,13 @@ def rows(section, data, dp: int) -> tuple[int, int]:
 
 
 def frozen_models(section, inputs, lora: int | None) -> int:
-    """The reference model for the KL penalty, unless LoRA's base is that reference (adapters off)."""
-    return int(section.loss.ref_policy_kl_penalty > 0 and not (lora and inputs.get("ref_model") == inputs.get("model")))
+    """The reference model for the KL penalty, unless LoRA's base is that reference (adapters off),
+    and the reward model a `score` reward runs."""
+    second_reference = section.loss.ref_policy_kl_penalty > 0 and not (lora and inputs.get("ref_model") == inputs.get("model"))
+    return int(second_reference) + int("reward_model" in inputs)
 
 
-KIND = StageKind(schema=schema.GRPOConfig, output="model", inputs={"data": one("prep"), "model": one("model"), "ref_model": one("model")},
+KIND = StageKind(schema=schema.GRPOConfig, output="model", inputs={"data": one("prep"), "model": one("model"), "ref_model": one("model"),
+                                                                   "reward_model": optional("reward_model")},
                  resumable=True, headline=("reward_first_tenth", "reward_last_tenth", "accuracy", "steps"), reads=("model",), context=TRAINING,
                  imports=("environment.*.name",), checks=checks, batch_problems=grpo_batch_problems, rows=rows, frozen_models=frozen_models)

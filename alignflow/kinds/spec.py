@@ -32,6 +32,10 @@ def one(output: str, *also: str) -> Role:
     return Role(output, also=also)
 
 
+def optional(output: str) -> Role:
+    return Role(output, required=False)
+
+
 def many(output: str) -> Role:
     return Role(output, required=False, many=True)
 

@@ -8,6 +8,11 @@ the converted base model and the SFT model), on prep's validation splits:
 - task accuracy: greedy generation (up to `eval.max_new_tokens`, stopping at EOS) on the
   first `eval.num_generation_samples` prompts, scored by `alignflow.rewards.exact_match`
   (math-verify); `eval.num_examples_shown` generations are kept as samples;
+- with a `reward_model` input: each model's mean reward-model score of its greedy completions
+  (`rm_score`; prompt + completion, `alignflow.forward.scores.model_scores`) and its win rate
+  against the first baseline, where there is one (`rm_win_rate`: the share of those prompts where its completion
+  scores higher than the baseline's, ties counting one half, AlpacaEval's rule; TRL 1.16 has no
+  WinRateCallback, whose older versions counted judge wins the same way without ties).
 - with `eval.sampling.k` set: `eval.sampling.n` completions sampled per prompt (its temperature,
   top_p, seed), and for each k pass@k (Chen et al.'s unbiased estimator from the c correct of
   n) and maj@k (the majority answer of the first k completions, correct or not), averaged
@@ -43,6 +48,7 @@ from alignflow.rewards import exact_match, extract_answer, gold_answer, majority
 from alignflow.forward.models import cache_dir, frozen_chunks, local_model
 from alignflow.forward.objectives import SFT, pair_logprobs
 from alignflow.forward.passes import loss_sums, resolve_precision
+from alignflow.forward.scores import model_scores
 from alignflow.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
 
 log = logging.getLogger("alignflow.eval")
@@ -54,15 +60,20 @@ def run(cfg, inputs: dict, out: str) -> dict:
     data, section = Prepared(inputs["data"]), cfg.eval
     runtime.init_parallel(section.parallel, seed=0)
     models = {_stage_name(uri): uri for uri in [inputs["model"], *inputs["baselines"]]}
-    metrics, samples = {}, {}
+    metrics, samples, completions = {}, {}, {}
     try:
         for name, uri in models.items():
             chunks, decode = load_chunks(uri, section.parallel, cfg.model.make_vocab_size_divisible_by, resolve_precision(section.precision),
                                          cache_dir(cfg))
-            results, samples[name] = evaluate(chunks, decode, data, section)
+            results, samples[name], completions[name] = evaluate(chunks, decode, data, section)
             metrics |= {f"{name}.{k}": v for k, v in results.items()}
             if dist.get_rank() == 0:
                 log.info("%s: %s", name, results)
+        if "reward_model" in inputs:
+            chunks, _ = load_chunks(inputs["reward_model"], section.parallel, cfg.model.make_vocab_size_divisible_by,
+                                    resolve_precision(section.precision), cache_dir(cfg))
+            baseline = _stage_name(inputs["baselines"][0]) if inputs["baselines"] else None
+            metrics |= reward_model_metrics(chunks, completions, baseline, data.pad_id, section.micro_batch_size)
         dist.barrier()
     finally:
         runtime.teardown()
@@ -95,20 +106,21 @@ def load_model(uri: str, divisible_by: int, cache: Path | None = None):
 
 
 @torch.no_grad()
-def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list]:
+def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list, list]:
     """The metrics of one model, the same on every rank, at any TP/PP/DP layout: the data are
-    shared among the DP ranks (the last share may be smaller) and the sums gathered."""
-    results, samples, outcomes = {}, [], {}  # outcomes: share -> how many 0/1 outcomes it is the mean of
+    shared among the DP ranks (the last share may be smaller) and the sums gathered; and this
+    rank's greedy prompt + completion token rows."""
+    results, samples, rows, outcomes = {}, [], [], {}  # outcomes: share -> how many 0/1 outcomes it is the mean of
     if val := optional(PackedSFT, data, "val"):
         results |= sft_val_loss(chunks, val, cfg.micro_batch_size, cfg.limit_batches)
     if pairs := optional(PreferencePairs, data, "val"):
         results["preference_accuracy"], outcomes["preference_accuracy"] = preference_accuracy(chunks, pairs, cfg.micro_batch_size), len(pairs)
     if prompts := optional(Prompts, data, "val"):
-        results["accuracy"], samples = task_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
+        results["accuracy"], samples, rows = task_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
         outcomes["accuracy"] = min(len(prompts), cfg.num_generation_samples)
         if cfg.sampling.k:
             results |= sampled_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
-    return results | {f"{k}_stderr": binomial_stderr(results[k], n) for k, n in outcomes.items() if n > 1}, samples
+    return results | {f"{k}_stderr": binomial_stderr(results[k], n) for k, n in outcomes.items() if n > 1}, samples, rows
 
 
 def binomial_stderr(share: float, n: int) -> float:
@@ -142,8 +154,9 @@ def preference_accuracy(chunks: list, pairs: PreferencePairs, micro_batch_size: 
     return float(wins[0] / wins[1])
 
 
-def task_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[float, list]:
-    """Greedy completions of the first num_generation_samples prompts, scored by exact match."""
+def task_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[float, list, list]:
+    """Greedy completions of the first num_generation_samples prompts, scored by exact match;
+    and this rank's rows of prompt + completion tokens."""
     share = _my_share(min(len(prompts), cfg.num_generation_samples))
     sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer["eos_token_id"], vocab_size=tokenizer["vocab_size"])
     completions = generate(chunks, [prompts.tokens(int(i)) for i in share], sampling, cfg.micro_batch_size)
@@ -153,7 +166,26 @@ def task_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) 
         mine.append({"prompt": prompts.text[i], "completion": text, "answer": prompts.answer[i],
                      "correct": exact_match(prompts.text[i], text, prompts.answer[i])})
     scored = [row for part in _gather_dp(mine) for row in part]
-    return sum(s["correct"] for s in scored) / max(len(scored), 1), scored[: cfg.num_examples_shown]
+    rows = [prompts.tokens(int(i)) + completion.tokens for i, completion in zip(share, completions)]
+    return sum(s["correct"] for s in scored) / max(len(scored), 1), scored[: cfg.num_examples_shown], rows
+
+
+def reward_model_metrics(chunks: list, rows: dict[str, list], baseline: str | None, pad_id: int, micro_batch_size: int) -> dict:
+    """Each model's mean reward-model score of its completions (`rm_score`) and, with a
+    baseline, but the baseline's, its win rate against the baseline's completions of the same
+    prompts (`rm_win_rate`, ties one half); `rows`: model -> this rank's prompt + completion rows."""
+    scores = {name: model_scores(chunks, mine, pad_id, micro_batch_size) if mine else torch.zeros(0, dtype=torch.float64)
+              for name, mine in rows.items()}
+    metrics = {}
+    for name, mine in scores.items():
+        theirs = scores[baseline] if baseline else mine
+        wins = (mine > theirs).double() + 0.5 * (mine == theirs).double()
+        sums = torch.tensor([mine.sum(), wins.sum(), len(mine)], dtype=torch.float64, device=device())
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        metrics[f"{name}.rm_score"] = float(sums[0] / sums[2])
+        if baseline not in (None, name):
+            metrics[f"{name}.rm_win_rate"] = float(sums[1] / sums[2])
+    return metrics
 
 
 def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> dict:

@@ -7,7 +7,10 @@ Each step (NeMo-RL's loop, one process group for generation and training):
    (`alignflow.generation`: KV cache, generation_temperature/top_p/top_k, max_new_tokens,
    batches of generation_batch_size, seeded by (seed, step, DP rank, batch of the step), so a
    resumed run samples exactly what an uninterrupted one would);
-3. score them with the `environment` rewards (summed; `alignflow.rewards`; less DAPO's soft
+3. score them with the `environment` rewards (their sum weighted by each entry's `weight`, as
+   TRL's `reward_weights`; `alignflow.rewards`, and `score`: the `reward_model` input's scalar
+   head on prompt + completion, `alignflow.forward.scores.model_scores`, a frozen forward-only copy in the policy's
+   layout, as TRL's reward model in `reward_funcs` and NeMo-RL's reward-model environment; less DAPO's soft
    overlong penalty with `overlong_buffer_length`) and, with `use_dynamic_sampling`, drop the
    groups whose rewards agree and draw the next batch until the share is full (`rollout`);
    turn each group's rewards into advantages (`alignflow.losses.policy.group_advantages`; with
@@ -62,10 +65,11 @@ from alignflow.device import device
 from alignflow.generation import Completion, Sampling, filter_logits, generate
 from alignflow.losses.policy import group_advantages, policy_loss
 from alignflow.megatron import lora
-from alignflow.rewards import exact_match, resolve
+from alignflow.rewards import SCORE, exact_match, resolve
 from alignflow.forward.models import cache_dir, frozen_chunks, local_model
 from alignflow.forward.objectives import sft_forward
 from alignflow.forward.passes import LossTerms, Objective
+from alignflow.forward.scores import model_scores
 from alignflow.train import engine
 from alignflow.train.data import packed_rows
 from alignflow.train.datasets import Prompts
@@ -206,13 +210,16 @@ class Environment:
     tokenizer: Any
     pad_id: int
     sampling: Sampling
-    rewards: list  # (reward function, its kwargs)
+    rewards: list  # (reward function, its kwargs, its weight) of the rule rewards
     ref_chunks: list | None  # the reference model (None without a KL term); run with its adapters disabled
+    score_weight: float = 0.0  # the summed weights of the `score` entries
+    score_chunks: list | None = None  # the reward model, for `score` entries
 
 
-def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutput, divisible_by: int, same_model: bool = False) -> Environment:
+def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutput, divisible_by: int, same_model: bool = False,
+                reward_model: ModelOutput | None = None) -> Environment:
     """What a step needs; `same_model`: the reference is the run's input model, so a LoRA run
-    refers to its own frozen base."""
+    refers to its own frozen base; `reward_model` scores the `score` entries."""
     tokenizer = AutoTokenizer.from_pretrained(run.init.tokenizer, trust_remote_code=False)
     sampling = Sampling(max_new_tokens=section.max_new_tokens, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
                         temperature=section.generation_temperature, top_p=section.generation_top_p, top_k=section.generation_top_k)
@@ -221,7 +228,10 @@ def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutpu
         ref_chunks = run.chunks
     elif kl:
         ref_chunks = frozen_chunks(ref_model, section.parallel, divisible_by, run.cache, params_dtype=run.dtype)
-    return Environment(tokenizer, prompts.pad_id, sampling, [(resolve(r.name), dict(r.kwargs or {})) for r in section.environment], ref_chunks)
+    rules = [(resolve(r.name), dict(r.kwargs or {}), r.weight) for r in section.environment if r.name != SCORE]
+    score_weight = sum(r.weight for r in section.environment if r.name == SCORE)
+    score_chunks = None if reward_model is None else frozen_chunks(reward_model, section.parallel, divisible_by, run.cache, params_dtype=run.dtype)
+    return Environment(tokenizer, prompts.pad_id, sampling, rules, ref_chunks, score_weight, score_chunks)
 
 
 def train(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> TrainResult:
@@ -265,7 +275,7 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     updates = [engine.optimizer_step(run, objective, micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length)
                for k in range(cfg.num_optimizer_steps_per_batch)]
     generated = all_reduce_dp(float(stats.response_tokens.sum()))
-    forwards = 1 + (env.ref_chunks is not None) + (cfg.num_optimizer_steps_per_batch > 1)  # generation, reference, old policy
+    forwards = 1 + (env.ref_chunks is not None) + (cfg.num_optimizer_steps_per_batch > 1) + (env.score_chunks is not None)  # generation, reference, old policy, reward model
     flops = all_reduce_dp(run.step_flops(rollouts, samples) + forwards * model_flops(ModelShape.of(run.init.hf_config),
                                                                                      rollouts.document_lengths(samples), FORWARD))
     summary_metrics = stats.global_metrics()
@@ -352,6 +362,9 @@ def generate_and_score(run: Run, prompts: Prompts, env: Environment, mine: np.nd
     answers = [prompts.answer[int(i)] for i in mine for _ in range(g)]
     # rewards, lengths and matches are host data (scored on the CPU); the loss moves the rollouts to the device
     task = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64, device="cpu")
+    if env.score_chunks is not None:
+        task += env.score_weight * model_scores(env.score_chunks, [t + c.tokens for t, c in zip(tokens, completions)], env.pad_id,
+                                                cfg.micro_batch_size)
     lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float64, device="cpu")
     penalty = 0.0 if cfg.overlong_buffer_length is None else overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer_length,
                                                                              cfg.overlong_buffer_penalty)
@@ -367,15 +380,15 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int,
 
 
 def reward(env: Environment, prompt: str, completion: str, answer: str) -> float:
-    """The summed rewards of one sample; a reward that is not a finite number stops the stage,
+    """The weighted sum of one sample's rule rewards; a reward that is not a finite number stops the stage,
     naming the function and the sample (it would poison every advantage of its group)."""
     total = 0.0
-    for fn, kwargs in env.rewards:
+    for fn, kwargs, weight in env.rewards:
         value = fn(prompt, completion, answer, **kwargs)
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise ValueError(f"grpo.environment: {fn.__module__}.{fn.__name__} returned {value!r} (not a finite number) for "
                              f"prompt {prompt!r}, completion {completion!r}, answer {answer!r}")
-        total += value
+        total += weight * value
     return total
 
 
@@ -393,9 +406,11 @@ def summary(run: Run, rollout: dict) -> dict:
 def run(cfg, inputs: dict, out: str) -> dict:
     section, data = cfg.grpo, Prepared(inputs["data"])
     prompts, ref_model = Prompts(data, "train"), local_model(inputs["ref_model"], cache_dir(cfg))
+    reward_model = local_model(inputs["reward_model"], cache_dir(cfg)) if "reward_model" in inputs else None
     with training("grpo", cfg, inputs, out, len(prompts), section.num_prompts_per_step) as run:
         if problems := grpo_batch_problems(section, run.dp_size):
             raise ValueError("; ".join(problems))
-        env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by, inputs["ref_model"] == inputs["model"])
+        env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by, inputs["ref_model"] == inputs["model"],
+                          reward_model)
         result = train(run, prompts, env, grpo_objective(section.loss, env.sampling))
     return finish(run, result)
