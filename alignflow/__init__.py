@@ -1,7 +1,7 @@
 """alignflow: multi-stage LLM alignment pipelines.
 
-Light parts (config, store, launch, the stage kinds in `alignflow.kinds`) import no torch; the worker side
-(`alignflow.stages.*`, `alignflow.data`) runs inside jobs and never imports prefect.
+Light parts (config, store, launch, the stage kinds in `alignflow.orchestrator.kinds`) import no torch; the worker side
+(`alignflow.job.stages.*`, `alignflow.job.data`) runs inside jobs and never imports prefect.
 """
 
 from pathlib import Path

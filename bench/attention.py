@@ -1,7 +1,7 @@
 """Attention of one packed micro batch, forward + backward, by each candidate kernel: time,
 its peak memory (CUDA: allocated; CPU: RSS over the step), and its error against `sdpa`.
 
-Candidates (`alignflow.megatron.attention` takes `varlen` on CUDA in bf16/fp16, else `sdpa`):
+Candidates (`alignflow.job.model.attention` takes `varlen` on CUDA in bf16/fp16, else `sdpa`):
 - `dense`: Megatron's unfused attention as main ran it for bf16 training: scores of whole
   rows [rows, heads, s, s], a block-diagonal mask, softmax in fp32;
 - `sdpa`: `packed_attention`'s SDPA kernel per group of documents (no mask);
@@ -22,7 +22,7 @@ import time
 import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
 
-from alignflow.megatron.attention import KERNELS, Documents
+from alignflow.job.model.attention import KERNELS, Documents
 
 cuda = torch.cuda.is_available()
 parser = argparse.ArgumentParser()

@@ -6,7 +6,7 @@ matrices per checkpoint key, each its own chunks), then measures in the same run
 page cache (posix_fadvise DONTNEED), as a real conversion reads a checkpoint it has not read:
 - a plain read of every shard file (64 MiB blocks, bytes discarded): the I/O ceiling (the
   same read from the page cache is printed too);
-- the convert stage (`alignflow.stages.convert.run`) in a fresh process, which reads, fuses
+- the convert stage (`alignflow.job.stages.convert.run`) in a fresh process, which reads, fuses
   and writes the torch_dist checkpoint; its peak RSS is the kernel's high-water mark (VmHWM)
   and is shown against the largest tensor and the checkpoint size, beside the RSS of a
   process that only imports the same modules.
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from alignflow import demo
-from alignflow.checkpoint.safetensors_io import TensorSpec, write_sharded
+from alignflow.orchestrator import demo
+from alignflow.job.checkpoint.safetensors_io import TensorSpec, write_sharded
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
@@ -42,7 +42,7 @@ SHAPES = {"llama": CONFIG, "mixtral": MIXTRAL}
 CHILD = """
 import json, re, sys
 from omegaconf import OmegaConf
-from alignflow.stages import convert
+from alignflow.job.stages import convert
 metrics = convert.run(OmegaConf.create(json.loads(sys.argv[2])), {}, sys.argv[3]) if sys.argv[1] == "convert" else {}
 hwm_kib = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 print(json.dumps({"peak_rss": hwm_kib * 1024, **metrics}))

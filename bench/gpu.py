@@ -19,13 +19,13 @@ Each side runs in a fresh process; each measurement runs the shape's `warmup` st
 reference pass and generation: one pass, one batch), then times `steps` steps (5; one pass, all
 batches) with the device synchronised at both ends; model build and data load are outside the
 span on both sides. Tokens are real tokens (no padding); TFLOP/s and MFU are model FLOPs
-(`alignflow.train.utilization`: Megatron-LM's formula, per document) over that span; peak
+(`alignflow.job.train.utilization`: Megatron-LM's formula, per document) over that span; peak
 memory is torch's allocated CUDA memory over the span (CPU: the process's peak RSS, VmHWM).
 The tests and the measurements each fit one 10-minute command: run them apart
 (`--skip-bench`, then `--skip-tests`).
-- ours: `alignflow.train.engine.optimizer_step` with the SFT and DPO objectives (what the sft and
-  dpo stages' loop calls each step), `alignflow.forward.objectives.pair_logprobs` in the
-  stage's own frame (`forward_only_splits`: its precision), and `alignflow.generation.generate`
+- ours: `alignflow.job.train.engine.optimizer_step` with the SFT and DPO objectives (what the sft and
+  dpo stages' loop calls each step), `alignflow.job.forward.objectives.pair_logprobs` in the
+  stage's own frame (`forward_only_splits`: its precision), and `alignflow.job.generation.generate`
   on the policy (GRPO's rollouts);
 - TRL 1.16 as its expert user runs it (settings printed): SFTTrainer with bfd packing (padding-
   free), DPOTrainer with precomputed reference log-probs (its padding-free DPO is disabled in
@@ -46,8 +46,8 @@ import time
 import traceback
 from pathlib import Path
 
-from alignflow.config.memory import GIB, Dimensions, Layout, estimate
-from alignflow.train.utilization import FORWARD, PEAK_SOURCE, TRAINING, ModelShape, figures, model_flops, peak_rss_bytes, peak_tflops
+from alignflow.orchestrator.config.memory import GIB, Dimensions, Layout, estimate
+from alignflow.job.train.utilization import FORWARD, PEAK_SOURCE, TRAINING, ModelShape, figures, model_flops, peak_rss_bytes, peak_tflops
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, vocab_size=128256, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
@@ -109,11 +109,11 @@ def prepare(work: Path, shape: dict, dry_run: bool) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from alignflow import demo
-    from alignflow.data.prepared import Prepared
-    from alignflow.stages import convert, prep
-    from alignflow.train.datasets import Prompts
-    from alignflow.worker import typed
+    from alignflow.orchestrator import demo
+    from alignflow.job.data.prepared import Prepared
+    from alignflow.job.stages import convert, prep
+    from alignflow.job.train.datasets import Prompts
+    from alignflow.job.worker import typed
 
     assets = demo.build(work / "demo")
     hf = assets / "tiny-llama"
@@ -183,14 +183,14 @@ def result(kind: str, tokens: float, flops: float, seconds: float, settings: str
 def ours(work: Path, shape: dict, precision: str) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from alignflow.data.prepared import Prepared
-    from alignflow.generation import Sampling, generate
-    from alignflow.forward.passes import forward_only_splits
-    from alignflow.stages import dpo, ref_logprobs, sft
-    from alignflow.train import engine
-    from alignflow.train.data import dp_micro_batches
-    from alignflow.train.datasets import PreferencePairs
-    from alignflow.worker import typed
+    from alignflow.job.data.prepared import Prepared
+    from alignflow.job.generation import Sampling, generate
+    from alignflow.job.forward.passes import forward_only_splits
+    from alignflow.job.stages import dpo, ref_logprobs, sft
+    from alignflow.job.train import engine
+    from alignflow.job.train.data import dp_micro_batches
+    from alignflow.job.train.datasets import PreferencePairs
+    from alignflow.job.worker import typed
 
     paths = json.loads((work / "inputs.json").read_text())
     total = shape["warmup"] + shape["steps"]
@@ -424,7 +424,7 @@ def report(shape: dict, ours_: list[dict], trl_: list[dict], dry_run: bool) -> i
         print("\nissue 22's bars" + (" (a CPU dry run: not judged)" if dry_run else "") + ": "
               + "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in bars))
     if peak_vs_estimate is not None:
-        print(f"SFT peak {mine['sft']['peak_gib']:.2f} GiB; estimated (alignflow.config.memory: Megatron's state per parameter, "
+        print(f"SFT peak {mine['sft']['peak_gib']:.2f} GiB; estimated (alignflow.orchestrator.config.memory: Megatron's state per parameter, "
               f"Korthikanti et al.'s activations for this layer) {shape['footprint'].describe()}; measured / estimated "
               f"{peak_vs_estimate:.3f}")
     return errors

@@ -7,11 +7,11 @@ on its arithmetic prompts (12 tokens each); `1m`, 0.94M parameters (4 layers, hi
 in 2 query groups) on the same questions behind a long-tailed system text (0 to 6 sentences, half
 none: 12 to 227 tokens, so a batch mixes lengths). Per step B = 8 or 64 samples (B/8 prompts x 8
 generations) generated in one batch, exactly 64 new tokens each (EOS off on our side, TRL's
-min_new_tokens), temperature 1; rewards `alignflow.rewards.exact_match`; KL 0.01 to a reference
+min_new_tokens), temperature 1; rewards `alignflow.job.rewards.exact_match`; KL 0.01 to a reference
 copy; micro batches of 8 (B/8 accumulated), one AdamW step (constant lr 1e-5, clip 1.0).
 Each side runs in a fresh process; WARMUP steps are left out, then the median of STEPS is taken
 (so a step that a burst of another process stalled does not decide).
-- step time: prompts to after the optimizer step. Ours `alignflow.stages.grpo.step` on the
+- step time: prompts to after the optimizer step. Ours `alignflow.job.stages.grpo.step` on the
   engine's run; TRL on_step_begin -> on_step_end (generation happens inside its first micro step).
 - generated tok/s: completion tokens / seconds of the generation call (ours: the step's
   generation_tokens_per_s; TRL: its `_generate_single_turn`).
@@ -45,9 +45,9 @@ def prepare(work: Path) -> None:
     from omegaconf import OmegaConf
     from safetensors.numpy import save
 
-    from alignflow import demo
-    from alignflow.config.schema import PrepConfig
-    from alignflow.stages import convert, prep
+    from alignflow.orchestrator import demo
+    from alignflow.orchestrator.config.schema import PrepConfig
+    from alignflow.job.stages import convert, prep
 
     assets, rng = demo.build(work / "demo"), np.random.default_rng(SEED)
     rows = [json.loads(line) for line in (assets / "data" / "prompts_train.jsonl").read_text().splitlines()]
@@ -76,12 +76,12 @@ def ours(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]
     """(step s, generated tokens, generation s) of each step of the grpo stage's own `step`."""
     import dataclasses
 
-    from alignflow.checkpoint import ModelOutput
-    from alignflow.data.prepared import Prepared
-    from alignflow.stages import grpo
-    from alignflow.train import engine
-    from alignflow.train.datasets import Prompts
-    from alignflow.worker import typed
+    from alignflow.job.checkpoint import ModelOutput
+    from alignflow.job.data.prepared import Prepared
+    from alignflow.job.stages import grpo
+    from alignflow.job.train import engine
+    from alignflow.job.train.datasets import Prompts
+    from alignflow.job.worker import typed
 
     cfg = typed({"grpo": {"num_prompts_per_step": batch // GENERATIONS, "num_generations_per_prompt": GENERATIONS,
                           "generation_batch_size": batch, "micro_batch_size": MICRO, "max_new_tokens": NEW_TOKENS,
@@ -113,8 +113,8 @@ def trl(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from alignflow.rewards import exact_match
-    from alignflow.train.data import DataPosition, GlobalBatches
+    from alignflow.job.rewards import exact_match
+    from alignflow.job.train.data import DataPosition, GlobalBatches
 
     # Our prep's rows in the order our trainer takes them (GlobalBatches, same seed); TRL reads them in order.
     table = pq.read_table(next((work / shape / "prep" / "prompts").glob("train-*.parquet")))

@@ -3,7 +3,7 @@
 A Llama-shaped model of 134M parameters (hidden 768, 12 layers, 12 heads, FFN 2048, vocab
 32000, untied embeddings) trains at DP=2: two local ranks (torch.multiprocessing, gloo, CPU),
 each with one micro batch of 2 x 256 tokens, through the engine's pieces (Megatron's DDP and
-optimizer as `alignflow.train.engine` builds them, Megatron's schedule) in four settings:
+optimizer as `alignflow.job.train.engine` builds them, Megatron's schedule) in four settings:
 fp32; bf16; bf16 + distributed optimizer; bf16 + distributed optimizer + full recompute.
 
 Method (CPU, so RSS): per rank, from /proc/self/status. `baseline` is the RSS after imports
@@ -66,10 +66,10 @@ def rank_main(rank: int, setting: str, results) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from omegaconf import OmegaConf
 
-    from alignflow.megatron import runtime
-    from alignflow.megatron.model import build_gpt
-    from alignflow.forward.passes import resolve_precision
-    from alignflow.train.engine import build_optimizer, ddp_config, recompute_settings, set_lr, wrap_ddp
+    from alignflow.job.model import runtime
+    from alignflow.job.model.gpt import build_gpt
+    from alignflow.job.forward.passes import resolve_precision
+    from alignflow.job.train.engine import build_optimizer, ddp_config, recompute_settings, set_lr, wrap_ddp
 
     precision, distributed, recompute, _ = SETTINGS[setting]
     cfg = OmegaConf.create({

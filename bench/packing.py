@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from alignflow.data.packing import pack_bfd, pack_first_fit_shuffle, packing_stats
+from alignflow.job.data.packing import pack_bfd, pack_first_fit_shuffle, packing_stats
 
 N, CAPACITY, SEED = 1_000_000, 4096, 0
 lengths = np.clip(np.random.default_rng(SEED).lognormal(6.0, 1.0, N), 1, CAPACITY).astype(np.int64)

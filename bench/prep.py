@@ -3,7 +3,7 @@
 N generated chats (messages format: a user and an assistant turn of lognormal length made of
 the demo's words) in one jsonl file, tokenized with the demo's tokenizer and chat template and
 packed best-fit-decreasing into rows of 2048 tokens.
-- ours: `alignflow.stages.prep.run` called directly, with 1 rank and with 2 (processes with a
+- ours: `alignflow.job.stages.prep.run` called directly, with 1 rank and with 2 (processes with a
   gloo group, as a job's ranks), writing Parquet shards; it also finds the assistant-only loss
   mask and holds out nothing.
 - TRL: `load_dataset("json")` then `SFTTrainer(...)` with `dataset_num_proc=2`,
@@ -35,7 +35,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 def write_chats(path: Path, n: int) -> None:
-    from alignflow.demo import SENTENCES
+    from alignflow.orchestrator.demo import SENTENCES
 
     rng, words = np.random.default_rng(SEED), np.array(" ".join(SENTENCES).split())
     with open(path, "w") as f:
@@ -45,12 +45,12 @@ def write_chats(path: Path, n: int) -> None:
 
 
 def ours(rank: int, world: int, data: str, demo: str, out: str) -> None:
-    """One rank of the prep stage, as `alignflow.worker` sets it up."""
+    """One rank of the prep stage, as `alignflow.job.worker` sets it up."""
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from alignflow.config.schema import DataConfig, DatasetConfig, PrepConfig
-    from alignflow.stages import prep
+    from alignflow.orchestrator.config.schema import DataConfig, DatasetConfig, PrepConfig
+    from alignflow.job.stages import prep
 
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -106,7 +106,7 @@ def measure(commands: list[list[str]]) -> dict:
 
 
 def main(n: int, work: Path) -> None:
-    from alignflow import demo
+    from alignflow.orchestrator import demo
 
     assets = str(demo.build(work / "demo"))
     print(f"{os.cpu_count()} cores; load: the load average at the start of each run (1 min); CPU s: the run's, imports included")

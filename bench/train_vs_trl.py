@@ -14,7 +14,7 @@ to step end (model build, data loading and TRL's reference precompute are outsid
 median, so that a step a burst of another process stalled does not decide); the reference
 pass: the forward loop over the training pairs, the median of REF_PASSES passes. Each
 measurement runs in a fresh process.
-- ours: `alignflow.stages.sft.run` and `dpo.run` (reading the precomputed reference log-probs)
+- ours: `alignflow.job.stages.sft.run` and `dpo.run` (reading the precomputed reference log-probs)
   as the pipeline runs them, timed from their metrics.jsonl (one record per step: the step's
   tokens and tokens/s; checkpoints and validation are outside the steps); no recompute; and the
   ref_logprobs stage's forward loop;
@@ -64,7 +64,7 @@ def longtail_files(assets: Path, work: Path, shape: dict, pairs: int) -> tuple[P
     """A seeded Llama of `shape` and long-tailed chat and preference data, made offline."""
     from safetensors.numpy import save_file
 
-    from alignflow import demo
+    from alignflow.orchestrator import demo
 
     model = work / "model-hf"
     model.mkdir(parents=True, exist_ok=True)
@@ -85,9 +85,9 @@ def longtail_files(assets: Path, work: Path, shape: dict, pairs: int) -> tuple[P
 
 def prepare(shape: str, work: Path) -> None:
     """Assets, prep (no val split: nothing but training is timed) and the converted model."""
-    from alignflow import demo
-    from alignflow.stages import convert, prep
-    from alignflow.worker import typed
+    from alignflow.orchestrator import demo
+    from alignflow.job.stages import convert, prep
+    from alignflow.job.worker import typed
 
     assets = demo.build(work.parent / "demo")
     _, _, _, _, model_shape, pairs = SHAPES[shape]
@@ -101,8 +101,8 @@ def prepare(shape: str, work: Path) -> None:
 
 
 def ours(kind: str, shape: str, work: Path) -> dict:
-    from alignflow.stages import dpo, ref_logprobs, sft
-    from alignflow.worker import typed
+    from alignflow.job.stages import dpo, ref_logprobs, sft
+    from alignflow.job.worker import typed
 
     micro, rows, _, steps = SHAPES[shape][:4]
     total = WARMUP + steps
@@ -115,10 +115,10 @@ def ours(kind: str, shape: str, work: Path) -> dict:
         sft.run(cfg, inputs, str(work / "ours-sft"))
         return after_warmup(work / "ours-sft")
     if kind == "ref":  # the stage writes the reference DPO reads; then its forward loop alone is timed, as TRL's
-        from alignflow.data.prepared import Prepared
-        from alignflow.megatron import runtime
-        from alignflow.stages.eval import SINGLE_RANK, load_model
-        from alignflow.train.datasets import PreferencePairs
+        from alignflow.job.data.prepared import Prepared
+        from alignflow.job.model import runtime
+        from alignflow.job.stages.eval import SINGLE_RANK, load_model
+        from alignflow.job.train.datasets import PreferencePairs
 
         ref_logprobs.run(cfg, inputs, str(work / "ours-ref"))
         runtime.init_parallel(SINGLE_RANK)

@@ -1,12 +1,12 @@
 """The `align` flow: compose the config, then run the pipeline's stages as Prefect tasks.
 
 The flow reads like the pipeline: one task per stage instance, in run order
-(`alignflow.pipeline`), each waiting on the upstream stages it is wired to. Nothing
+(`alignflow.orchestrator.pipeline`), each waiting on the upstream stages it is wired to. Nothing
 is submitted until the whole config has validated. Stopping the flow run (SIGTERM from the
 Prefect worker, Ctrl-C, SIGHUP) cancels the stages' jobs too, and the process exits within
 seconds; a flow process that dies (SIGKILL) leaves them running, for a rerun to adopt. The UI
 is best effort (`tasks.dashboard`). With `gate.thresholds` set, the run ends by comparing its
-metrics with a baseline run's (`alignflow.gate`): a regression ends it Failed, named Regressed.
+metrics with a baseline run's (`alignflow.orchestrator.gate`): a regression ends it Failed, named Regressed.
 """
 
 import time
@@ -19,14 +19,14 @@ from prefect.futures import PrefectFuture
 from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled, Completed, Failed, State
 
-from alignflow import gate, runs
-from alignflow.config.compose import build
-from alignflow.launch import cancel_jobs_on_interrupt, cpu_warning
-from alignflow.orphans import reap_on_exit
-from alignflow.pipeline import Pipeline
-from alignflow.report import pipeline_report, trend_markdown
-from alignflow.runner import StageResult
-from alignflow.store import options_for, store_of
+from alignflow.orchestrator import gate, runs
+from alignflow.orchestrator.config.compose import build
+from alignflow.orchestrator.launch import cancel_jobs_on_interrupt, cpu_warning
+from alignflow.orchestrator.orphans import reap_on_exit
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.report import pipeline_report, trend_markdown
+from alignflow.orchestrator.runner import StageResult
+from alignflow.orchestrator.store import options_for, store_of
 from tasks import dashboard
 from tasks.stage import Wiring, format_value, task_for
 

@@ -38,14 +38,14 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from alignflow import __version__  # noqa: E402
-from alignflow.config.compose import ConfigError, build, compose  # noqa: E402
-from alignflow.config.slices import masked  # noqa: E402
-from alignflow.config.validate import memory_estimates  # noqa: E402
-from alignflow.gate import REGRESSED  # noqa: E402
-from alignflow.gc import CATEGORIES, reclaim, survey  # noqa: E402
-from alignflow.pipeline import Pipeline  # noqa: E402
-from alignflow.runner import plan  # noqa: E402
-from alignflow.store import store_of  # noqa: E402
+from alignflow.orchestrator.config.compose import ConfigError, build, compose  # noqa: E402
+from alignflow.orchestrator.config.slices import masked  # noqa: E402
+from alignflow.orchestrator.config.validate import memory_estimates  # noqa: E402
+from alignflow.orchestrator.gate import REGRESSED  # noqa: E402
+from alignflow.orchestrator.gc import CATEGORIES, reclaim, survey  # noqa: E402
+from alignflow.orchestrator.pipeline import Pipeline  # noqa: E402
+from alignflow.orchestrator.runner import plan  # noqa: E402
+from alignflow.orchestrator.store import store_of  # noqa: E402
 
 console = Console(soft_wrap=True)
 _STATUS_STYLE = {"committed": "green", "run": "yellow", "forced": "magenta"}
@@ -58,7 +58,7 @@ def _split(overrides: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from alignflow.demo import build
+    from alignflow.orchestrator.demo import build
 
     cfg = compose(None, args.overrides, check_paths=False)
     dest = build(cfg.paths.demo)
@@ -119,10 +119,10 @@ def _together(*errors: ConfigError) -> str:
 
 
 def _print_memory(memory: dict, limit_gib: float | None) -> None:
-    """Each training stage's estimated per-rank memory (`alignflow.config.memory`) in GiB."""
+    """Each training stage's estimated per-rank memory (`alignflow.orchestrator.config.memory`) in GiB."""
     if not memory:
         return
-    table = Table(title=f"estimated memory per rank in GiB (alignflow/config/memory.py), launcher.gpu_memory_gib: {limit_gib}",
+    table = Table(title=f"estimated memory per rank in GiB (alignflow/orchestrator/config/memory.py), launcher.gpu_memory_gib: {limit_gib}",
                   title_justify="left")
     for column in ("stage", "layout", "weights", "gradients", "optimizer", "activations", "total", "shape from"):
         table.add_column(column, overflow="fold", justify="left" if column in ("stage", "layout", "shape from") else "right")
@@ -194,7 +194,7 @@ def _finished_without_api(stages: Pipeline, err: Exception) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from alignflow import runs
+    from alignflow.orchestrator import runs
 
     _, overrides = _split(args.overrides)
     store = store_of(compose(None, overrides, check_paths=False))  # store.root and its options, as the runs had them

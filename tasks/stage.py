@@ -18,14 +18,14 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Completed, State
 
-from alignflow.kinds import STAGES
-from alignflow.launch import InfrastructureError, JobCancelled, JobError
-from alignflow.pipeline import Stage
-from alignflow.report import REPORT, curves_markdown, read_metrics
-from alignflow.runner import StageResult, run_stage
-from alignflow.store import options_for
-from alignflow.train.utilization import HARDWARE_METRICS
-from alignflow.worker import job_record
+from alignflow.orchestrator.kinds import STAGES
+from alignflow.orchestrator.launch import InfrastructureError, JobCancelled, JobError
+from alignflow.orchestrator.pipeline import Stage
+from alignflow.orchestrator.report import REPORT, curves_markdown, read_metrics
+from alignflow.orchestrator.runner import StageResult, run_stage
+from alignflow.orchestrator.store import options_for
+from alignflow.job.train.utilization import HARDWARE_METRICS
+from alignflow.job.worker import job_record
 from tasks import dashboard
 
 HEADLINE_METRICS = 5
@@ -85,7 +85,7 @@ class JobLogWatcher:
     """A stage's job as the flow log and the UI show it while it runs.
 
     The runner's lines (submission, job states, commit) and the job's own alignflow records
-    (`alignflow.worker.job_record`) at INFO and above, at their level, reach the flow log;
+    (`alignflow.job.worker.job_record`) at INFO and above, at their level, reach the flow log;
     DEBUG records (where files go), submitit's lines, library warnings and prints stay in the
     job log (its path is on the submission line and in the stage's artifact). A record's
     event moves the stage's progress bar: a training step (`step`, `total`, `loss`: the

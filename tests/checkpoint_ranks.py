@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node N tests/checkpoint_ranks.py resave CKPT DEST --tp T --pp P [--ep E]
 
 `logits` builds the Megatron model at the layout, loads the torch_dist checkpoint CKPT
-(an `alignflow.checkpoint` directory), and on the last stage saves full-vocab logits of
+(an `alignflow.job.checkpoint` directory), and on the last stage saves full-vocab logits of
 fixed tokens and their max error against the HF model in HF_DIR. `resave` loads CKPT and
 saves it again with Megatron-Core's own writer at that layout (a TP- or PP-sharded checkpoint).
 """
@@ -19,9 +19,9 @@ import torch
 from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR
-from alignflow.megatron import checkpoint, runtime
-from alignflow.megatron.model import build_gpt
+from alignflow.job.checkpoint import HF_DIR, MODEL_DIR
+from alignflow.job.model import checkpoint, runtime
+from alignflow.job.model.gpt import build_gpt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from megatron_ranks import megatron_logits, parallel_cfg, tokens  # noqa: E402

@@ -57,7 +57,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
-    from alignflow.demo import build
+    from alignflow.orchestrator.demo import build
 
     return build(tmp_path_factory.mktemp("demo"))
 
@@ -132,7 +132,7 @@ def one_rank():
     """A single-rank Megatron runtime (env, gloo, groups, seeds) for the module; its parallel config."""
     from megatron_ranks import parallel_cfg
 
-    from alignflow.megatron import runtime
+    from alignflow.job.model import runtime
 
     import torch
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from alignflow import generation
-from alignflow.generation import Sampling, generate
-from alignflow.megatron import runtime
+from alignflow.job import generation
+from alignflow.job.generation import Sampling, generate
+from alignflow.job.model import runtime
 from megatron_ranks import converted_chunks, parallel_cfg, saved_state, tiny_hf_model, tokens
 
 TOLERANCE = 1e-6

@@ -24,10 +24,10 @@ from transformers import (
 )
 
 from reference_convert import hf_to_megatron
-from alignflow.device import device
-from alignflow.generation import Sampling, generate
-from alignflow.megatron import runtime
-from alignflow.megatron.model import build_gpt, load_megatron_state, token_nll
+from alignflow.job.device import device
+from alignflow.job.generation import Sampling, generate
+from alignflow.job.model import runtime
+from alignflow.job.model.gpt import build_gpt, load_megatron_state, token_nll
 
 TOLERANCE = 1e-5  # fp32, max abs over all logits
 TINY = dict(

@@ -9,8 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from alignflow.config.schema import GRPOLossConfig
-from alignflow.losses.policy import policy_loss
+from alignflow.orchestrator.config.schema import GRPOLossConfig
+from alignflow.job.losses.policy import policy_loss
 from test_policy_loss import random_batch, trl_loss
 
 

@@ -1,10 +1,10 @@
 """The in-memory HF <-> Megatron converter, as a reference for the tests: TP slicing by
 parameter (`TP_SPLIT`), pipeline placement by Megatron-Core's own rule, and whole-state
 conversions (`hf_to_megatron`, `megatron_to_hf`). The stages convert by streaming
-(`alignflow.convert.streaming`) into global torch_dist tensors and never slice by rank.
+(`alignflow.job.convert.streaming`) into global torch_dist tensors and never slice by rank.
 
 Tensor parallel (`TP_SPLIT`, by parameter name within a layer):
-- column (dim 0): qkv weight and bias (whole query groups, see `alignflow.convert.layout`), and
+- column (dim 0): qkv weight and bias (whole query groups, see `alignflow.job.convert.layout`), and
   the vocab-parallel embedding and output layer (rows of the padded vocab);
 - row (dim 1): attention output projection, fc2 (their biases are added after the reduction: replicated);
 - gated (dim 0 of gate and of up separately): fc1 and its bias, so each rank computes silu(gate_r) * up_r;
@@ -20,9 +20,9 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from alignflow.convert.layout import fuse
-from alignflow.convert.families import TIED_OUTPUT_COPY, ModelShape, Param, Slot, model_shape, params_for
-from alignflow.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, VOCAB_PARAMS, padded_vocab_size, param_to_hf, stage_ends
+from alignflow.job.convert.layout import fuse
+from alignflow.job.convert.families import TIED_OUTPUT_COPY, ModelShape, Param, Slot, model_shape, params_for
+from alignflow.job.convert.sharding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, VOCAB_PARAMS, padded_vocab_size, param_to_hf, stage_ends
 
 COLUMN, ROW, GATED = "column", "row", "gated"
 SPLIT_DIM = {COLUMN: 0, ROW: 1, GATED: 0}

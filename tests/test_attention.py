@@ -1,4 +1,4 @@
-"""Packed attention (`alignflow.megatron.attention`), against independent references:
+"""Packed attention (`alignflow.job.model.attention`), against independent references:
 - a micro batch of packed rows gives HF's logits (eager attention) on each document alone,
   through Megatron's forward and the lean forward, for Llama and Mistral's sliding window;
 - a forward-only pass (eval mode, no gradients: reference log-probs, GRPO's old policy)
@@ -18,11 +18,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from alignflow.megatron.attention import Documents, kernel, packed_attention
-from alignflow.megatron.decoder import LeanForward
-from alignflow.megatron.model import build_gpt, document_params, load_megatron_state, token_nll
-from alignflow.forward.objectives import sft_forward
-from alignflow.train.data import packed_rows
+from alignflow.job.model.attention import Documents, kernel, packed_attention
+from alignflow.job.model.decoder import LeanForward
+from alignflow.job.model.gpt import build_gpt, document_params, load_megatron_state, token_nll
+from alignflow.job.forward.objectives import sft_forward
+from alignflow.job.train.data import packed_rows
 
 # Two rows of 320: a document over 128 tokens (a call of its own), short ones of mixed
 # lengths (gathered by rounded length), two equal long ones (one call), then padding.

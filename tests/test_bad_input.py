@@ -18,10 +18,10 @@ from typing import Callable
 
 import pytest
 
-from alignflow.config.compose import ConfigError, compose
-from alignflow.launch import StageFailed
-from alignflow.pipeline import Pipeline
-from alignflow.runner import run_stage
+from alignflow.orchestrator.config.compose import ConfigError, compose
+from alignflow.orchestrator.launch import StageFailed
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import run_stage
 from flows.cli import main
 
 

@@ -8,9 +8,9 @@ import pytest
 from omegaconf.errors import ReadonlyConfigError
 from omegaconf import OmegaConf
 
-from alignflow.config.compose import ConfigError, compose
-from alignflow.config.slices import MASK, for_job, identity, masked
-from alignflow.kinds import STAGES
+from alignflow.orchestrator.config.compose import ConfigError, compose
+from alignflow.orchestrator.config.slices import MASK, for_job, identity, masked
+from alignflow.orchestrator.kinds import STAGES
 from flows.cli import main
 
 

@@ -13,14 +13,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from alignflow import PROJECT_ROOT
-from alignflow.checkpoint import HF_DIR, MODEL_DIR
-from alignflow.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry, save_lazy
-from alignflow.config.compose import ConfigError, build, compose
-from alignflow.convert import streaming
-from alignflow.fingerprint import fingerprint
-from alignflow.pipeline import Pipeline
-from alignflow.runner import run_stage, stage_identity
-from alignflow.stages import convert, export
+from alignflow.job.checkpoint import HF_DIR, MODEL_DIR
+from alignflow.job.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry, save_lazy
+from alignflow.orchestrator.config.compose import ConfigError, build, compose
+from alignflow.job.convert import streaming
+from alignflow.orchestrator.fingerprint import fingerprint
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import run_stage, stage_identity
+from alignflow.job.stages import convert, export
 
 sys.path.insert(0, str(Path(__file__).parent))
 from megatron_ranks import tiny_hf_model  # noqa: E402

@@ -10,8 +10,8 @@ import torch
 from megatron_ranks import saved_state, tiny_hf_model
 from transformers import Gemma2Config, Gemma3TextConfig
 
-from alignflow.convert.layout import merge_fc1, merge_hf_qkv, merge_qkv, split_fc1, split_hf_qkv, split_qkv
-from alignflow.convert.families import model_shape
+from alignflow.job.convert.layout import merge_fc1, merge_hf_qkv, merge_qkv, split_fc1, split_hf_qkv, split_qkv
+from alignflow.job.convert.families import model_shape
 from reference_convert import (
     hf_to_megatron, megatron_to_hf, padded_vocab_size, shard, stage_layers, stage_params, unshard,
 )

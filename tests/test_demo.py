@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from alignflow import demo
+from alignflow.orchestrator import demo
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_build_is_deterministic(assets, tmp_path):
 
 
 def test_build_in_a_fresh_process_gives_the_same_bytes(assets, tmp_path):
-    code = f"from alignflow import demo; import sys; demo.build({str(tmp_path)!r}); print(sorted(sys.modules))"
+    code = f"from alignflow.orchestrator import demo; import sys; demo.build({str(tmp_path)!r}); print(sorted(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert "'torch'" not in out and "'transformers'" not in out, "demo must stay orchestrator-side"
     for rel, path in files(assets).items():

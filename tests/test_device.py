@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from alignflow import PROJECT_ROOT, device
-from alignflow.data.prepared import Prepared
-from alignflow.generation import EOS_CHECK_EVERY_DEFAULT, Sampling, generate
-from alignflow.megatron import runtime
-from alignflow.stages import distillation, dpo, eval as eval_stage, grpo, prep, ref_logprobs, sft, teacher_logprobs
-from alignflow.forward.passes import LossTerms, Objective
-from alignflow.train.engine import training
-from alignflow.train.loop import supervised
-from alignflow.worker import typed
+from alignflow.job.data.prepared import Prepared
+from alignflow.job.generation import EOS_CHECK_EVERY_DEFAULT, Sampling, generate
+from alignflow.job.model import runtime
+from alignflow.job.stages import distillation, dpo, eval as eval_stage, grpo, prep, ref_logprobs, sft, teacher_logprobs
+from alignflow.job.forward.passes import LossTerms, Objective
+from alignflow.job.train.engine import training
+from alignflow.job.train.loop import supervised
+from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 import accelerator  # noqa: E402
@@ -148,7 +148,7 @@ FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", 
 
 def test_every_tensor_factory_in_alignflow_says_where():
     """Where the step tests do not reach: every factory call names its device, the rank's
-    (`alignflow.device.device()`, an input's) or "cpu" for host data on purpose."""
+    (`alignflow.job.device.device()`, an input's) or "cpu" for host data on purpose."""
     silent = []
     for path in sorted((PROJECT_ROOT / "alignflow").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -14,16 +14,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from alignflow.config.compose import ConfigError, compose
-from alignflow.config.schema import DistillationLossConfig
-from alignflow.data import teacher_topk
-from alignflow.data.prepared import Prepared
-from alignflow.losses.distillation import topk_kl
-from alignflow.megatron import runtime
-from alignflow.megatron.vocab_parallel import logprobs_at, topk_logprobs
-from alignflow.stages import convert, distillation, eval as eval_stage, sft, teacher_logprobs
-from alignflow.train.datasets import DistillRows, PackedSFT
-from alignflow.worker import typed
+from alignflow.orchestrator.config.compose import ConfigError, compose
+from alignflow.orchestrator.config.schema import DistillationLossConfig
+from alignflow.job.data import teacher_topk
+from alignflow.job.data.prepared import Prepared
+from alignflow.job.losses.distillation import topk_kl
+from alignflow.job.model import runtime
+from alignflow.job.model.vocab_parallel import logprobs_at, topk_logprobs
+from alignflow.job.stages import convert, distillation, eval as eval_stage, sft, teacher_logprobs
+from alignflow.job.train.datasets import DistillRows, PackedSFT
+from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import assert_hardware_use, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402

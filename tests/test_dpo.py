@@ -10,15 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from alignflow.config.schema import DPOLossConfig
-from alignflow.data.packing import pack_bfd
-from alignflow.device import to_device
-from alignflow.forward.objectives import sft_forward
-from alignflow.megatron import runtime
-from alignflow.stages import dpo, eval as eval_stage, prep, ref_logprobs, sft
-from alignflow.data.prepared import Prepared
-from alignflow.train.datasets import PreferencePairs, sequence_sums
-from alignflow.worker import typed
+from alignflow.orchestrator.config.schema import DPOLossConfig
+from alignflow.job.data.packing import pack_bfd
+from alignflow.job.device import to_device
+from alignflow.job.forward.objectives import sft_forward
+from alignflow.job.model import runtime
+from alignflow.job.stages import dpo, eval as eval_stage, prep, ref_logprobs, sft
+from alignflow.job.data.prepared import Prepared
+from alignflow.job.train.datasets import PreferencePairs, sequence_sums
+from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import assert_same_steps, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402

@@ -7,9 +7,9 @@ import os
 import fsspec
 import pytest
 
-from alignflow.config.destinations import MARKER
-from alignflow.stages.export import publish
-from alignflow.train.metrics import MetricsLog
+from alignflow.orchestrator.config.destinations import MARKER
+from alignflow.job.stages.export import publish
+from alignflow.job.train.metrics import MetricsLog
 
 
 def test_a_resume_survives_a_torn_last_metrics_line(tmp_path):

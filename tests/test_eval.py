@@ -12,13 +12,13 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from alignflow.data.prepared import Prepared
-from alignflow.generation import Sampling, generate
-from alignflow.megatron import runtime
-from alignflow.rewards import extract_answer, gold_answer
-from alignflow.stages import convert, eval as eval_stage, prep, sft
-from alignflow.train.datasets import PreferencePairs
-from alignflow.worker import typed
+from alignflow.job.data.prepared import Prepared
+from alignflow.job.generation import Sampling, generate
+from alignflow.job.model import runtime
+from alignflow.job.rewards import extract_answer, gold_answer
+from alignflow.job.stages import convert, eval as eval_stage, prep, sft
+from alignflow.job.train.datasets import PreferencePairs
+from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import assert_hardware_use, convert_demo, prep_demo, sft_cfg  # noqa: E402
@@ -103,9 +103,9 @@ def test_sampled_pass_at_k_rises_in_k_and_greedy_accuracy_stays(outputs, tuned, 
 def test_forward_only_models_are_built_in_their_stages_precision(outputs, precision):
     """ref_logprobs and teacher_logprobs (`forward_only_splits`) build the frozen model in the
     stage's `precision` (they ran fp32 whatever it said); auto is fp32 without a GPU."""
-    from alignflow.data.prepared import Prepared
-    from alignflow.train.datasets import PreferencePairs
-    from alignflow.forward.passes import forward_only_splits
+    from alignflow.job.data.prepared import Prepared
+    from alignflow.job.train.datasets import PreferencePairs
+    from alignflow.job.forward.passes import forward_only_splits
 
     cfg, root = outputs
     section = OmegaConf.merge(cfg.ref_logprobs, {"precision": precision, "parallel": eval_stage.SINGLE_RANK})
@@ -135,9 +135,9 @@ def test_ref_logprobs_equal_hf_log_probs_of_each_response(outputs, demo_dir, tmp
     each response run alone, on the same weights."""
     import pyarrow.parquet as pq
 
-    from alignflow.data.prepared import Prepared
-    from alignflow.stages import ref_logprobs
-    from alignflow.train.datasets import PreferencePairs
+    from alignflow.job.data.prepared import Prepared
+    from alignflow.job.stages import ref_logprobs
+    from alignflow.job.train.datasets import PreferencePairs
 
     cfg, root = outputs
     cfg = OmegaConf.merge(cfg, {"ref_logprobs": {"micro_batch_size": 7, "parallel": eval_stage.SINGLE_RANK, "precision": "fp32"}})  # HF's fp32; 200 pairs: an uneven last micro batch
@@ -172,7 +172,7 @@ def val_logprobs(out) -> dict[str, list]:
 def test_eval_and_ref_logprobs_on_two_ranks_equal_one_rank(outputs, tmp_path, tp, pp):
     """200 val pairs and 24 prompts in micro batches of 7: every layout has an uneven last micro
     batch (and DP2 uneven shares); the metrics and per-pair log-probs equal one rank's."""
-    from alignflow.stages import ref_logprobs
+    from alignflow.job.stages import ref_logprobs
     from train_ranks import torchrun
 
     cfg, root = outputs

@@ -9,11 +9,11 @@ import os
 import fsspec
 import pytest
 
-from alignflow.config.compose import ConfigError, build, compose
-from alignflow.config.destinations import MARKER, DestinationError
-from alignflow.launch import StageFailed
-from alignflow.runner import run_stage
-from alignflow.stages.export import publish
+from alignflow.orchestrator.config.compose import ConfigError, build, compose
+from alignflow.orchestrator.config.destinations import MARKER, DestinationError
+from alignflow.orchestrator.launch import StageFailed
+from alignflow.orchestrator.runner import run_stage
+from alignflow.job.stages.export import publish
 from flows.cli import main
 
 ORIGIN = {"instance": "export", "fingerprint": "f00d", "model": "/store/sft/beef"}
@@ -125,7 +125,7 @@ def test_a_file_as_destination_is_refused(tmp_path):
 @pytest.fixture
 def s3(s3_endpoint):
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
-    fsspec.config.conf["s3"] = options  # what the job's fsspec defaults are (alignflow.worker)
+    fsspec.config.conf["s3"] = options  # what the job's fsspec defaults are (alignflow.job.worker)
     yield fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **options)
     fsspec.config.conf.pop("s3")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignflow.stages import sft
-from alignflow.worker import typed
+from alignflow.job.stages import sft
+from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_case, prep_demo, stage_cfg  # noqa: E402
@@ -39,7 +39,7 @@ def test_lora_exports_as_a_peft_adapter(demo_dir, data, tmp_path, case):
     from test_convert import stage_cfg as export_cfg
     from test_lora import _hf_logits, _our_logits
 
-    from alignflow.stages import export
+    from alignflow.job.stages import export
 
     inputs = {"data": data, "model": str(convert_case(demo_dir, tmp_path / "model", case))}
     targets, peft_targets, stacked = PEFT_CASES[case]

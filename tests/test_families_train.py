@@ -11,9 +11,9 @@ import pytest
 
 from transformers import Gemma2Config, Gemma3TextConfig
 
-from alignflow.stages import dpo, prep, ref_logprobs, sft
-from alignflow.stages import eval as eval_stage
-from alignflow.worker import typed
+from alignflow.job.stages import dpo, prep, ref_logprobs, sft
+from alignflow.job.stages import eval as eval_stage
+from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import assert_same_steps, convert_case, convert_demo, stage_cfg, torchrun  # noqa: E402

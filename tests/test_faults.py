@@ -28,9 +28,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from alignflow.config.compose import compose
-from alignflow.pipeline import Pipeline
-from alignflow.runner import plan, run_stage
+from alignflow.orchestrator.config.compose import compose
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import plan, run_stage
 
 REPO = Path(__file__).resolve().parents[1]
 ALIGN = [sys.executable, "-m", "flows.cli", "run"]
@@ -77,7 +77,7 @@ def reference(upstream, demo_dir, tmp_path_factory) -> dict:
 
 def weights(output: Path) -> dict:
     """Every tensor of a model output's torch_dist `model/`."""
-    from alignflow.checkpoint.dist_io import DistCheckpointReader
+    from alignflow.job.checkpoint.dist_io import DistCheckpointReader
 
     reader = DistCheckpointReader(str(output / "model"))
     return {key: reader.read(key) for key in reader.keys()}
@@ -353,7 +353,7 @@ def test_a_store_that_fails_for_a_while_does_not_lose_the_lease(s3_endpoint, tmp
     sound connection never takes it over."""
     import fsspec
 
-    from alignflow.lease import Lease
+    from alignflow.orchestrator.lease import Lease
 
     host, port = s3_endpoint.removeprefix("http://").split(":")
     link = Link((host, int(port)))
@@ -382,8 +382,8 @@ def test_a_store_that_fails_for_a_while_does_not_lose_the_lease(s3_endpoint, tmp
 
 RUN_HELD = """
 import json, sys
-from alignflow.config.compose import build
-from alignflow.runner import run_stage
+from alignflow.orchestrator.config.compose import build
+from alignflow.orchestrator.runner import run_stage
 run_stage(build("demo", sys.argv[1:])["prep"], {}, log=lambda line: print(line, flush=True))
 """
 
@@ -407,7 +407,7 @@ def test_a_queued_job_of_a_dead_run_is_cancelled_and_touches_nothing(slurm_clust
     sentinel.write_text("a file the queued job must not delete")
 
     # A run that takes the lease over without cancelling the job (as if it could not), then the job is released.
-    from alignflow.store import Store
+    from alignflow.orchestrator.store import Store
 
     store = Store(str(tmp_path / "store"), {})
     with store.lease("prep", staging.name, ttl_s=4.0, poll_s=0.2, log=lambda _: None) as lease:
@@ -490,7 +490,7 @@ def test_an_s3_store_without_conditional_writes_is_refused_at_compose(s3_endpoin
     those headers it is refused, naming the key and what failed, and nothing is left behind."""
     import fsspec
 
-    from alignflow.config.compose import ConfigError
+    from alignflow.orchestrator.config.compose import ConfigError
 
     host, port = s3_endpoint.removeprefix("http://").split(":")
     forgetful = Forgetful((host, int(port)))

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from alignflow import PROJECT_ROOT
-from alignflow.config.compose import ConfigError, build, compose
-from alignflow.fingerprint import canonical_json, code_identity, differences, fingerprint, source_identity
-from alignflow.pipeline import Pipeline
-from alignflow.runner import plan, stage_identity
+from alignflow.orchestrator.config.compose import ConfigError, build, compose
+from alignflow.orchestrator.fingerprint import canonical_json, code_identity, differences, fingerprint, source_identity
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import plan, stage_identity
 
 
 def fp(overrides, stage="prep", upstream=None):
@@ -168,22 +168,22 @@ def write_module(root, name: str, text: str):
 
 
 def test_code_identity_follows_formulas_not_docstrings_or_comments(tmp_path):
-    write_module(tmp_path, "alignflow.stages.toy", '"""A toy stage."""\nfrom alignflow.losses.toy import loss\nfrom alignflow.store import MANIFEST\n\n'
+    write_module(tmp_path, "alignflow.job.stages.toy", '"""A toy stage."""\nfrom alignflow.job.losses.toy import loss\nfrom alignflow.orchestrator.store import MANIFEST\n\n'
                                                    'def run(cfg, inputs, out):\n    return loss(2.0)\n')
-    write_module(tmp_path, "alignflow.losses.toy", '"""The loss."""\n\ndef loss(x):\n    """Doubles."""\n    return 2 * x  # twice\n')
-    write_module(tmp_path, "alignflow.store", "MANIFEST = '_SUCCESS.json'\nimport alignflow.lease\n")
-    write_module(tmp_path, "alignflow.lease", "")
-    before = code_identity("alignflow.stages.toy", root=tmp_path)
-    assert set(before) == {"alignflow/stages/toy.py", "alignflow/losses/toy.py", "alignflow/losses/__init__.py"}  # not the store's
+    write_module(tmp_path, "alignflow.job.losses.toy", '"""The loss."""\n\ndef loss(x):\n    """Doubles."""\n    return 2 * x  # twice\n')
+    write_module(tmp_path, "alignflow.orchestrator.store", "MANIFEST = '_SUCCESS.json'\nimport alignflow.orchestrator.lease\n")
+    write_module(tmp_path, "alignflow.orchestrator.lease", "")
+    before = code_identity("alignflow.job.stages.toy", root=tmp_path)
+    assert set(before) == {"alignflow/job/stages/toy.py", "alignflow/job/losses/toy.py", "alignflow/job/losses/__init__.py"}  # not the store's
 
-    loss_file = tmp_path / "alignflow" / "losses" / "toy.py"
+    loss_file = tmp_path / "alignflow" / "job" / "losses" / "toy.py"
     loss_file.write_text('"""The loss, reworded."""\n\n# a new comment\ndef loss(x):\n    """Doubles its input."""\n    return 2 * x  # twice, said again\n')
-    assert code_identity("alignflow.stages.toy", root=tmp_path) == before
+    assert code_identity("alignflow.job.stages.toy", root=tmp_path) == before
 
     loss_file.write_text('"""The loss."""\n\ndef loss(x):\n    """Doubles."""\n    return 3 * x\n')
-    after = code_identity("alignflow.stages.toy", root=tmp_path)
-    assert [path for path in before if after[path] != before[path]] == ["alignflow/losses/toy.py"]
-    assert differences({"code": after}, {"code": before}) == ["code alignflow/losses/toy.py: changed"]
+    after = code_identity("alignflow.job.stages.toy", root=tmp_path)
+    assert [path for path in before if after[path] != before[path]] == ["alignflow/job/losses/toy.py"]
+    assert differences({"code": after}, {"code": before}) == ["code alignflow/job/losses/toy.py: changed"]
 
 
 def test_package_versions_are_part_of_identity(base_overrides):
@@ -272,24 +272,24 @@ def test_user_code_named_by_import_path_is_code_identity(tmp_path, monkeypatch):
     for name in ("my_rewards", "reward_helpers"):  # another test's modules of these names, imported from elsewhere
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path / "a"))
-    base = code_identity("alignflow.stages.grpo")
-    with_user = code_identity("alignflow.stages.grpo", ["my_rewards:boxed"])
+    base = code_identity("alignflow.job.stages.grpo")
+    with_user = code_identity("alignflow.job.stages.grpo", ["my_rewards:boxed"])
     assert set(with_user) - set(base) == {"my_rewards.py", "reward_helpers.py"}
-    assert code_identity("alignflow.stages.grpo", ["json:dumps", "numpy.linalg:norm"]) == base  # stdlib, site-packages
+    assert code_identity("alignflow.job.stages.grpo", ["json:dumps", "numpy.linalg:norm"]) == base  # stdlib, site-packages
 
     (tmp_path / "a" / "reward_helpers.py").write_text('"""Reworded."""\n' + HELPERS.replace("import re", "import re  # regexes"))
-    assert code_identity("alignflow.stages.grpo", ["my_rewards:boxed"]) == with_user
+    assert code_identity("alignflow.job.stages.grpo", ["my_rewards:boxed"]) == with_user
     (tmp_path / "a" / "reward_helpers.py").write_text(HELPERS.replace("-?", ""))
-    edited = code_identity("alignflow.stages.grpo", ["my_rewards:boxed"])
+    edited = code_identity("alignflow.job.stages.grpo", ["my_rewards:boxed"])
     assert differences({"code": edited}, {"code": with_user}) == ["code reward_helpers.py: changed"]
 
     monkeypatch.syspath_prepend(str(tmp_path / "b"))  # the unedited copy, elsewhere
-    assert code_identity("alignflow.stages.grpo", ["my_rewards:boxed"]) == with_user
+    assert code_identity("alignflow.job.stages.grpo", ["my_rewards:boxed"]) == with_user
 
 
 KINDS = ("prep", "convert", "sft", "dpo", "grpo", "distillation", "reward_model", "ref_logprobs", "teacher_logprobs", "eval", "export")
-IDENTITIES = "import json; from alignflow.fingerprint import code_identity; " \
-             f"print(json.dumps({{k: code_identity('alignflow.stages.' + k) for k in {KINDS!r}}}))"
+IDENTITIES = "import json; from alignflow.orchestrator.fingerprint import code_identity; " \
+             f"print(json.dumps({{k: code_identity('alignflow.job.stages.' + k) for k in {KINDS!r}}}))"
 
 
 def identities_in(checkout) -> dict[str, dict]:
@@ -305,9 +305,9 @@ def test_an_optimizer_or_training_loop_edit_reruns_training_stages_only(tmp_path
     checkout = tmp_path / "checkout"
     shutil.copytree(PROJECT_ROOT / "alignflow", checkout / "alignflow", ignore=shutil.ignore_patterns("__pycache__"))
     before = identities_in(checkout)
-    for path, old, new in (("train/engine.py", "    run.optimizer.zero_grad()\n", "    run.optimizer.zero_grad(set_to_none=True)\n"),
-                           ("train/schedule.py", "        return lr * step / warmup_steps", "        return lr * (step + 1) / (warmup_steps + 1)"),
-                           ("train/loop.py", "engine.optimizer_step(run, objective, micro,", "engine.optimizer_step(run, objective, list(micro),")):
+    for path, old, new in (("job/train/engine.py", "    run.optimizer.zero_grad()\n", "    run.optimizer.zero_grad(set_to_none=True)\n"),
+                           ("job/train/schedule.py", "        return lr * step / warmup_steps", "        return lr * (step + 1) / (warmup_steps + 1)"),
+                           ("job/train/loop.py", "engine.optimizer_step(run, objective, micro,", "engine.optimizer_step(run, objective, list(micro),")):
         text = (checkout / "alignflow" / path).read_text()
         assert text.count(old) == 1, (path, old)
         (checkout / "alignflow" / path).write_text(text.replace(old, new))
@@ -318,7 +318,7 @@ def test_an_optimizer_or_training_loop_edit_reruns_training_stages_only(tmp_path
 
 def test_no_stage_module_imports_another():
     """A stage's code identity holds its own stage module only: shared code lives outside
-    alignflow/stages, so editing one kind never re-runs another."""
+    alignflow/job/stages, so editing one kind never re-runs another."""
     for kind in KINDS:
-        stages = {path for path in code_identity(f"alignflow.stages.{kind}") if path.startswith("alignflow/stages/")}
-        assert stages == {f"alignflow/stages/{kind}.py"}, stages
+        stages = {path for path in code_identity(f"alignflow.job.stages.{kind}") if path.startswith("alignflow/job/stages/")}
+        assert stages == {f"alignflow/job/stages/{kind}.py"}, stages

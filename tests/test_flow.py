@@ -14,8 +14,8 @@ from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, F
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import ArtifactSort
 
-from alignflow.config import compose as compose_module
-from alignflow.pipeline import Pipeline
+from alignflow.orchestrator.config import compose as compose_module
+from alignflow.orchestrator.pipeline import Pipeline
 from flows.align import align
 from flows.cli import main
 

@@ -1,4 +1,4 @@
-"""The nightly gate (`alignflow.gate`): standard errors as lm-eval reports them, the verdict on
+"""The nightly gate (`alignflow.orchestrator.gate`): standard errors as lm-eval reports them, the verdict on
 worked numbers, the baseline a series picks, and nights played through the flow."""
 
 import asyncio
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from alignflow import PROJECT_ROOT, gate, runs
-from alignflow.store import Store
+from alignflow.orchestrator.store import Store
 
 # lm-eval 0.4 output published in tiebreaker4869/alpaca-lora results/mmlu_result.md (its arithmetic
 # tasks have 2000 problems each): | arithmetic_1dc | acc | 0.8725 | ± | 0.0075 | and
@@ -25,7 +25,7 @@ N = 2000
 def test_stderr_is_lm_evals_sample_standard_deviation_over_sqrt_n():
     """lm-eval's `mean_stderr` is `sample_stddev(arr) / sqrt(len(arr))`, n - 1 in the variance:
     Python's statistics.stdev on the 0/1 outcomes, and lm-eval's published numbers at 4 digits."""
-    from alignflow.stages.eval import binomial_stderr
+    from alignflow.job.stages.eval import binomial_stderr
 
     for accuracy, stderr in LM_EVAL.values():
         outcomes = [1.0] * round(accuracy * N) + [0.0] * (N - round(accuracy * N))

@@ -4,7 +4,7 @@ its dry run changes no byte; `align plan` shows the store's size. On a local sto
 
 The stores hold real outputs (prep's Parquet, convert's torch_dist model, a training output
 with checkpoints) committed through `Store.commit` (so verified), one prep committed by the
-real runner, run records written by `alignflow.runs`, and a lease held by a live heartbeat."""
+real runner, run records written by `alignflow.orchestrator.runs`, and a lease held by a live heartbeat."""
 
 import hashlib
 import json
@@ -18,15 +18,15 @@ import pytest
 import torch
 from rich.filesize import decimal
 
-from alignflow import runs
-from alignflow.checkpoint.dist_io import DistCheckpointReader
-from alignflow.config.compose import compose
-from alignflow.data.prepared import Prepared
-from alignflow.gc import CATEGORIES
-from alignflow.pipeline import Pipeline
-from alignflow.runner import plan, run_stage
-from alignflow.kinds import OUTPUTS
-from alignflow.store import TRAINING_STATE, Store
+from alignflow.orchestrator import runs
+from alignflow.job.checkpoint.dist_io import DistCheckpointReader
+from alignflow.orchestrator.config.compose import compose
+from alignflow.job.data.prepared import Prepared
+from alignflow.orchestrator.gc import CATEGORIES
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import plan, run_stage
+from alignflow.orchestrator.kinds import OUTPUTS
+from alignflow.orchestrator.store import TRAINING_STATE, Store
 from flows.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -15,10 +15,10 @@ from megatron_ranks import CASES, greedy_mismatches, saved_state, tiny_hf_model
 
 from reference_convert import hf_to_megatron
 from alignflow import PROJECT_ROOT
-from alignflow.device import device
-from alignflow.generation import Completion, Sampling, generate, sample
-from alignflow.megatron.model import build_gpt, load_megatron_state
-from alignflow.stages.grpo import FILTERED, UNFILTERED, Rollouts, nll_forward
+from alignflow.job.device import device
+from alignflow.job.generation import Completion, Sampling, generate, sample
+from alignflow.job.model.gpt import build_gpt, load_megatron_state
+from alignflow.job.stages.grpo import FILTERED, UNFILTERED, Rollouts, nll_forward
 
 PROMPTS = [[5, 9, 42, 7], [8, 8, 30, 2, 11, 6], [5, 9, 42, 7], [3, 3, 3, 3], [1, 2]]
 

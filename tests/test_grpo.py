@@ -14,9 +14,9 @@ import torch
 from omegaconf import OmegaConf
 
 from alignflow import PROJECT_ROOT
-from alignflow.generation import Completion
-from alignflow.stages import grpo, sft
-from alignflow.worker import typed
+from alignflow.job.generation import Completion
+from alignflow.job.stages import grpo, sft
+from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import (assert_hardware_use, convert_demo, job_args, job_env, metrics_lines, prep_demo, sft_cfg, stage_cfg,  # noqa: E402

@@ -96,7 +96,7 @@ def test_a_preset_s_numbers_must_agree_with_the_cached_checkpoint(hf_home, base_
 
 
 def test_a_path_that_exists_is_never_taken_for_a_hub_id(tmp_path, monkeypatch):
-    from alignflow.config.hub import is_hub_id
+    from alignflow.orchestrator.config.hub import is_hub_id
 
     monkeypatch.chdir(tmp_path)
     assert is_hub_id("Qwen/Qwen3-8B") and is_hub_id("Qwen/Qwen3-8B@main")

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import submitit
 
-from alignflow.config.compose import build
-from alignflow.fingerprint import fingerprint, package_versions
-from alignflow.launch import StageFailed
-from alignflow.runner import StageResult, run_stage, stage_identity
-from alignflow.store import store_of
+from alignflow.orchestrator.config.compose import build
+from alignflow.orchestrator.fingerprint import fingerprint, package_versions
+from alignflow.orchestrator.launch import StageFailed
+from alignflow.orchestrator.runner import StageResult, run_stage, stage_identity
+from alignflow.orchestrator.store import store_of
 from flows.cli import main
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import cloudpickle
 import pytest
 from omegaconf import OmegaConf
 
-from alignflow.config.schema import LauncherConfig
-from alignflow.launch import (RENDEZVOUS_PORTS, Gpus, InfrastructureError, StageFailed, cpu_warning, job_record, local_gpus,
+from alignflow.orchestrator.config.schema import LauncherConfig
+from alignflow.orchestrator.launch import (RENDEZVOUS_PORTS, Gpus, InfrastructureError, StageFailed, cpu_warning, job_record, local_gpus,
                               make_executor, submit, wait)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job imports this file's functions by value
@@ -28,7 +28,7 @@ def section(tasks: int = 1, timeout_min: int = 5):
 
 
 def all_reduce_rank() -> dict:
-    from alignflow.worker import _setup_rank
+    from alignflow.job.worker import _setup_rank
     import torch
     import torch.distributed as dist
 
@@ -76,7 +76,7 @@ def test_killed_job_is_an_infrastructure_failure(tmp_path):
 
 
 def test_slurm_parameters_are_a_table(tmp_path):
-    from alignflow.launch import _slurm_parameters
+    from alignflow.orchestrator.launch import _slurm_parameters
 
     cfg = OmegaConf.merge(launcher(tmp_path), {"name": "slurm", "partition": "gpu", "account": "a1", "gpus_per_node": 8, "mem_gb": 64,
                                               "container_image": "nvcr.io/x", "sbatch_extra": {"exclusive": True}})
@@ -86,7 +86,7 @@ def test_slurm_parameters_are_a_table(tmp_path):
 
 
 def test_only_resumable_stages_are_requeued_and_at_most_max_requeues_times():
-    from alignflow.launch import Attempt
+    from alignflow.orchestrator.launch import Attempt
 
     attempt = Attempt(print, requeues=2, master_port=23456, devices="0,1")
     again = attempt.checkpoint("x").function
@@ -105,7 +105,7 @@ def test_an_interrupted_block_cancels_the_jobs_its_threads_wait_on(tmp_path):
     import contextvars
     import threading
 
-    from alignflow.launch import JobCancelled, cancel_jobs_on_interrupt, submit
+    from alignflow.orchestrator.launch import JobCancelled, cancel_jobs_on_interrupt, submit
 
     outcome, lines = {}, []
 
@@ -143,8 +143,8 @@ def test_a_job_killed_by_its_time_limit_is_reported_as_such(tmp_path):
 HOG = """
 import json, sys
 from omegaconf import OmegaConf
-from alignflow.config.schema import LauncherConfig
-from alignflow.launch import InfrastructureError, job_record, submit, wait
+from alignflow.orchestrator.config.schema import LauncherConfig
+from alignflow.orchestrator.launch import InfrastructureError, job_record, submit, wait
 
 def hog():
     blocks = []
@@ -263,7 +263,7 @@ def test_gpus_are_found_by_nvidia_smi_then_by_the_driver(tmp_path, monkeypatch):
 
 
 def rank_devices() -> dict:
-    from alignflow.worker import _setup_rank
+    from alignflow.job.worker import _setup_rank
 
     rank = _setup_rank()
     return {"rank": rank, "local_rank": os.environ["LOCAL_RANK"], "visible": os.environ["CUDA_VISIBLE_DEVICES"]}
@@ -295,7 +295,7 @@ def test_a_machine_whose_gpus_are_left_idle_is_warned_about(tmp_path, monkeypatc
 
 
 def test_a_slurm_job_asks_for_one_gpu_per_rank(tmp_path):
-    from alignflow.launch import _slurm_parameters
+    from alignflow.orchestrator.launch import _slurm_parameters
 
     params = lambda gpus, tasks: _slurm_parameters(OmegaConf.merge(launcher(tmp_path), {"name": "slurm", "gpus_per_node": gpus}),  # noqa: E731
                                                    section(tasks=tasks).resources, 30)

@@ -14,16 +14,16 @@ import pytest
 import torch
 from megatron_ranks import tiny_hf_model
 
-from alignflow.config.compose import compose
-from alignflow.config.schema import DPOLossConfig
-from alignflow.device import to_device
-from alignflow.megatron.decoder import LeanForward
-from alignflow.megatron.model import build_gpt
-from alignflow.stages.dpo import dpo_objective
-from alignflow.forward.objectives import SFT
-from alignflow.train.objectives import with_load_balancing
-from alignflow.train.data import packed_rows
-from alignflow.forward.models import load_model_output, local_model
+from alignflow.orchestrator.config.compose import compose
+from alignflow.orchestrator.config.schema import DPOLossConfig
+from alignflow.job.device import to_device
+from alignflow.job.model.decoder import LeanForward
+from alignflow.job.model.gpt import build_gpt
+from alignflow.job.stages.dpo import dpo_objective
+from alignflow.job.forward.objectives import SFT
+from alignflow.job.train.objectives import with_load_balancing
+from alignflow.job.train.data import packed_rows
+from alignflow.job.forward.models import load_model_output, local_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_hf  # noqa: E402

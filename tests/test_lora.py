@@ -12,8 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from alignflow.config.compose import ConfigError, compose
-from alignflow.convert import lora as targets
+from alignflow.orchestrator.config.compose import ConfigError, compose
+from alignflow.job.convert import lora as targets
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import LAYOUT_TOLERANCE, assert_same_steps, convert_demo, metrics_lines, prep_demo, run_sft, sft_cfg, torchrun, weights  # noqa: E402
@@ -127,9 +127,9 @@ def _our_logits(lora_out: Path, base: str, ids: torch.Tensor, vocab: int) -> tor
     """Our Megatron model with its adapters as trained (not merged): the base, then the adapter."""
     from megatron_ranks import megatron_logits, parallel_cfg
 
-    from alignflow.checkpoint import ModelOutput
-    from alignflow.megatron import checkpoint, lora, runtime
-    from alignflow.megatron.model import build_gpt
+    from alignflow.job.checkpoint import ModelOutput
+    from alignflow.job.model import checkpoint, lora, runtime
+    from alignflow.job.model.gpt import build_gpt
 
     parallel = parallel_cfg()
     runtime.init_parallel(parallel)
@@ -148,7 +148,7 @@ def _our_logits(lora_out: Path, base: str, ids: torch.Tensor, vocab: int) -> tor
 def test_peft_adapter_gives_our_logits_and_the_merged_exports(demo_dir, inputs, trained, tmp_path):
     from test_convert import stage_cfg
 
-    from alignflow.stages import export
+    from alignflow.job.stages import export
 
     root, _ = trained
     exports = {name: tmp_path / name for name in ("lora", "merged")}
@@ -231,8 +231,8 @@ def test_dropout_draws_one_mask_per_projection_as_peft(one_rank, path):
     from megatron_ranks import tiny_hf_model
     from peft import LoraConfig, inject_adapter_in_model
 
-    from alignflow.megatron import lora
-    from alignflow.megatron.model import build_gpt
+    from alignflow.job.model import lora
+    from alignflow.job.model.gpt import build_gpt
 
     _, config = tiny_hf_model("llama")
     model = build_gpt(config, one_rank)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from alignflow.config.schema import DPOLossConfig
-from alignflow.losses.preference import PairLogps, preference_loss
+from alignflow.orchestrator.config.schema import DPOLossConfig
+from alignflow.job.losses.preference import PairLogps, preference_loss
 
 
 @pytest.fixture(scope="module")

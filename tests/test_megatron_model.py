@@ -15,12 +15,12 @@ from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, 
 
 from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
-from alignflow.device import device, to_device
-from alignflow.megatron import runtime
-from alignflow.megatron.decoder import LeanForward
-from alignflow.megatron.model import build_gpt, checkpoint_names, document_params, load_megatron_state, megatron_state, token_nll
-from alignflow.forward.objectives import sft_forward
-from alignflow.train.data import packed_rows
+from alignflow.job.device import device, to_device
+from alignflow.job.model import runtime
+from alignflow.job.model.decoder import LeanForward
+from alignflow.job.model.gpt import build_gpt, checkpoint_names, document_params, load_megatron_state, megatron_state, token_nll
+from alignflow.job.forward.objectives import sft_forward
+from alignflow.job.train.data import packed_rows
 
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
 # every family trait over TP and PP (OLMo 2's whole-projection q/k norms all-reduced over TP, Phi-4-mini's partial rotary, longrope,
@@ -48,8 +48,8 @@ def test_grpo_importance_weight_is_1_before_any_update_on_a_padded_vocab(one_ran
     moved: generation samples over the real 100 tokens, and GRPO's training forward (Megatron's
     vocab-parallel cross entropy at the generation temperature) now normalises over them too,
     not over the 128 padded rows (weights below 1 before)."""
-    from alignflow.generation import Sampling, generate
-    from alignflow.stages.grpo import UNFILTERED, nll_forward
+    from alignflow.job.generation import Sampling, generate
+    from alignflow.job.stages.grpo import UNFILTERED, nll_forward
 
     hf_model, config = tiny_hf_model("llama")
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
@@ -183,7 +183,7 @@ def test_fp32_matmuls_take_tf32_on_cuda_only(monkeypatch):
 def test_longrope_past_its_original_positions_is_refused(one_rank, case, tmp_path):
     """Past original_max_position_embeddings (32 here) HF switches the whole sequence to
     long_factor: a forward or a generation that long fails naming the lengths."""
-    from alignflow.generation import Sampling, generate
+    from alignflow.job.generation import Sampling, generate
 
     hf_model, config = tiny_hf_model(case)
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
@@ -225,7 +225,7 @@ def test_gemma_norm_and_embedding_scale_round_as_hfs_in_bf16():
     the embeddings (sqrt(3072) = 55.43 becomes 55.5), bit for bit as HF's modules."""
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, Gemma2TextScaledWordEmbedding
 
-    from alignflow.megatron.gemma import GemmaRMSNorm, embedding_scale
+    from alignflow.job.model.gemma import GemmaRMSNorm, embedding_scale
 
     hidden, generator = 3072, torch.Generator().manual_seed(0)
     hf_norm = Gemma2RMSNorm(hidden, eps=1e-6)

@@ -1,4 +1,4 @@
-"""The per-rank memory estimate (`alignflow.config.memory`) against independent counts: HF's own
+"""The per-rank memory estimate (`alignflow.orchestrator.config.memory`) against independent counts: HF's own
 parameter counts of real-architecture configs (dense and MoE), autograd's saved tensors of
 alignflow's layers, and (slow) the peak memory of SFT runs on the CPU; every preset plans and
 an impossible layout is refused at compose with its numbers."""
@@ -14,9 +14,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from alignflow import PROJECT_ROOT
-from alignflow.config.compose import ConfigError, build, compose
-from alignflow.config.memory import GIB, Dimensions, Layout, estimate, layer_activation_bytes
-from alignflow.config.validate import memory_estimates
+from alignflow.orchestrator.config.compose import ConfigError, build, compose
+from alignflow.orchestrator.config.memory import GIB, Dimensions, Layout, estimate, layer_activation_bytes
+from alignflow.orchestrator.config.validate import memory_estimates
 from flows.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -66,8 +66,8 @@ def saved_activation_bytes(config: dict, dtype: torch.dtype, rows: int, seq: int
     """Bytes of the tensors autograd keeps over one forward of alignflow's model (weights aside)."""
     from megatron_ranks import parallel_cfg
 
-    from alignflow.megatron.decoder import LeanForward
-    from alignflow.megatron.model import build_gpt
+    from alignflow.job.model.decoder import LeanForward
+    from alignflow.job.model.gpt import build_gpt
 
     model = build_gpt(config, parallel_cfg(), params_dtype=dtype)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -173,8 +173,8 @@ SHAPES = {
 
 
 def prep(demo_dir: Path, out: Path) -> Path:
-    from alignflow.stages import prep as prep_stage
-    from alignflow.worker import typed
+    from alignflow.job.stages import prep as prep_stage
+    from alignflow.job.worker import typed
 
     data = demo_dir / "data"
     spec = {"train": str(data / "sft_train.jsonl"), "val": str(data / "sft_val.jsonl"), "val_fraction": 0.0, "format": "auto",

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignflow.config.compose import compose
-from alignflow.pipeline import Pipeline
-from alignflow.runner import run_stage
-from alignflow.store import MANIFEST, TRAINING_STATE, store_of
+from alignflow.orchestrator.config.compose import compose
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import run_stage
+from alignflow.orchestrator.store import MANIFEST, TRAINING_STATE, store_of
 from flows.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))

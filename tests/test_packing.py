@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from alignflow.data import packing
-from alignflow.data.packing import pack_bfd, pack_bfd_flat, pack_first_fit_shuffle, packing_stats
+from alignflow.job.data import packing
+from alignflow.job.data.packing import pack_bfd, pack_bfd_flat, pack_first_fit_shuffle, packing_stats
 
 
 def naive_best_fit_decreasing(lengths, capacity):

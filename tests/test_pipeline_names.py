@@ -7,9 +7,9 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 from prefect.types.names import raise_on_name_alphanumeric_dashes_only
 
-from alignflow.config.compose import ConfigError, compose, pipeline_names
-from alignflow.config.validate import validate
-from alignflow.pipeline import NAME
+from alignflow.orchestrator.config.compose import ConfigError, compose, pipeline_names
+from alignflow.orchestrator.config.validate import validate
+from alignflow.orchestrator.pipeline import NAME
 from flows.cli import main
 from tasks.stage import _key
 

@@ -53,19 +53,19 @@ def test_an_edited_formula_reruns_its_stage_and_downstream_naming_the_module(com
     checkout = checkout_copy(tmp_path)
     assert {s: row["status"] for s, row in plan_in(checkout, committed).items()} == dict.fromkeys(
         ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"], "committed")
-    edit(checkout / "alignflow" / "losses" / "preference.py", IPO_TERM, IPO_TERM.replace("2 *", "4 *"))
+    edit(checkout / "alignflow" / "job" / "losses" / "preference.py", IPO_TERM, IPO_TERM.replace("2 *", "4 *"))
     planned = plan_in(checkout, committed)
     assert [s for s, row in planned.items() if row["status"] == "run"] == ["dpo", "eval", "export"]
-    assert "code alignflow/losses/preference.py: changed" in planned["dpo"]["reason"]
+    assert "code alignflow/job/losses/preference.py: changed" in planned["dpo"]["reason"]
     assert "input model: changed" in planned["eval"]["reason"] and "input model: changed" in planned["export"]["reason"]
 
 
 def test_a_docstring_or_comment_edit_reruns_nothing(committed, tmp_path):
     checkout = checkout_copy(tmp_path)
-    losses = checkout / "alignflow" / "losses" / "preference.py"
+    losses = checkout / "alignflow" / "job" / "losses" / "preference.py"
     edit(losses, '"""DPO-family losses on per-sequence log-probs, with their metrics.', '"""The DPO family of losses, reworded.')
     edit(losses, IPO_TERM + ")\n", IPO_TERM + ")  # IPO's squared distance to 1/(2 beta)\n")
-    edit(checkout / "alignflow" / "train" / "engine.py", "def every(step: int, interval: int) -> bool:\n",
+    edit(checkout / "alignflow" / "job" / "train" / "engine.py", "def every(step: int, interval: int) -> bool:\n",
          'def every(step: int, interval: int) -> bool:\n    """Whether an interval ends at this step."""\n')
     assert {row["status"] for row in plan_in(checkout, committed).values()} == {"committed"}
 
@@ -85,7 +85,7 @@ NEW_KIND_MODULE = '''"""A toy stage kind: counts the rows of a prep output's SFT
 
 import json
 
-from alignflow.data.prepared import Prepared
+from alignflow.job.data.prepared import Prepared
 
 
 def run(cfg, inputs, out):
@@ -102,8 +102,8 @@ class RowCountConfig(StageBase):
 '''
 NEW_KIND_DECLARATION = '''"""The `row_count` kind: the rows of a prep output's SFT train split, times `scale`."""
 
-from alignflow.config import schema
-from alignflow.kinds.spec import StageKind, one
+from alignflow.orchestrator.config import schema
+from alignflow.orchestrator.kinds.spec import StageKind, one
 
 KIND = StageKind(schema=schema.RowCountConfig, output="eval", inputs={"data": one("prep")}, resumable=False, headline=("rows",))
 '''
@@ -117,8 +117,8 @@ pipeline:
 '''
 RUN_PIPELINE = """
 import json, sys
-from alignflow.config.compose import build
-from alignflow.runner import run_stage
+from alignflow.orchestrator.config.compose import build
+from alignflow.orchestrator.runner import run_stage
 results = {}
 for stage in build("count", sys.argv[1:]):
     results[stage.name] = run_stage(stage, {u: results[u] for u in stage.upstream()}, log=print)
@@ -130,11 +130,11 @@ def test_a_new_stage_kind_is_its_two_modules_its_schema_class_and_its_name(base_
     """What README's "Adding a stage kind" says, done in a copy of the checkout: the kind
     composes, plans and runs as a job, with its instance's setting."""
     checkout = checkout_copy(tmp_path)
-    (checkout / "alignflow" / "stages" / "row_count.py").write_text(NEW_KIND_MODULE)
-    (checkout / "alignflow" / "kinds" / "row_count.py").write_text(NEW_KIND_DECLARATION)
-    with open(checkout / "alignflow" / "config" / "schema.py", "a") as f:
+    (checkout / "alignflow" / "job" / "stages" / "row_count.py").write_text(NEW_KIND_MODULE)
+    (checkout / "alignflow" / "orchestrator" / "kinds" / "row_count.py").write_text(NEW_KIND_DECLARATION)
+    with open(checkout / "alignflow" / "orchestrator" / "config" / "schema.py", "a") as f:
         f.write(NEW_KIND_SCHEMA)
-    edit(checkout / "alignflow" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "row_count")')
+    edit(checkout / "alignflow" / "orchestrator" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "row_count")')
     (checkout / "conf" / "pipeline" / "count.yaml").write_text(NEW_KIND_PIPELINE)
     overrides = [*base_overrides, "data.preference=null", "data.prompts=null"]
     planned = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=count", *overrides], cwd=checkout,

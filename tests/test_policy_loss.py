@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from alignflow.config.schema import GRPOLossConfig
-from alignflow.generation import Sampling
-from alignflow.losses.policy import group_advantages, group_baseline_and_std, kl_penalty, policy_loss
-from alignflow.stages.grpo import grpo_objective, overlong_penalty
+from alignflow.orchestrator.config.schema import GRPOLossConfig
+from alignflow.job.generation import Sampling
+from alignflow.job.losses.policy import group_advantages, group_baseline_and_std, kl_penalty, policy_loss
+from alignflow.job.stages.grpo import grpo_objective, overlong_penalty
 
 NO_KL = dict(ref_policy_kl_penalty=0.0)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

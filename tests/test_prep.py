@@ -12,11 +12,11 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from alignflow import demo
-from alignflow.config.schema import PrepConfig
-from alignflow.data.packing import pack_bfd
-from alignflow.data.tokenize import ChatEncoder, load_tokenizer
-from alignflow.stages import prep
+from alignflow.orchestrator import demo
+from alignflow.orchestrator.config.schema import PrepConfig
+from alignflow.job.data.packing import pack_bfd
+from alignflow.job.data.tokenize import ChatEncoder, load_tokenizer
+from alignflow.job.stages import prep
 
 EOS = demo.EOS
 SCHEMAS = {
@@ -327,7 +327,7 @@ def test_bad_parquet_row_names_its_row(assets, tmp_path):
 
 
 def test_line_numbers_survive_read_blocks_and_parts(assets, tmp_path, monkeypatch):
-    from alignflow.data import readers
+    from alignflow.job.data import readers
 
     monkeypatch.setattr(readers, "READ_BYTES", 7)  # lines cut across reads, blank lines inside a read
     monkeypatch.setattr(readers, "PART_LINES", 2)
@@ -561,7 +561,7 @@ def test_a_bad_row_deep_in_a_large_file_is_skipped_and_counted(assets, tmp_path)
 
 
 def prep_stage(overrides):
-    from alignflow.config.compose import build
+    from alignflow.orchestrator.config.compose import build
 
     return build("demo", overrides)["prep"]
 
@@ -571,8 +571,8 @@ def test_two_ranks_write_the_bytes_one_rank_does_and_report_progress(base_overri
     """Through the local launcher, as a pipeline runs it: the same fingerprint and the same
     bytes from 1 rank and from 2 (with another chunk size); the progress lines of rank 0 reach
     the caller's log (Prefect's, in a flow) while the job runs."""
-    from alignflow.runner import run_stage
-    from alignflow.worker import job_record
+    from alignflow.orchestrator.runner import run_stage
+    from alignflow.job.worker import job_record
 
     f = write_chats(tmp_path / "chats.jsonl", 24_000)
     data = [f"data.sft.train={f}", "data.sft.val=null", "data.sft.val_fraction=0.05", "prep.rows_per_shard=300"]
@@ -598,8 +598,8 @@ def test_two_ranks_write_the_bytes_one_rank_does_and_report_progress(base_overri
 
 @pytest.mark.slow
 def test_a_bad_row_deep_in_a_large_file_on_another_rank_fails_the_stage_and_commits_nothing(base_overrides, tmp_path):
-    from alignflow.launch import StageFailed
-    from alignflow.runner import run_stage
+    from alignflow.orchestrator.launch import StageFailed
+    from alignflow.orchestrator.runner import run_stage
 
     f = write_chats(tmp_path / "big.jsonl", 20_000, bad=13_457)  # chunk 13 of 1000 rows: rank 1's
     stage = prep_stage([*base_overrides, f"data.sft.train={f}", "data.sft.val=null", "prep.resources.tasks_per_node=2",

@@ -12,17 +12,17 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from alignflow.config.schema import RewardModelLossConfig
-from alignflow.data.prepared import Prepared
-from alignflow.device import to_device
-from alignflow.forward.models import frozen_chunks, local_model
-from alignflow.forward.objectives import logits_forward, sequence_scores
-from alignflow.forward.scores import model_scores
-from alignflow.megatron import runtime
-from alignflow.megatron.decoder import LeanForward
-from alignflow.stages import eval as eval_stage, export, grpo, reward_model
-from alignflow.train.datasets import PreferencePairs, Prompts
-from alignflow.worker import typed
+from alignflow.orchestrator.config.schema import RewardModelLossConfig
+from alignflow.job.data.prepared import Prepared
+from alignflow.job.device import to_device
+from alignflow.job.forward.models import frozen_chunks, local_model
+from alignflow.job.forward.objectives import logits_forward, sequence_scores
+from alignflow.job.forward.scores import model_scores
+from alignflow.job.model import runtime
+from alignflow.job.model.decoder import LeanForward
+from alignflow.job.stages import eval as eval_stage, export, grpo, reward_model
+from alignflow.job.train.datasets import PreferencePairs, Prompts
+from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import assert_hardware_use, assert_same_steps, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun, weights  # noqa: E402
@@ -78,7 +78,7 @@ def test_an_hf_reward_model_converts_and_exports_back_bit_identical(demo_dir, tm
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from alignflow.stages import convert
+    from alignflow.job.stages import convert
 
     config = AutoConfig.from_pretrained(demo_dir / "tiny-qwen3", num_labels=1, pad_token_id=0, architectures=["Qwen3ForSequenceClassification"])
     torch.manual_seed(0)
@@ -180,8 +180,8 @@ def test_a_pipeline_trains_and_exports_a_reward_model_in_real_jobs(base_override
     """prep -> convert -> reward_model -> export as local jobs through the runner: the job gets the
     sections its kind declares, its output commits as a reward_model output (its headline
     val_reward_accuracy among its metrics), and the export takes it."""
-    from alignflow.config.compose import build
-    from alignflow.runner import run_stage
+    from alignflow.orchestrator.config.compose import build
+    from alignflow.orchestrator.runner import run_stage
 
     pipeline = build("convert", [*base_overrides, "pipeline.stages.prep={}", "pipeline.stages.rm={kind: reward_model, inputs: "
                                  "{data: prep, model: convert}}", "pipeline.stages.export.inputs.model=rm", "reward_model.trainer.max_steps=2",

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from alignflow.rewards import (closeness, exact_match, extract_answer, format_reward, gold_answer, majority_answer, pass_at_k, resolve,
+from alignflow.job.rewards import (closeness, exact_match, extract_answer, format_reward, gold_answer, majority_answer, pass_at_k, resolve,
                                same_answer)
 
 
@@ -29,7 +29,7 @@ def test_closeness_gives_partial_credit_within_scale(completion, score):
 
 def test_resolve_builtin_and_import_path():
     assert resolve("exact_match") is exact_match
-    assert resolve("alignflow.rewards:format_reward") is format_reward
+    assert resolve("alignflow.job.rewards:format_reward") is format_reward
     with pytest.raises(ValueError, match="not one of"):
         resolve("exactmatch")
     with pytest.raises(ValueError, match="cannot import"):

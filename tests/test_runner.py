@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from alignflow.config.compose import build, compose
-from alignflow.config.schema import LauncherConfig
-from alignflow.launch import StageFailed, submit
-from alignflow.pipeline import Pipeline
-from alignflow.runner import run_stage
+from alignflow.orchestrator.config.compose import build, compose
+from alignflow.orchestrator.config.schema import LauncherConfig
+from alignflow.orchestrator.launch import StageFailed, submit
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import run_stage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_demo, prep_demo, sft_cfg  # noqa: E402
@@ -26,8 +26,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this fil
 
 RUN_PREP = """
 import json, sys
-from alignflow.config.compose import build
-from alignflow.runner import run_stage
+from alignflow.orchestrator.config.compose import build
+from alignflow.orchestrator.runner import run_stage
 result = run_stage(build("demo", sys.argv[1:])["prep"], {}, log=lambda line: None)
 print(json.dumps({"cached": result.cached, "fingerprint": result.fingerprint}))
 """
@@ -72,7 +72,7 @@ def test_a_failed_forced_rerun_keeps_the_committed_output(base_overrides, tmp_pa
 
 
 FORGETFUL = {  # a stage kind with a bug, added to a copy of the checkout: its output lacks what its format ("eval") declares
-    "alignflow/stages/forgetful.py": '''"""A toy stage kind that writes its result under the wrong name."""
+    "alignflow/job/stages/forgetful.py": '''"""A toy stage kind that writes its result under the wrong name."""
 
 
 def run(cfg, inputs, out):
@@ -80,16 +80,16 @@ def run(cfg, inputs, out):
         f.write("{}")
     return {"rows": 0}
 ''',
-    "alignflow/kinds/forgetful.py": "from alignflow.config import schema\nfrom alignflow.kinds.spec import StageKind\n\n"
+    "alignflow/orchestrator/kinds/forgetful.py": "from alignflow.orchestrator.config import schema\nfrom alignflow.orchestrator.kinds.spec import StageKind\n\n"
                                     'KIND = StageKind(schema=schema.ForgetfulConfig, output="eval", inputs={}, resumable=False)\n',
     "conf/pipeline/forgetful.yaml": "# @package _global_\n# align run pipeline=forgetful\npipeline:\n  name: forgetful\n  stages:\n    forgetful: {}\n",
 }
 RUN_FORGETFUL = """
 import sys
-from alignflow.config.compose import build, compose
-from alignflow.pipeline import Pipeline
-from alignflow.runner import run_stage
-from alignflow.verify import IncompleteOutput
+from alignflow.orchestrator.config.compose import build, compose
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import run_stage
+from alignflow.orchestrator.verify import IncompleteOutput
 try:
     run_stage(build("forgetful", sys.argv[1:])["forgetful"], {}, log=lambda line: None)
 except IncompleteOutput as err:
@@ -98,16 +98,16 @@ except IncompleteOutput as err:
 
 
 def test_a_stage_whose_output_lacks_a_declared_file_commits_nothing(base_overrides, tmp_path):
-    """The runner's commit checks the staged output against its kind's format (`alignflow.verify`):
+    """The runner's commit checks the staged output against its kind's format (`alignflow.orchestrator.verify`):
     a job that ran to its end but wrote result.json instead of eval.json is not committed."""
     from test_plan import checkout_copy, edit
 
     checkout = checkout_copy(tmp_path)
     for path, text in FORGETFUL.items():
         (checkout / path).write_text(text)
-    with open(checkout / "alignflow" / "config" / "schema.py", "a") as f:
+    with open(checkout / "alignflow" / "orchestrator" / "config" / "schema.py", "a") as f:
         f.write("\n\n@dataclass\nclass ForgetfulConfig(StageBase):\n    pass\n")
-    edit(checkout / "alignflow" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "forgetful")')
+    edit(checkout / "alignflow" / "orchestrator" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "forgetful")')
     ran = subprocess.run([sys.executable, "-c", RUN_FORGETFUL, *base_overrides], cwd=checkout, capture_output=True, text=True, check=True)
     staging = next((tmp_path / "store" / "forgetful" / "_staging").iterdir())
     assert ran.stdout.strip() == f"forgetful {staging.name}: not committed: the output staged at {staging} is incomplete: eval.json: missing"
@@ -130,8 +130,8 @@ def alive(processes: list[psutil.Process]) -> list[str]:
 
 def sleeping_after_a_checkpoint(*args):
     """`run_stage_job`, asleep after its first checkpoint (so a test can kill it there)."""
-    from alignflow.train import checkpointing
-    from alignflow.worker import run_stage_job
+    from alignflow.job.train import checkpointing
+    from alignflow.job.worker import run_stage_job
 
     save = checkpointing.save
 
@@ -171,9 +171,9 @@ def test_a_job_reads_only_the_sections_its_kind_declares(base_overrides):
     fingerprint never saw."""
     from omegaconf.errors import ConfigAttributeError
 
-    from alignflow.config.slices import for_job
-    from alignflow.kinds import job_paths
-    from alignflow.worker import typed
+    from alignflow.orchestrator.config.slices import for_job
+    from alignflow.orchestrator.kinds import job_paths
+    from alignflow.job.worker import typed
 
     cfg = build("sft_dpo", [*base_overrides, "ref_logprobs.micro_batch_size=3"], check_paths=False)["ref_logprobs"].cfg
     job = typed(for_job(cfg, job_paths("ref_logprobs")), "ref_logprobs")

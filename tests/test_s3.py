@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from alignflow import PROJECT_ROOT
-from alignflow.config.compose import compose
-from alignflow.worker import typed
-from alignflow.pipeline import Pipeline
-from alignflow.runner import plan, run_stage
+from alignflow.orchestrator.config.compose import compose
+from alignflow.job.worker import typed
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import plan, run_stage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_demo, metrics_lines, prep_demo, sft_cfg  # noqa: E402
 
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from alignflow.checkpoint.dist_io import DistCheckpointReader
+    from alignflow.job.checkpoint.dist_io import DistCheckpointReader
 
     reader = DistCheckpointReader(str(model_dir))
     return {key: reader.read(key) for key in reader.keys()}
@@ -33,7 +33,7 @@ def weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def test_an_input_model_is_downloaded_once_per_commit(s3_endpoint, tmp_path, monkeypatch):
     """A model stage output on S3 becomes a local folder (model/, hf/, tokenizer/; not its
     checkpoints) in the cache; the same commit is served from there, a new commit is fetched anew."""
-    from alignflow.forward.models import local_model
+    from alignflow.job.forward.models import local_model
 
     monkeypatch.setitem(fsspec.config.conf, "s3", {"client_kwargs": {"endpoint_url": s3_endpoint}})
     fs, root, cache = fsspec.filesystem("s3"), "test/inputs/sft/abc", tmp_path / "cache"
@@ -115,7 +115,7 @@ def test_demo_pipeline_with_everything_on_s3(s3_endpoint, demo_dir, base_overrid
     """pipeline=demo with the data, model source, store and export destination on S3: sft
     trains in a local scratch and its checkpoints and outputs land in the store; eval and
     export read its model from there."""
-    from alignflow.checkpoint.dist_io import DistCheckpointReader
+    from alignflow.job.checkpoint.dist_io import DistCheckpointReader
 
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
     fs = fsspec.filesystem("s3", **options)
@@ -158,8 +158,8 @@ def test_demo_pipeline_with_everything_on_s3(s3_endpoint, demo_dir, base_overrid
 JOB = """
 import json, sys, time
 
-from alignflow.train import engine
-from alignflow.worker import run_stage_job
+from alignflow.job.train import engine
+from alignflow.job.worker import run_stage_job
 
 
 def pause_after_checkpoints(seconds):
@@ -187,7 +187,7 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
     ends with weights bit-identical to an uninterrupted run on a local output, and the same
     metrics (dropout on, so the RNG states must travel too). A half-uploaded later checkpoint
     and a metrics line logged after the checkpoint are left in the store, as a kill leaves them."""
-    from alignflow.stages import sft
+    from alignflow.job.stages import sft
 
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
     fs = fsspec.filesystem("s3", **options)
@@ -244,7 +244,7 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
 def test_s3_leases_are_compare_and_swap(s3_endpoint, tmp_path):
     """On S3 the lease is created with If-None-Match and beaten and taken over with If-Match:
     one creator wins, a holder frozen past the ttl is taken over once, and then it cannot commit."""
-    from alignflow.lease import Lease, LeaseLost
+    from alignflow.orchestrator.lease import Lease, LeaseLost
 
     fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
     path = f"test/leases/{tmp_path.name}/f1.json"

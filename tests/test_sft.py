@@ -210,11 +210,11 @@ def test_unsupported_settings_fail_before_training(demo_dir, inputs, tmp_path, s
 
 @pytest.mark.slow
 def test_a_two_rank_submitit_job_trains_through_the_worker(demo_dir, inputs, tmp_path):
-    """The production path: `alignflow.launch` submits `alignflow.worker.run_stage_job` on 2 local
+    """The production path: `alignflow.orchestrator.launch` submits `alignflow.job.worker.run_stage_job` on 2 local
     ranks (TP2); rank 0 returns the metrics and prints the progress lines."""
-    from alignflow.config.schema import LauncherConfig
-    from alignflow.launch import make_executor, wait
-    from alignflow.worker import job_record, run_stage_job
+    from alignflow.orchestrator.config.schema import LauncherConfig
+    from alignflow.orchestrator.launch import make_executor, wait
+    from alignflow.job.worker import job_record, run_stage_job
 
     cfg = sft_cfg(demo_dir, tp=2, trainer={"max_steps": 3, "val_check_interval": 3})
     launcher = OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs")})
@@ -223,6 +223,6 @@ def test_a_two_rank_submitit_job_trains_through_the_worker(demo_dir, inputs, tmp
     metrics = wait(job, lines.append, poll_s=0.5)
     assert metrics["steps"] == 3 and metrics["val_loss"] is not None
     assert [r["train_loss"] for r in job.results()] == [metrics["train_loss"]] * 2
-    steps = [record["event"] for line in lines if (record := job_record(line)) and record["logger"] == "alignflow.train" and "event" in record]
+    steps = [record["event"] for line in lines if (record := job_record(line)) and record["logger"] == "alignflow.job.train" and "event" in record]
     assert steps[-1]["step"] == steps[-1]["total"] == 3 and "loss" in steps[-1], lines[-20:]
     assert len(metrics_lines(tmp_path / "out")) == 3

@@ -19,8 +19,8 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import StateType
 
 from alignflow import PROJECT_ROOT
-from alignflow.config.schema import LauncherConfig
-from alignflow.launch import InfrastructureError, job_record, submit, wait
+from alignflow.orchestrator.config.schema import LauncherConfig
+from alignflow.orchestrator.launch import InfrastructureError, job_record, submit, wait
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_launch import all_reduce_rank, sleep_long  # noqa: E402
@@ -74,8 +74,8 @@ def inputs(demo_dir, tmp_path_factory):
 def pausing_after_checkpoints(*args):
     """`run_stage_job` whose first attempt sleeps after each checkpoint, so that the test can
     preempt it between two checkpoints; a requeued attempt (SLURM_RESTART_COUNT) does not."""
-    from alignflow.train import checkpointing
-    from alignflow.worker import run_stage_job
+    from alignflow.job.train import checkpointing
+    from alignflow.job.worker import run_stage_job
 
     if not int(os.environ.get("SLURM_RESTART_COUNT", "0")):
         save = checkpointing.save
@@ -108,7 +108,7 @@ def test_a_preempted_training_job_is_requeued_and_resumes_to_the_uninterrupted_w
     meanwhile) bit for bit."""
     from test_sft import weights
 
-    from alignflow.worker import run_stage_job
+    from alignflow.job.worker import run_stage_job
 
     cfg = sft_cfg(demo_dir, hidden_dropout=0.1, resources={"tasks_per_node": 2},
                   trainer={"max_steps": 6, "val_check_interval": 3, "log_every_n_steps": 1}, checkpoint={"every_n_steps": 3})

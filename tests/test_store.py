@@ -13,10 +13,10 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from alignflow.lease import LeaseLost, watch
-from alignflow.kinds import OUTPUTS
-from alignflow.store import MANIFEST, Store
-from alignflow.verify import IncompleteOutput, OutputFormat
+from alignflow.orchestrator.lease import LeaseLost, watch
+from alignflow.orchestrator.kinds import OUTPUTS
+from alignflow.orchestrator.store import MANIFEST, Store
+from alignflow.orchestrator.verify import IncompleteOutput, OutputFormat
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_demo, prep_demo  # noqa: E402
@@ -76,7 +76,7 @@ def test_second_contender_waits_and_sees_the_commit(tmp_path):
 
 HOLD = """
 import sys, time
-from alignflow.store import Store
+from alignflow.orchestrator.store import Store
 with Store(sys.argv[1], {}).lease("prep", "f1", ttl_s=float(sys.argv[2]), poll_s=0.05, log=print) as lease:
     print("holding", flush=True)
     time.sleep(600)

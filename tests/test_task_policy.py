@@ -4,7 +4,7 @@ import logging
 
 from prefect.states import Completed, Failed
 
-from alignflow.launch import InfrastructureError, StageFailed
+from alignflow.orchestrator.launch import InfrastructureError, StageFailed
 from tasks.stage import _infrastructure_failure
 
 
@@ -19,12 +19,12 @@ def test_job_records_carry_their_events_as_data():
     """A job's record reaches the orchestrator as JSON with its event (a step, prep's percent,
     a link); its message is only shown, never parsed, so a message that reads like a step is
     no step."""
-    from alignflow.worker import JobRecords, job_record
+    from alignflow.job.worker import JobRecords, job_record
 
     formatter = JobRecords(rank=1)
 
     def line(message: str, **extra) -> str:
-        record = logging.LogRecord("alignflow.train", logging.INFO, __file__, 1, message, None, None)
+        record = logging.LogRecord("alignflow.job.train", logging.INFO, __file__, 1, message, None, None)
         record.__dict__.update(extra)
         return formatter.format(record)
 
@@ -39,7 +39,7 @@ def test_only_alignflow_records_reach_the_flow_log_at_their_level():
     """The job's lines as the worker's log format writes them: submitit's, library warnings,
     prints, other libraries' records and alignflow's DEBUG records (where files go) stay in the
     job log."""
-    from alignflow.worker import JobRecords
+    from alignflow.job.worker import JobRecords
     from tasks.stage import JobLogWatcher
 
     formatter = JobRecords(rank=0)
@@ -58,8 +58,8 @@ def test_only_alignflow_records_reach_the_flow_log_at_their_level():
                  "    and md.size != obj.size()", "hello from a print",
                  record("alignflow.sft", logging.WARNING, "validation set has 3 rows"),
                  record("megatron.core.models", logging.INFO, "building the model"),
-                 record("alignflow.train.engine", logging.DEBUG, "checkpoint /x/checkpoints/step-00000100"),
-                 record("alignflow.worker", logging.ERROR, "stopping: the run is gone")):
+                 record("alignflow.job.train.engine", logging.DEBUG, "checkpoint /x/checkpoints/step-00000100"),
+                 record("alignflow.job.worker", logging.ERROR, "stopping: the run is gone")):
         watcher.job_output(line)
     watcher("sft ab12: submitted local job 1, log /x/1_0_log.out")
     assert seen == [(logging.WARNING, "sft: validation set has 3 rows"), (logging.ERROR, "sft: stopping: the run is gone"),

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from alignflow.train import checkpointing
-from alignflow.train.data import DataPosition, GlobalBatches, dp_micro_batches, packed_rows
-from alignflow.train.datasets import PackedSFT
-from alignflow.train.schedule import lr_at
+from alignflow.job.train import checkpointing
+from alignflow.job.train.data import DataPosition, GlobalBatches, dp_micro_batches, packed_rows
+from alignflow.job.train.datasets import PackedSFT
+from alignflow.job.train.schedule import lr_at
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import SEQ_LENGTH, prep_demo  # noqa: E402
@@ -157,12 +157,12 @@ def test_rng_states_of_the_other_device_type_are_re_seeded_and_the_hosts_restore
 def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
     """Every document's loss in a packed row equals its loss run alone (each document attends
     on its own; RoPE is relative, so equal up to float rounding)."""
-    from alignflow.data.prepared import Prepared
-    from alignflow.device import device, to_device
-    from alignflow.megatron import runtime
-    from alignflow.megatron.model import build_gpt
-    from alignflow.forward.objectives import sft_forward
-    from alignflow.stages.sft import load_data
+    from alignflow.job.data.prepared import Prepared
+    from alignflow.job.device import device, to_device
+    from alignflow.job.model import runtime
+    from alignflow.job.model.gpt import build_gpt
+    from alignflow.job.forward.objectives import sft_forward
+    from alignflow.job.stages.sft import load_data
     from train_ranks import sft_cfg
 
     data = load_data(Prepared(str(prep_demo(demo_dir, tmp_path / "data"))))
@@ -193,8 +193,8 @@ def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
 EVEN_OUT = """
 import numpy as np
 import torch.distributed as dist
-from alignflow.megatron import runtime
-from alignflow.train.engine import as_many_as_the_expert_group
+from alignflow.job.model import runtime
+from alignflow.job.train.engine import as_many_as_the_expert_group
 runtime.init_parallel({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
                        "context_parallel_size": 1, "expert_model_parallel_size": 2})
 mine = [np.arange(0, 5)] if dist.get_rank() == 0 else [np.arange(5, 7), np.array([7]), np.array([8, 9]), np.array([10])]

@@ -1,4 +1,4 @@
-"""Untrusted checkpoints run no code (`alignflow.checkpoint.untrusted`): hostile files built for
+"""Untrusted checkpoints run no code (`alignflow.job.checkpoint.untrusted`): hostile files built for
 real (a pickle whose `__reduce__` creates a marker file, shown to do so when unpickled plainly),
 handed in as a model source, a store output or a training checkpoint. Each is refused with an
 error naming the file and the global it wanted, or never read; the marker never appears and
@@ -18,14 +18,14 @@ from megatron.core import dist_checkpointing
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
-from alignflow.checkpoint import HF_DIR, MODEL_DIR
-from alignflow.checkpoint.dist_io import DistCheckpointReader
-from alignflow.checkpoint.untrusted import MetadataUnpickler, refuse_code
-from alignflow.config.compose import ConfigError, compose
-from alignflow.launch import StageFailed
-from alignflow.pipeline import Pipeline
-from alignflow.runner import StageResult, run_stage
-from alignflow.stages import convert
+from alignflow.job.checkpoint import HF_DIR, MODEL_DIR
+from alignflow.job.checkpoint.dist_io import DistCheckpointReader
+from alignflow.job.checkpoint.untrusted import MetadataUnpickler, refuse_code
+from alignflow.orchestrator.config.compose import ConfigError, compose
+from alignflow.orchestrator.launch import StageFailed
+from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import StageResult, run_stage
+from alignflow.job.stages import convert
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import convert_demo, prep_demo, run_sft, sft_cfg  # noqa: E402
@@ -58,7 +58,7 @@ def one_rank():
     """A single-rank Megatron runtime for one test (the SFT run below sets up its own)."""
     from megatron_ranks import parallel_cfg
 
-    from alignflow.megatron import runtime
+    from alignflow.job.model import runtime
 
     parallel = parallel_cfg()
     runtime.init_parallel(parallel)
@@ -149,7 +149,7 @@ def test_an_hf_source_with_pickled_weights_only_is_refused_at_compose(base_overr
 
 
 def test_a_tokenizer_that_needs_its_own_code_is_refused(demo_dir, tmp_path):
-    from alignflow.data.tokenize import load_tokenizer
+    from alignflow.job.data.tokenize import load_tokenizer
 
     marker, tokenizer = tmp_path / "code-ran", tmp_path / "tokenizer"
     shutil.copytree(demo_dir / "tokenizer", tokenizer)
@@ -167,8 +167,8 @@ def test_a_tokenizer_that_needs_its_own_code_is_refused(demo_dir, tmp_path):
 def test_loading_a_model_output_that_would_run_code_is_refused(one_rank, converted, marker, tmp_path, hostile):
     """What every training and forward stage does with its model input (Megatron's
     dist_checkpointing: `common.pt` through torch.load, `.metadata` through DCP's reader)."""
-    from alignflow.megatron import checkpoint
-    from alignflow.megatron.model import build_gpt
+    from alignflow.job.model import checkpoint
+    from alignflow.job.model.gpt import build_gpt
 
     output = tmp_path / "output"
     shutil.copytree(converted, output)
@@ -222,8 +222,8 @@ def test_a_megatron_written_nemo_style_checkpoint_converts_exactly(one_rank, dem
     """Megatron's own writer, NeMo 2's `module.` prefix, Transformer Engine-style `_extra_state`
     sharded objects and plain data in common.pt: the restricted reader takes all of its
     metadata (as plain pickle reads it) and the conversion is exact."""
-    from alignflow.megatron import checkpoint
-    from alignflow.megatron.model import build_gpt
+    from alignflow.job.model import checkpoint
+    from alignflow.job.model.gpt import build_gpt
 
     chunks = [build_gpt(json.loads((converted / HF_DIR / "config.json").read_text()), one_rank)]
     checkpoint.load(chunks, str(converted / MODEL_DIR))

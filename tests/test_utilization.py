@@ -5,8 +5,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from alignflow.report import stage_report
-from alignflow.train.utilization import FORWARD, LORA_TRAINING, TRAINING, ModelShape, figures, model_flops, peak_tflops
+from alignflow.orchestrator.report import stage_report
+from alignflow.job.train.utilization import FORWARD, LORA_TRAINING, TRAINING, ModelShape, figures, model_flops, peak_tflops
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, vocab_size=128256, tie_word_embeddings=True)
@@ -82,7 +82,7 @@ def test_a_jobs_peak_memory_is_its_own_not_the_process_that_started_it():
 
     held = bytearray(600 * 2**20)
     held[:: 4096] = b"\1" * len(held[:: 4096])  # resident, page by page
-    child = "import resource; from alignflow.train.utilization import peak_rss_bytes; " \
+    child = "import resource; from alignflow.job.train.utilization import peak_rss_bytes; " \
             "print(peak_rss_bytes() >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)"
     ours, inherited = map(int, subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.split())
     del held

@@ -8,7 +8,7 @@
     torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage distillation --teacher-logprobs T
     python tests/train_ranks.py CFG.json DATA MODEL OUT --pause-after-checkpoint 2
 
-Each rank calls `alignflow.stages.<stage>.run(cfg, {"data": DATA, "model": MODEL, ...}, OUT)`; rank 0
+Each rank calls `alignflow.job.stages.<stage>.run(cfg, {"data": DATA, "model": MODEL, ...}, OUT)`; rank 0
 writes the returned metrics to OUT/result.json. `--pause-after-checkpoint` sleeps after every
 checkpoint so that a test can kill the job between two checkpoints.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from alignflow.worker import typed
+from alignflow.job.worker import typed
 
 SEQ_LENGTH = 64
 RANKS = Path(__file__)
@@ -35,7 +35,7 @@ LAYOUT_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
 def prep_demo(demo_dir: Path, out: Path, prompts: bool = False, preference: bool = False) -> Path:
     """The demo SFT task packed into rows of SEQ_LENGTH tokens (and its prompts, for GRPO; its
     preference pairs, for DPO and reward models)."""
-    from alignflow.stages import prep
+    from alignflow.job.stages import prep
 
     data = demo_dir / "data"
     spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
@@ -52,7 +52,7 @@ def prep_demo(demo_dir: Path, out: Path, prompts: bool = False, preference: bool
 
 def convert_demo(demo_dir: Path, out: Path, folder: str = "tiny-llama", **hf_overrides) -> Path:
     """A demo model (`folder`: tiny-llama, hidden 64, 2 layers, 4 heads, 2 kv heads, or another
-    of `alignflow.demo.MODELS`, or an HF folder's absolute path) as a model stage output; with `hf_overrides` (num_hidden_layers,
+    of `alignflow.orchestrator.demo.MODELS`, or an HF folder's absolute path) as a model stage output; with `hf_overrides` (num_hidden_layers,
     tie_word_embeddings, attention_bias...), a random HF model of its shape with those changes
     (biases random too, so their mapping matters)."""
     source = demo_dir / folder
@@ -73,7 +73,7 @@ def convert_demo(demo_dir: Path, out: Path, folder: str = "tiny-llama", **hf_ove
 
 def convert_hf(demo_dir: Path, source: Path, out: Path) -> Path:
     """An HF folder over the demo tokenizer converted (TP1) as a model stage output at `out`."""
-    from alignflow.stages import convert
+    from alignflow.job.stages import convert
 
     convert.run(typed({
         "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
@@ -101,7 +101,7 @@ def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
 
 def stage_cfg(stage: str, demo_dir: Path, tp: int = 1, pp: int = 1, **section) -> dict:
     """The schema's defaults of a training stage (sft, dpo) as plain data, `section` merged over them."""
-    from alignflow.config.schema import DistillationConfig, DPOConfig, GRPOConfig, LoggingConfig, ModelConfig, RewardModelConfig, SFTConfig
+    from alignflow.orchestrator.config.schema import DistillationConfig, DPOConfig, GRPOConfig, LoggingConfig, ModelConfig, RewardModelConfig, SFTConfig
 
     base = OmegaConf.structured({"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "distillation": DistillationConfig,
                                  "reward_model": RewardModelConfig}[stage])
@@ -126,7 +126,7 @@ def stage_cfg(stage: str, demo_dir: Path, tp: int = 1, pp: int = 1, **section) -
 
 def run_sft(cfg: dict, inputs: dict, out: Path) -> dict:
     """The SFT stage in this process (one rank)."""
-    from alignflow.stages import sft
+    from alignflow.job.stages import sft
 
     return sft.run(typed(cfg), inputs, str(out))
 
@@ -155,7 +155,7 @@ def torchrun(nproc: int, cfg: dict, inputs: dict, out: Path, *extra: str) -> Non
 
 def weights(model_dir: Path) -> dict:
     """Every tensor of a torch_dist checkpoint, by name."""
-    from alignflow.checkpoint.dist_io import DistCheckpointReader
+    from alignflow.job.checkpoint.dist_io import DistCheckpointReader
 
     reader = DistCheckpointReader(str(model_dir))
     return {key: reader.read(key) for key in reader.keys()}
@@ -215,8 +215,8 @@ def main() -> int:
     parser.add_argument("--teacher-logprobs", default=None)
     args = parser.parse_args()
 
-    from alignflow.stages import distillation, dpo, eval as eval_stage, grpo, ref_logprobs, reward_model, sft, teacher_logprobs
-    from alignflow.train import checkpointing
+    from alignflow.job.stages import distillation, dpo, eval as eval_stage, grpo, ref_logprobs, reward_model, sft, teacher_logprobs
+    from alignflow.job.train import checkpointing
 
     if args.pause_after_checkpoint:
         save = checkpointing.save

@@ -30,7 +30,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import FlowRunSort
 
-from alignflow import runs
+from alignflow.orchestrator import runs
 
 from .conftest import SECRETS, WORKER_AWS
 

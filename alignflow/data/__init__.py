@@ -1,5 +1,0 @@
-"""Worker-side data handling: read raw rows (readers), normalise formats (formats), render
-and tokenize chats with a loss mask (tokenize) and pack sequences (packing).
-
-Never imports prefect; the prep stage (`alignflow.stages.prep`) puts these together.
-"""

@@ -1,0 +1,46 @@
+"""The `eval` kind: metrics of a model and its baselines on prep's validation data (`alignflow.job.stages.eval`)."""
+
+from omegaconf import DictConfig
+
+from alignflow.orchestrator.config import schema
+from alignflow.orchestrator.kinds.spec import CACHE, StageKind, Table, many, one, optional
+from alignflow.orchestrator.verify import Need, OutputFormat, json_file
+
+
+def checks(stage, key: str, check_paths: bool) -> list[str]:
+    return eval_sampling_problems(stage.section, key)
+
+
+def eval_sampling_problems(section: DictConfig, key: str = "eval") -> list[str]:
+    """eval.sampling (pass@k, maj@k): n samples per prompt, k of them at a time, drawn at random."""
+    s, key, problems = section.sampling, f"{key}.sampling", []
+    if any(k < 1 for k in s.k):
+        problems.append(f"{key}.k: every k must be >= 1, got {list(s.k)}")
+    elif s.k and max(s.k) > s.n:
+        problems.append(f"{key}.k: k = {max(s.k)} is more than the {s.n} completions sampled per prompt ({key}.n); raise n or lower k")
+    if s.n < 1:
+        problems.append(f"{key}.n: must be >= 1, got {s.n}")
+    if s.temperature < 0:
+        problems.append(f"{key}.temperature: must be >= 0 (0 = greedy), got {s.temperature}")
+    elif s.temperature == 0 and s.n > 1 and s.k:
+        problems.append(f"{key}.temperature: 0 is greedy, so the {s.n} completions of a prompt would be one repeated; "
+                        "sample with a temperature > 0 (e.g. 1.0) or set n: 1")
+    if not 0 < s.top_p <= 1:
+        problems.append(f"{key}.top_p: must be in (0, 1], got {s.top_p}")
+    return problems
+
+
+def table(metrics: dict) -> Table:
+    """Every metric of every model, one row per model (metrics are named `{model}.{metric}`)."""
+    models: dict[str, dict] = {}
+    for key, value in metrics.items():
+        model, _, metric = key.rpartition(".")
+        models.setdefault(model, {"model": model})[metric] = value
+    return Table("models", "every metric of every model", list(models.values()))
+
+
+KIND = StageKind(schema=schema.EvalConfig, output="eval", inputs={"data": one("prep"), "model": one("model"), "baselines": many("model"),
+                                                                  "reward_model": optional("reward_model")},
+                 resumable=False, output_format=OutputFormat("eval.json: metrics per model and samples (alignflow.job.stages.eval)", (Need("eval.json", json_file),)),
+                 headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"),
+                 trend=("*.accuracy", "*.preference_accuracy", "*.val_loss"), reads=("model",), context=CACHE, checks=checks, table=table)

@@ -1,0 +1,93 @@
+"""The `grpo` kind: GRPO with rewards from reward functions, NeMo-RL's knobs (`alignflow.job.stages.grpo`)."""
+
+from omegaconf import DictConfig
+
+from alignflow.orchestrator.config import schema
+from alignflow.orchestrator.kinds.spec import TRAINING, StageKind, one, optional
+from alignflow.job.rewards import SCORE, resolve
+
+
+def checks(stage, key: str, check_paths: bool) -> list[str]:
+    return _check_grpo(key, stage.section) + _check_reward_model_use(stage, key)
+
+
+def _check_grpo(key: str, section: DictConfig) -> list[str]:
+    problems = []
+    if section.loss.ratio_clip_c is not None and section.loss.ratio_clip_c <= 1:
+        problems.append(f"{key}.loss.ratio_clip_c: must be > 1 (typically 3) or null, got {section.loss.ratio_clip_c}")
+    if section.generation_temperature < 0:
+        problems.append(f"{key}.generation_temperature: must be >= 0 (0 = greedy)")
+    if not 0 < section.generation_top_p <= 1:
+        problems.append(f"{key}.generation_top_p: must be in (0, 1]")
+    if section.generation_top_k is not None and section.generation_top_k < 1:
+        problems.append(f"{key}.generation_top_k: must be >= 1 or null")
+    for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        if section.loss[name] is not None and section.loss[name] <= 0:
+            problems.append(f"{key}.loss.{name}: must be > 0 or null (no clamp), got {section.loss[name]}")
+    if not 0 <= section.loss.ratio_clip_min < 1 or section.loss.ratio_clip_max < 0:
+        problems.append(f"{key}.loss.ratio_clip_min / ratio_clip_max: the clip range [1 - min, 1 + max] needs 0 <= min < 1 and max >= 0")
+    if section.overlong_buffer_length is not None and not 0 < section.overlong_buffer_length <= section.max_new_tokens:
+        problems.append(f"{key}.overlong_buffer_length: must be in (0, max_new_tokens = {section.max_new_tokens}] or null, "
+                        f"got {section.overlong_buffer_length}")
+    if section.overlong_buffer_penalty < 0:
+        problems.append(f"{key}.overlong_buffer_penalty: must be >= 0, got {section.overlong_buffer_penalty}")
+    if section.use_dynamic_sampling and section.num_generations_per_prompt < 2:
+        problems.append(f"{key}.use_dynamic_sampling: keeps groups whose rewards differ, so it needs num_generations_per_prompt >= 2")
+    if section.dynamic_sampling_max_gen_batches < 1:
+        problems.append(f"{key}.dynamic_sampling_max_gen_batches: must be >= 1, got {section.dynamic_sampling_max_gen_batches}")
+    if section.num_generations_per_prompt < 2 and (section.use_rloo or section.normalize_rewards):
+        problems.append(f"{key}.num_generations_per_prompt: group baselines need at least 2 generations per prompt")
+    if not section.environment:
+        problems.append(f"{key}.environment: needs at least one reward function")
+    for i, reward in enumerate(section.environment):
+        try:
+            reward.name == SCORE or resolve(reward.name)
+        except ValueError as err:
+            problems.append(f"{key}.environment[{i}].name: {err}")
+    return problems
+
+
+
+def _check_reward_model_use(stage, key: str) -> list[str]:
+    """grpo's `score` rewards and its `reward_model` input come together: one without the other
+    is a reward model never trained against, or a reward that cannot be computed."""
+    scores = [i for i, reward in enumerate(stage.section.environment) if reward.name == SCORE]
+    if scores and "reward_model" not in stage.inputs:
+        return [f"{key}.environment[{scores[0]}].name: {SCORE} needs a reward_model input "
+                f"(pipeline.stages.{stage.name}.inputs.reward_model: a reward_model stage)"]
+    if not scores and "reward_model" in stage.inputs:
+        return [f"pipeline.stages.{stage.name}.inputs.reward_model: no {key}.environment entry uses it; add {{name: {SCORE}}} "
+                "(with a weight to mix it with rule rewards) or drop the input"]
+    return []
+
+
+def grpo_batch_problems(section: DictConfig, dp: int, key: str = "grpo") -> list[str]:
+    """GRPO's batch is num_prompts_per_step x num_generations_per_prompt samples (global_batch_size
+    is unused); checked at compose time and again by the trainer, which knows its DP size."""
+    if section.num_prompts_per_step % dp:
+        return [f"{key}.num_prompts_per_step: {section.num_prompts_per_step} is not divisible by the data-parallel size ({dp})"]
+    samples = section.num_prompts_per_step // dp * section.num_generations_per_prompt
+    if samples % (section.num_optimizer_steps_per_batch * section.micro_batch_size):
+        return [f"{key}.micro_batch_size: the {samples} samples per data-parallel rank and step (num_prompts_per_step / DP x "
+                f"num_generations_per_prompt) do not split into num_optimizer_steps_per_batch ({section.num_optimizer_steps_per_batch}) "
+                f"x micro_batch_size ({section.micro_batch_size})"]
+    return []
+
+
+def rows(section, data, dp: int) -> tuple[int, int]:
+    """A row is a prompt and its completion; a step's samples cut into optimizer steps."""
+    seq_length = min(data.seq_length, data.max_prompt_length + section.max_new_tokens)
+    return seq_length, section.num_prompts_per_step // dp * section.num_generations_per_prompt // section.num_optimizer_steps_per_batch
+
+
+def frozen_models(section, inputs, lora: int | None) -> int:
+    """The reference model for the KL penalty, unless LoRA's base is that reference (adapters off),
+    and the reward model a `score` reward runs."""
+    second_reference = section.loss.ref_policy_kl_penalty > 0 and not (lora and inputs.get("ref_model") == inputs.get("model"))
+    return int(second_reference) + int("reward_model" in inputs)
+
+
+KIND = StageKind(schema=schema.GRPOConfig, output="model", inputs={"data": one("prep"), "model": one("model"), "ref_model": one("model"),
+                                                                   "reward_model": optional("reward_model")},
+                 resumable=True, headline=("reward_first_tenth", "reward_last_tenth", "accuracy", "steps"), reads=("model",), context=TRAINING,
+                 imports=("environment.*.name",), checks=checks, batch_problems=grpo_batch_problems, rows=rows, frozen_models=frozen_models)
