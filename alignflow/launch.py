@@ -566,6 +566,9 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
         return results[0]
     except submitit.core.utils.FailedJobError as err:
         state.set("FAILED")
+        if lost := _ranks_without_result(job):  # rank 0 raised because a peer was gone: retry, resuming from the checkpoint
+            raise InfrastructureError(f"job {job.job_id} lost rank(s) {', '.join(map(str, lost))} (killed, or their node failed), then "
+                                      f"rank 0 failed: {_cause(str(err))}\n{_last_lines(str(err))}", asdict(record)) from None
         error = InfrastructureError if NOT_REQUEUED in str(err) else StageFailed
         raise error(f"job {job.job_id} failed: {_cause(str(err))}\n{_last_lines(str(err))}", asdict(record)) from None
     except submitit.core.utils.UncompletedJobError as err:
@@ -581,6 +584,12 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
     finally:
         if scope is not None:
             scope.jobs.discard(job)
+
+
+def _ranks_without_result(job: submitit.Job) -> list[int]:
+    """The ranks of an ended job that left no result: a rank that raised leaves its error, so
+    these were killed (by a signal, the OOM killer, their node's loss), not failed by the code."""
+    return [rank for rank in range(1, job.num_tasks) if not job.task(rank).paths.result_pickle.exists()]
 
 
 def _best_effort(callback: Callable[[str], None]) -> Callable[[str], None]:

@@ -5,6 +5,7 @@ the single-node run's losses, and a store a node cannot see is refused before an
 
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from alignflow.pipeline import Pipeline
 from alignflow.runner import run_stage
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_demo, prep_demo, sft_cfg, stage_cfg  # noqa: E402
+from train_ranks import assert_same_steps, convert_demo, metrics_lines, prep_demo, sft_cfg, stage_cfg  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this file's functions by value
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -129,3 +130,54 @@ def test_a_store_a_node_cannot_see_is_refused_at_job_start_and_nothing_is_commit
         assert not list(store.rglob("*.safetensors")) and not list(store.rglob("*.distcp"))
     finally:
         subprocess.run(["rm", "-rf", str(store.parent)], check=True)
+
+
+def pausing_rank_1_after_a_checkpoint(pid_file: str, *args):
+    """`run_stage_job` whose rank 1 writes its pid to `pid_file` after its first checkpoint and
+    sleeps, for the test to kill it there; once that file exists (a later attempt), plain."""
+    import os
+    import time
+
+    from alignflow.train import checkpointing
+    from alignflow.worker import run_stage_job
+
+    if os.environ["SLURM_PROCID"] == "1" and not os.path.exists(pid_file):
+        save = checkpointing.save
+
+        def save_then_sleep(*a, **kw):
+            path = save(*a, **kw)
+            Path(pid_file).write_text(str(os.getpid()))
+            time.sleep(120)
+            return path
+
+        checkpointing.save = save_then_sleep
+    return run_stage_job(*args)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_on_its_node_fails_the_job_for_a_retry_that_resumes_from_the_checkpoint(demo_dir, inputs, tmp_path):
+    """Rank 1's process on the second node is killed (SIGKILL) after the step-3 checkpoint: rank 0
+    fails on its lost peer, and the job fails as an infrastructure error (retried), not as the
+    stage's; the retry (a new job on the same output, as the runner submits it) resumes from step
+    3 and completes, each step once in metrics.jsonl."""
+    import os
+    import signal
+
+    from alignflow.launch import InfrastructureError
+
+    cfg = sft_cfg(demo_dir, resources={"nodes": 2, "tasks_per_node": 1}, trainer={"max_steps": 6, "val_check_interval": 3},
+                  checkpoint={"every_n_steps": 3})
+    out, pid_file, lines = tmp_path / "out", tmp_path / "rank1.pid", []
+    args = (str(pid_file), "sft", cfg, inputs, str(out), {})
+    job = submit(launcher(tmp_path), section(2, 1), "sft", pausing_rank_1_after_a_checkpoint, *args, resumable=True)
+    deadline = time.time() + 300
+    while not pid_file.exists() and time.time() < deadline and not job.done():
+        time.sleep(0.5)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    with pytest.raises(InfrastructureError, match=rf"job {job.job_id} lost rank\(s\) 1 \(killed, or their node failed\), then rank 0 failed"):
+        wait(job, lines.append)
+    retry = submit(launcher(tmp_path), section(2, 1), "sft", pausing_rank_1_after_a_checkpoint, *args, resumable=True)
+    retried = []
+    assert wait(retry, retried.append)["steps"] == 6
+    assert any(f"resumed from {out / 'checkpoints' / 'step-00000003'} (step 3 of 6)" in line for line in retried), retried[-30:]
+    assert [line["step"] for line in metrics_lines(out)] == [1, 2, 3, 4, 5, 6]
