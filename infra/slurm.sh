@@ -136,7 +136,7 @@ stop_slurmds() {  # keep <names...>: stop every other slurmd (also of a cluster 
 
 up() {
   local missing
-  missing=$(missing_packages munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
+  missing=$(missing_packages munge slurmctld slurmd slurm-client slurmdbd mariadb-server iproute2)  # iproute2: the nodes' network
   if [ -n "$missing" ]; then
     echo "installing$missing (log: $state/apt.log)"
     # shellcheck disable=SC2086
