@@ -137,8 +137,8 @@ def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, time_min:
 
 
 def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str, shared: tuple[str, ...] = ()) -> submitit.Executor:
-    """A fresh submitit folder per submission, so no run reads another's pickles. A Slurm job on
-    more than one node first checks on each node that it sees that folder and `shared`."""
+    """A fresh submitit folder per submission, so no run reads another's pickles. A Slurm job
+    first checks on each of its nodes that it sees that folder and `shared`."""
     folder = Path(launcher.folder).absolute() / job_name / uuid.uuid4().hex[:12]
     limit = time_limit(launcher, section)
     if launcher.name == LauncherName.local:
@@ -148,17 +148,17 @@ def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str, 
     else:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher.max_requeues)
         params = _slurm_parameters(launcher, section.resources, limit)
-        if section.resources.nodes > 1:
-            params["setup"] = [_visible_on_every_node(str(folder), *shared), *params.get("setup", ())]
+        params["setup"] = [_visible_on_every_node(str(folder), *shared), *params.get("setup", ())]
         executor.update_parameters(job_name=job_name, **params)
     return executor
 
 
 def _visible_on_every_node(*paths: str) -> str:
     """The batch script's line that fails the job unless every node of it sees `paths` (the job
-    folder, the store's output folder), before any rank starts: one node's copy of a node-local
-    path (/tmp) would let the ranks there read nothing and write what no other node sees. Its
-    message lands in rank 0's error log, which the batch script's node writes."""
+    folder, the store's output folder), before any rank starts: a node's own copy of a
+    node-local path (/tmp) would let the ranks there read nothing and write what neither the
+    other nodes nor the submitting host see. Its message lands in rank 0's error log, which the
+    batch script's node writes."""
     check = f'for p; do [ -e "$p" ] || {{ echo "$p {NOT_VISIBLE} $(hostname): it must be on a filesystem every node mounts" >&2; exit 1; }}; done'
     one_task_a_node = "--nodes=$SLURM_JOB_NUM_NODES --ntasks=$SLURM_JOB_NUM_NODES --ntasks-per-node=1 --cpus-per-task=1"
     return f"srun {one_task_a_node} /bin/sh -c {shlex.quote(check)} sh {shlex.join(paths)} || exit 1"
@@ -323,7 +323,7 @@ def _begin_stop(scope: _Scope, signum: int) -> None:
 def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Callable, *args: Any,
            resumable: bool = False, shared: tuple[str, ...] = ()) -> submitit.Job:
     """Submit `fn(*args)` as `section`'s job; requeued on preemption/timeout only if `resumable`.
-    `shared`: local paths every node of a multi-node job must see (`make_executor`).
+    `shared`: local paths every node of a Slurm job must see (`make_executor`).
     Local jobs end with this process, however it ends (`alignflow.orphans`)."""
     reap_on_exit()
     executor = make_executor(launcher, section, job_name, shared)

@@ -114,13 +114,14 @@ def test_dpo_at_pp2_across_two_nodes_has_the_single_node_losses(demo_dir, inputs
     assert_same_steps(one, two, 1e-6, keys=("loss", "reward_margin", "chosen_reward", "val_loss"))
 
 
-def test_a_store_a_node_cannot_see_is_refused_at_job_start_and_nothing_is_committed(base_overrides, tmp_path):
+@pytest.mark.parametrize("nodes", [2, 1])
+def test_a_store_a_node_cannot_see_is_refused_at_job_start_and_nothing_is_committed(base_overrides, tmp_path, nodes):
     """The store is a folder of this host that the nodes do not mount (there each has its own
     tmpfs at that place): the job fails before any rank starts, naming the path and the node,
     and the stage's output is not committed (a rerun is no cache hit)."""
     store = NODE_LOCAL / f"test-{uuid.uuid4().hex[:8]}" / "store"
     overrides = [*base_overrides, f"store.root={store}", "pipeline.stages={convert: {}}", "launcher=slurm", "launcher.partition=debug",
-                 "convert.resources.nodes=2"]
+                 f"convert.resources.nodes={nodes}"]
     try:
         convert = Pipeline.build(compose("demo", overrides))["convert"]
         with pytest.raises(StageFailed, match=rf"job \d+: {store}/convert/\S+ is not visible from node (afnode1|afnode2): it must be on a "
