@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Bring up (or tear down) a single-node Slurm cluster with accounting (slurmdbd + MariaDB), as
-# root on Debian without systemd: daemons are started directly, idempotently.
+# Bring up (or tear down) a Slurm cluster of $SLURM_NODES nodes (default 2) on this machine, with
+# accounting (slurmdbd + MariaDB), as root on Debian without systemd: daemons are started
+# directly, idempotently.
 #   infra/slurm.sh up       install packages if missing, write /etc/slurm/{slurm,slurmdbd}.conf,
-#                           start munged, mariadb, slurmdbd, slurmctld, slurmd; wait for an idle node
+#                           start munged, mariadb, slurmdbd, slurmctld, one slurmd per node; wait
+#                           until every node is idle
 #   infra/slurm.sh status   daemons, sinfo, recent sacct
-#   infra/slurm.sh down     stop slurmd, slurmctld, slurmdbd, mariadb, munged (jobs' state is kept)
+#   infra/slurm.sh down     stop every slurmd, slurmctld, slurmdbd, mariadb, munged; remove the
+#                           nodes' namespaces and bridge (jobs' state is kept)
+# Nodes: SLURM_NODES=1 runs one slurmd on this host, named as it. SLURM_NODES=N>1 runs afnode1..N
+# ($SLURM_NODE_PREFIX), each slurmd in its own network namespace (address $SLURM_SUBNET.1i on the
+# bridge afslurm0, whose host side, $SLURM_SUBNET.1, slurmctld listens on), UTS namespace
+# (`hostname` is the node's name) and mount namespace, where $state/node-local is the node's own
+# tmpfs (node-local scratch); the rest of the filesystem is the host's, shared by every node.
+# The node names resolve for every job through /etc/hosts (a marked block, rewritten in place).
 # State and logs: /var/lib/alignflow-slurm (or $ALIGNFLOW_SLURM_STATE), machine-wide like the
 # cluster itself (/etc/slurm, MariaDB's /var/lib/mysql). Job ids stay unique in the accounting
 # database (sacct, hence submitit, reads a job's state by id): a controller starting without
@@ -24,10 +33,15 @@
 #   - Slurm sends USR2 itself slurm_signal_delay_s (default 90) s, or a bit more, before the limit.
 #   - submitit counts a USR2 as a timeout (max_num_timeout, default 3) when the job ran
 #     >= min(0.8*limit, limit-10min): always for timeout_min <= 10; else as a preemption.
-set -euo pipefail
+set -euo pipefail  # (no `cmd | grep -q`: grep leaving early fails cmd with SIGPIPE)
 cd "$(dirname "$0")/.."
 state=${ALIGNFLOW_SLURM_STATE:-/var/lib/alignflow-slurm}; mkdir -p "$state"
-node=$(hostname -s)
+host=$(hostname -s)
+nodes=${SLURM_NODES:-2}
+prefix=${SLURM_NODE_PREFIX:-afnode}
+subnet=${SLURM_SUBNET:-10.213.0}
+bridge=afslurm0
+[[ "$nodes" =~ ^[1-9][0-9]?$ ]] || { echo "SLURM_NODES must be 1..99, got '$nodes'" >&2; exit 2; }
 cluster=${SLURM_CLUSTER:-alignflow}
 dbpass=${SLURM_DB_PASS:-slurmdb}
 export DEBIAN_FRONTEND=noninteractive
@@ -66,11 +80,63 @@ first_job_id() {  # kept while the controller has state; else above every job th
     mysql -N -e "SELECT COALESCE(MAX(id_job), 0) + 1 FROM slurm_acct_db.\`${cluster}_job_table\`" 2>/dev/null || echo 1
   fi
 }
-node_idle() { sinfo -h -n "$node" -o %t | grep -qE '^(idle|mix|alloc)'; }
+node_names() { if [ "$nodes" = 1 ]; then echo "$host"; else seq -f "$prefix%g" "$nodes"; fi; }
+nodes_idle() { [ "$(sinfo -h -N -o %t | grep -cE '^(idle|mix|alloc)')" = "$nodes" ]; }
+ctld_addr() { if [ "$nodes" = 1 ]; then echo 127.0.0.1; else echo "$subnet.1"; fi; }
+node_addr() { if [ "$nodes" = 1 ]; then echo 127.0.0.1; else echo "$subnet.$((10 + ${1#"$prefix"}))"; fi; }
+node_netns() { ip netns list | awk '{print $1}' | grep -E "^$prefix[0-9]+$" || true; }
+
+network_up() {  # the bridge; per node a network namespace named as the node, a veth on the bridge
+  ip link show "$bridge" >/dev/null 2>&1 || ip link add "$bridge" type bridge
+  ip addr show dev "$bridge" | grep "inet $subnet.1/24" >/dev/null || ip addr add "$subnet.1/24" dev "$bridge"
+  ip link set "$bridge" up
+  local name addr
+  for name in $(node_names); do
+    addr=$(node_addr "$name")
+    node_netns | grep -x "$name" >/dev/null || ip netns add "$name"
+    ip link show "v-$name" >/dev/null 2>&1 || ip link add "v-$name" type veth peer name eth0 netns "$name"
+    ip link set "v-$name" master "$bridge" up
+    ip -n "$name" link set lo up
+    ip -n "$name" addr show dev eth0 | grep "inet $addr/" >/dev/null || ip -n "$name" addr add "$addr/24" dev eth0
+    ip -n "$name" link set eth0 up
+  done
+}
+network_down() {  # keep <names...>: every other node's namespace and veth go; with none kept, the bridge too
+  local name
+  for name in $(node_netns); do
+    if ! printf '%s\n' "$@" | grep -x "$name" >/dev/null; then ip link del "v-$name" 2>/dev/null || true; ip netns del "$name"; fi
+  done
+  [ "$#" -gt 0 ] || ip link del "$bridge" 2>/dev/null || true
+}
+hosts_entries() {  # /etc/hosts: the nodes' names and addresses between two marker lines
+  local begin="# alignflow slurm nodes: begin" end="# alignflow slurm nodes: end" name
+  {
+    sed "/^$begin\$/,/^$end\$/d" /etc/hosts
+    if [ "$nodes" != 1 ]; then
+      echo "$begin"; for name in $(node_names); do echo "$(node_addr "$name") $name"; done; echo "$end"
+    fi
+  } | write /etc/hosts 644 || true
+}
+slurmd_up() {  # slurmd_up <node>: in its namespaces (on a one-node cluster, this host's)
+  # (nsenter, not `ip netns exec`, which remounts /sys without the cgroup tree slurmd needs)
+  running "$state/slurmd-$1.pid" && return 0
+  if [ "$nodes" = 1 ]; then slurmd -N "$1"; return; fi
+  mkdir -p "$state/node-local"
+  nsenter --net="/run/netns/$1" unshare --uts --mount --propagation private sh -c \
+    'hostname "$1" && mount -t tmpfs -o size=1g,mode=1777 "node-local-$1" "$2" && exec slurmd -N "$1"' sh "$1" "$state/node-local"
+}
+stop_slurmds() {  # keep <names...>: stop every other slurmd (also of a cluster of another size)
+  local pidfile name
+  for pidfile in "$state"/slurmd*.pid; do
+    [ -e "$pidfile" ] || continue
+    name=$(basename "$pidfile" .pid); name=${name#slurmd}; name=${name#-}
+    if ! printf '%s\n' "$@" | grep -x "$name" >/dev/null; then stop "$pidfile" slurmd && rm -f "$pidfile"; fi
+  done
+}
 
 up() {
   local missing
-  missing=$(missing_packages munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
+  missing=$(missing_packages munge slurmctld slurmd slurm-client slurmdbd mariadb-server iproute2)  # iproute2: the nodes' network
   if [ -n "$missing" ]; then
     echo "installing$missing (log: $state/apt.log)"
     # shellcheck disable=SC2086
@@ -99,6 +165,12 @@ up() {
     CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY '$dbpass';
     GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
 
+  # nodes: those of another cluster size go; this size's network and names
+  # shellcheck disable=SC2046
+  stop_slurmds $(node_names); network_down $([ "$nodes" = 1 ] || node_names)
+  [ "$nodes" = 1 ] || network_up
+  hosts_entries
+
   # config: restart slurm daemons whose config changed
   local cpus mem first_id changed=0
   cpus=$(nproc); mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p'); first_id=$(first_job_id)
@@ -116,19 +188,19 @@ StoragePass=$dbpass
 StorageLoc=slurm_acct_db
 EOF
   write /etc/slurm/slurm.conf 644 <<EOF && changed=1 || true
-# Written by infra/slurm.sh: single-node development cluster.
+# Written by infra/slurm.sh: a development cluster of $nodes node(s) on one machine.
 ClusterName=$cluster
-SlurmctldHost=$node(127.0.0.1)
+SlurmctldHost=$host($(ctld_addr))
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=cred_expire=10
 StateSaveLocation=$state/ctld
 FirstJobId=$first_id
-SlurmdSpoolDir=$state/d
+SlurmdSpoolDir=$state/d/%n
 SlurmctldPidFile=$state/slurmctld.pid
-SlurmdPidFile=$state/slurmd.pid
+SlurmdPidFile=$state/slurmd-%n.pid
 SlurmctldLogFile=$state/slurmctld.log
-SlurmdLogFile=$state/slurmd.log
+SlurmdLogFile=$state/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -144,11 +216,11 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+$(for name in $(node_names); do echo "NodeName=$name NodeAddr=$(node_addr "$name") CPUs=$cpus RealMemory=$mem State=UNKNOWN"; done)
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
   if [ "$changed" = 1 ]; then
-    stop "$state/slurmd.pid" slurmd; stop "$state/slurmctld.pid" slurmctld; stop "$state/slurmdbd.pid" slurmdbd
+    stop_slurmds; stop "$state/slurmctld.pid" slurmctld; stop "$state/slurmdbd.pid" slurmdbd
   fi
 
   running "$state/slurmdbd.pid" || slurmdbd
@@ -156,16 +228,19 @@ EOF
   grep -qx "$cluster" <<<"$(sacctmgr -n -P list cluster format=cluster)" || sacctmgr -i add cluster "$cluster" >/dev/null
   running "$state/slurmctld.pid" || slurmctld
   wait_for 30 slurmctld scontrol ping
-  running "$state/slurmd.pid" || slurmd
-  wait_for 30 "node $node" node_idle
+  for name in $(node_names); do slurmd_up "$name"; done
+  wait_for 30 "nodes $(node_names | paste -sd ' ')" nodes_idle
   wait_for 30 sacct sacct -n -X -S now-1hours
   sinfo
-  echo "Slurm up: cluster $cluster, node $node ($cpus CPUs, $mem MB), partition debug; logs in $state"
+  echo "Slurm up: cluster $cluster, $nodes node(s) $(node_names | paste -sd ' ') ($cpus CPUs, $mem MB each), partition debug; logs in $state"
   echo "  align run launcher=slurm launcher.partition=debug"
 }
 
 status() {
-  for d in slurmd slurmctld slurmdbd; do
+  for name in $(node_names); do
+    running "$state/slurmd-$name.pid" && echo "slurmd $name: running" || echo "slurmd $name: stopped"
+  done
+  for d in slurmctld slurmdbd; do
     running "$state/$d.pid" && echo "$d: running" || echo "$d: stopped"
   done
   mariadb_up >/dev/null 2>&1 && echo "mariadb: running" || echo "mariadb: stopped"
@@ -175,7 +250,9 @@ status() {
 }
 
 down() {
-  stop "$state/slurmd.pid" slurmd
+  stop_slurmds
+  network_down
+  SLURM_NODES=1 nodes=1 hosts_entries
   stop "$state/slurmctld.pid" slurmctld
   stop "$state/slurmdbd.pid" slurmdbd
   if command -v mysqladmin >/dev/null && mariadb_up >/dev/null 2>&1; then mysqladmin shutdown; fi

@@ -110,8 +110,9 @@ def s3_endpoint():
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A real single-node Slurm cluster with accounting: `infra/slurm.sh up` (idempotent; ~3 s when
-    its Debian packages are installed, which it does itself on a fresh root CI machine).
+    """A real Slurm cluster with accounting, 2 nodes in namespaces of this machine: `infra/slurm.sh up`
+    (idempotent; ~4 s when its Debian packages are installed, which it does itself on a fresh
+    root CI machine).
 
     It is left up after the session, as a running dev cluster is left alone: other sessions may
     be using it, and the next `up` is then instant. `infra/slurm.sh down` stops it."""

@@ -331,6 +331,14 @@ CASES = {
                                          env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}),
     "slurm-ranks-more-than-gpus": Case(("launcher=slurm", "launcher.partition=debug", "launcher.gpus_per_node=1", "dpo.resources.tasks_per_node=2"),
                                        ("dpo.resources.tasks_per_node: 2 ranks per node but launcher.gpus_per_node is 1 (one GPU per rank)",)),
+    # several nodes
+    "nodes-on-the-local-launcher": Case(("sft.resources.nodes=2",),
+                                        ("sft.resources.nodes: 2 nodes need launcher=slurm; the local launcher runs every rank on this machine "
+                                         "(set sft.resources.nodes=1 and tasks_per_node=2 for the same 2 ranks here)",)),
+    "layout-does-not-split-over-the-nodes": Case(("launcher=slurm", "launcher.partition=debug", "dpo.resources.nodes=3",
+                                                  "dpo.parallel.pipeline_model_parallel_size=2"),
+                                                 ("dpo.parallel: tensor (1) x pipeline (2) x context (1) = 2 does not divide the world size "
+                                                  "dpo.resources.nodes x tasks_per_node = 3",)),
     # model sources from the Hugging Face cache, and what a model needs of the GPUs
     "hub-id-not-in-the-cache": Case(("model.source=nobody/no-such-model", "model.tokenizer={D}/tokenizer"),
                                     ("model.source: nobody/no-such-model is not in the local Hugging Face cache", "hf download nobody/no-such-model")),

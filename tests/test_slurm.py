@@ -1,7 +1,8 @@
-"""The slurm launcher on a real single-node cluster (infra/slurm.sh, `slurm_cluster` fixture):
+"""The slurm launcher on the real cluster (infra/slurm.sh, `slurm_cluster` fixture), one node a job:
 ranks are Slurm tasks with torch.distributed, a USR2-preempted training job is requeued and
 resumes from its checkpoint to the uninterrupted weights, and a cancelled flow run leaves no
-Slurm job behind. The node has 2 CPUs: a 2-task job (cpus_per_task=1) fills it."""
+Slurm job behind. A node has 2 CPUs: a 2-task job (cpus_per_task=1) fills it (tests/test_nodes.py:
+jobs across nodes)."""
 
 import os
 import signal
@@ -20,7 +21,7 @@ from prefect.client.schemas.objects import StateType
 
 from alignflow import PROJECT_ROOT
 from alignflow.orchestrator.config.schema import LauncherConfig
-from alignflow.orchestrator.launch import InfrastructureError, job_record, submit, wait
+from alignflow.orchestrator.launch import InfrastructureError, job_record, slurm_rendezvous_port, submit, wait
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_launch import all_reduce_rank, sleep_long  # noqa: E402
@@ -52,7 +53,7 @@ def test_two_slurm_tasks_get_a_gloo_process_group_and_their_states_are_logged(tm
     job = submit(slurm(tmp_path), section(2), "probe", all_reduce_rank)
     lines, record = [], job_record(job)
     result = wait(job, lines.append, poll_s=0.5, record=record)
-    assert result.pop("port") == job.submission().function.master_port
+    assert result.pop("port") == slurm_rendezvous_port(job.job_id)
     assert result == {"rank": 0, "world": 2, "sum": 3.0, "backend": "gloo"}
     assert [r["rank"] for r in job.results()] == [0, 1]
     assert any("hello from rank 0" in line for line in lines), lines  # the last output too, once the job ended

@@ -7,7 +7,9 @@ does not stop when its run dies: a rerun adopts it (`alignflow.orchestrator.leas
 
 Runs inside a submitit job (local process or Slurm task). Never imports prefect. Each
 rank gets the torch.distributed environment (MASTER_ADDR, RANK, WORLD_SIZE, LOCAL_RANK) from
-submitit's job environment and MASTER_PORT from its submission (`alignflow.orchestrator.launch.Attempt`);
+submitit's job environment (on Slurm MASTER_ADDR is the job's first node) and MASTER_PORT from
+its submission (`alignflow.orchestrator.launch.Attempt`); ranks on several nodes talk over the interface
+that routes to rank 0's node;
 with more than one rank the default process group is initialised here
 (`alignflow.job.device.init_process_group`: gloo on CPU, nccl on this rank's GPU).
 """
@@ -18,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import traceback
 import warnings
@@ -222,6 +225,20 @@ def _log_to_stdout(rank: int) -> None:
     logger.setLevel(logging.DEBUG)
 
 
+def _talk_by_the_route_to(master: str) -> None:
+    """gloo and nccl bind the address of this node by which it reaches rank 0's (unless the user
+    named an interface): left to themselves they take whatever the node's hostname resolves to,
+    which may be loopback or a network the other nodes cannot reach."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((master, 9))  # UDP: nothing is sent, the kernel only picks the route and source address
+        address = probe.getsockname()[0]
+    interface = next((name for name, addresses in psutil.net_if_addrs().items() if any(a.address == address for a in addresses)), None)
+    if interface is None:
+        raise RuntimeError(f"no network interface of node {socket.gethostname()} has {address}, its address towards rank 0's node {master}")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+
 def _setup_rank() -> int:
     import submitit
 
@@ -229,6 +246,8 @@ def _setup_rank() -> int:
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     except RuntimeError:  # not inside a submitit job (e.g. called directly in a test)
         return int(os.environ.get("RANK", 0))
+    if env.world_size > env.local_world_size:  # ranks on other nodes too
+        _talk_by_the_route_to(env.master_addr)
     if env.world_size > 1:
         from alignflow.job.device import init_process_group
 

@@ -31,6 +31,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -57,10 +58,12 @@ from alignflow.orchestrator.orphans import end, reap_on_exit
 ERROR_TAIL_LINES = 40
 STATE_POLL_S = 2.0  # sacct at most this often per job: submitit's own watcher waits up to 600 s
 SLURM_LOG_QUIET_S = 2.0  # a Slurm job's logs are complete once they stayed quiet this long after its end
-# Rank 0's rendezvous port (torch.distributed's TCPStore) is drawn below Linux's ephemeral range
+# Rank 0's rendezvous port (torch.distributed's TCPStore) is below Linux's ephemeral range
 # (32768-60999): a port there may be held by any client connection on the node, which makes the
-# store's bind fail (EADDRINUSE); submitit's default draws from 20000-60000.
+# store's bind fail (EADDRINUSE); submitit's default draws from 20000-60000. A local job's is
+# drawn free here; a Slurm job's follows from its id (`slurm_rendezvous_port`).
 RENDEZVOUS_PORTS = (20000, 32767)
+NOT_VISIBLE = "is not visible from node"  # the shared-path check's message (`_visible_on_every_node`)
 NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit's local jobs always have one
 NOT_REQUEUED = "Job not requeued because"  # submitit's message when it gives up on a preempted/timed-out job
 
@@ -133,8 +136,9 @@ def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, time_min:
     return {k: v for k, v in params.items() if v is not None}
 
 
-def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str) -> submitit.Executor:
-    """A fresh submitit folder per submission, so no run reads another's pickles."""
+def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str, shared: tuple[str, ...] = ()) -> submitit.Executor:
+    """A fresh submitit folder per submission, so no run reads another's pickles. A Slurm job
+    first checks on each of its nodes that it sees that folder and `shared`."""
     folder = Path(launcher.folder).absolute() / job_name / uuid.uuid4().hex[:12]
     limit = time_limit(launcher, section)
     if launcher.name == LauncherName.local:
@@ -143,8 +147,21 @@ def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str) 
                                    timeout_min=limit if limit is not None else NO_TIME_LIMIT_MIN)
     else:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher.max_requeues)
-        executor.update_parameters(job_name=job_name, **_slurm_parameters(launcher, section.resources, limit))
+        params = _slurm_parameters(launcher, section.resources, limit)
+        params["setup"] = [_visible_on_every_node(str(folder), *shared), *params.get("setup", ())]
+        executor.update_parameters(job_name=job_name, **params)
     return executor
+
+
+def _visible_on_every_node(*paths: str) -> str:
+    """The batch script's line that fails the job unless every node of it sees `paths` (the job
+    folder, the store's output folder), before any rank starts: a node's own copy of a
+    node-local path (/tmp) would let the ranks there read nothing and write what neither the
+    other nodes nor the submitting host see. Its message lands in rank 0's error log, which the
+    batch script's node writes."""
+    check = f'for p; do [ -e "$p" ] || {{ echo "$p {NOT_VISIBLE} $(hostname): it must be on a filesystem every node mounts" >&2; exit 1; }}; done'
+    one_task_a_node = "--nodes=$SLURM_JOB_NUM_NODES --ntasks=$SLURM_JOB_NUM_NODES --ntasks-per-node=1 --cpus-per-task=1"
+    return f"srun {one_task_a_node} /bin/sh -c {shlex.quote(check)} sh {shlex.join(paths)} || exit 1"
 
 
 class Attempt(submitit.helpers.Checkpointable):
@@ -152,13 +169,15 @@ class Attempt(submitit.helpers.Checkpointable):
     timeout (Slurm USR2). Only rank 0 runs `checkpoint()`; it resubmits this object with one
     requeue less, so the count survives requeues. A stage that cannot resume gets 0: it is not
     requeued but fails as an infrastructure error, and a retry starts it clean. `devices` is a
-    local job's CUDA_VISIBLE_DEVICES (None on Slurm, which sets it)."""
+    local job's CUDA_VISIBLE_DEVICES (None on Slurm, which sets it); `master_port` a local job's
+    rendezvous port (None on Slurm: `slurm_rendezvous_port`)."""
 
-    def __init__(self, fn: Callable, requeues: int, master_port: int, devices: str | None = None):
+    def __init__(self, fn: Callable, requeues: int, master_port: int | None, devices: str | None = None):
         self.fn, self.requeues, self.master_port, self.devices = fn, requeues, master_port, devices
 
     def __call__(self, *args: Any) -> Any:
-        os.environ["MASTER_PORT"] = str(self.master_port)  # read by alignflow.job.worker's rank set-up
+        port = self.master_port if self.master_port is not None else slurm_rendezvous_port(os.environ["SLURM_JOB_ID"])
+        os.environ["MASTER_PORT"] = str(port)  # read by alignflow.job.worker's rank set-up
         if self.devices is not None:  # a local job's GPUs (`local_devices`): CUDA reads them at its first call, later
             os.environ["CUDA_VISIBLE_DEVICES"] = self.devices
         env = submitit.JobEnvironment()
@@ -302,13 +321,15 @@ def _begin_stop(scope: _Scope, signum: int) -> None:
 
 
 def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Callable, *args: Any,
-           resumable: bool = False) -> submitit.Job:
+           resumable: bool = False, shared: tuple[str, ...] = ()) -> submitit.Job:
     """Submit `fn(*args)` as `section`'s job; requeued on preemption/timeout only if `resumable`.
+    `shared`: local paths every node of a Slurm job must see (`make_executor`).
     Local jobs end with this process, however it ends (`alignflow.orchestrator.orphans`)."""
     reap_on_exit()
-    executor = make_executor(launcher, section, job_name)
-    devices = local_devices(launcher, section.resources.tasks_per_node) if launcher.name == LauncherName.local else None
-    attempt = Attempt(fn, launcher.max_requeues if resumable else 0, rendezvous_port(), devices)
+    executor = make_executor(launcher, section, job_name, shared)
+    local = launcher.name == LauncherName.local
+    devices = local_devices(launcher, section.resources.tasks_per_node) if local else None
+    attempt = Attempt(fn, launcher.max_requeues if resumable else 0, rendezvous_port() if local else None, devices)
     scope = _scope.get()
     if scope is None:
         return executor.submit(attempt, *args)
@@ -394,9 +415,16 @@ def cpu_warning(launcher: LauncherConfig) -> str | None:
             f"GPU(s) ({found.source}); leave it unset (null) to give each rank one of them")
 
 
+def slurm_rendezvous_port(job_id: str) -> int:
+    """A Slurm job's port in RENDEZVOUS_PORTS, from its id: its rank 0's node is known only once
+    it runs, and jobs running on one node at once have ids apart by less than the range's size,
+    so their ports differ; a requeued job keeps its id, hence its port."""
+    low, high = RENDEZVOUS_PORTS
+    return low + int(job_id) % (high - low + 1)
+
+
 def rendezvous_port() -> int:
-    """A port in RENDEZVOUS_PORTS that is free here now (on Slurm, rank 0's node is likely
-    another: there only the range protects it)."""
+    """A local job's port: one in RENDEZVOUS_PORTS that is free here now."""
     for _ in range(100):
         port = random.randint(*RENDEZVOUS_PORTS)
         with socket.socket() as probe:
@@ -538,10 +566,15 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
         return results[0]
     except submitit.core.utils.FailedJobError as err:
         state.set("FAILED")
+        if lost := _ranks_without_result(job):  # rank 0 raised because a peer was gone: retry, resuming from the checkpoint
+            raise InfrastructureError(f"job {job.job_id} lost rank(s) {', '.join(map(str, lost))} (killed, or their node failed), then "
+                                      f"rank 0 failed: {_cause(str(err))}\n{_last_lines(str(err))}", asdict(record)) from None
         error = InfrastructureError if NOT_REQUEUED in str(err) else StageFailed
         raise error(f"job {job.job_id} failed: {_cause(str(err))}\n{_last_lines(str(err))}", asdict(record)) from None
     except submitit.core.utils.UncompletedJobError as err:
         state.ended_without_result()
+        if not_visible := [line for line in str(err).splitlines() if NOT_VISIBLE in line]:  # no retry will see it either
+            raise StageFailed(f"job {job.job_id}: {not_visible[0]}\n{_last_lines(str(err))}", asdict(record)) from None
         raise InfrastructureError(f"job {job.job_id} {state.ending()}:\n{_last_lines(str(err))}", asdict(record)) from None
     except Exception:
         raise
@@ -551,6 +584,12 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
     finally:
         if scope is not None:
             scope.jobs.discard(job)
+
+
+def _ranks_without_result(job: submitit.Job) -> list[int]:
+    """The ranks of an ended job that left no result: a rank that raised leaves its error, so
+    these were killed (by a signal, the OOM killer, their node's loss), not failed by the code."""
+    return [rank for rank in range(1, job.num_tasks) if not job.task(rank).paths.result_pickle.exists()]
 
 
 def _best_effort(callback: Callable[[str], None]) -> Callable[[str], None]:

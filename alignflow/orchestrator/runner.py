@@ -13,6 +13,7 @@ from fnmatch import fnmatch
 from typing import Callable
 
 import submitit
+from fsspec.implementations.local import LocalFileSystem
 from omegaconf import OmegaConf
 
 from alignflow import __version__
@@ -172,7 +173,8 @@ def _start_or_adopt(stage: Stage, store: Store, ident: dict, inputs: dict, paths
     store.fs.makedirs(store.staging_path(name, fp), exist_ok=True)
     storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
     job = submit(cfg.launcher, stage.section, f"{name}-{fp}", run_stage_job, stage.kind, for_job(cfg, paths), inputs,
-                 store.uri(store.staging_path(name, fp)), storage_options, lease.fence(), ident, resumable=stage.spec.resumable)
+                 store.uri(store.staging_path(name, fp)), storage_options, lease.fence(), ident, resumable=stage.spec.resumable,
+                 shared=(store.staging_path(name, fp),) if isinstance(store.fs, LocalFileSystem) else ())
     record = job_record(job, time_limit(cfg.launcher, stage.section))
     lease.record_job(asdict(record))
     log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}, log {record.stdout}")

@@ -53,6 +53,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         shape = _model_shape(stage.cfg, problems, shapes) if check_paths and "parallel" in stage.section else None
         problems += _check_stage(stage, key, shape) + stage.spec.checks(stage, key, check_paths)
         problems += _check_time_limit(stage, key) + _check_ranks_on_gpus(stage.section, key, gpus)
+        problems += _check_nodes(stage.section, key, cfg.launcher)
         problems += _check_memory(key, memory.get(stage.name), cfg.launcher.gpu_memory_gib)
         problems += _check_lineage(pipeline, stage, cfg if check_paths else None)
     problems += _check_retention(cfg.store.retention) + _check_lease(cfg.store) + _check_gpus(cfg.launcher)
@@ -311,6 +312,15 @@ def _check_gpus(launcher: DictConfig) -> list[str]:
         return []
     return [f"launcher.gpus_per_node: {asked} for the local launcher, but this machine has {len(found.ids) or 'none'} ({found.source}); "
             "leave it unset (null) to use the GPUs there are, or set 0 to run on the CPU"]
+
+
+def _check_nodes(section: DictConfig, key: str, launcher: DictConfig) -> list[str]:
+    """More than one node is Slurm's: the local launcher runs every rank on this machine."""
+    nodes, tasks = section.resources.nodes, section.resources.tasks_per_node
+    if launcher.name != LauncherName.local or nodes <= 1:
+        return []
+    return [f"{key}.resources.nodes: {nodes} nodes need launcher=slurm; the local launcher runs every rank on this machine "
+            f"(set {key}.resources.nodes=1 and tasks_per_node={nodes * tasks} for the same {nodes * tasks} ranks here)"]
 
 
 def _check_ranks_on_gpus(section: DictConfig, key: str, gpus: int) -> list[str]:
