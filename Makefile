@@ -13,4 +13,5 @@ demo: install
 
 test: install-dev
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest -x -q -rs --timeout=900

@@ -49,7 +49,7 @@ def dense(q, k, v):
     allowed = (document[:, None] == document[None]) & (i[:, None] >= i[None])
     if window_size is not None:
         allowed &= i[:, None] - i[None] <= window_size[0]
-    scores = (q @ k.transpose(-1, -2) * dim ** -0.5).float().masked_fill(~allowed, float("-inf"))
+    scores = (q @ k.transpose(-1, -2) * dim**-0.5).float().masked_fill(~allowed, float("-inf"))
     return (scores.softmax(-1).to(v.dtype) @ v)[0].transpose(0, 1)
 
 
@@ -67,12 +67,12 @@ def flex(q, k, v):
     mask = create_block_mask(and_masks(*rules), None, None, s, s, device=device)
     attend = torch.compile(flex_attention) if cuda else flex_attention
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-    return attend(q, k, v, block_mask=mask, scale=dim ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    return attend(q, k, v, block_mask=mask, scale=dim**-0.5, enable_gqa=True)[0].transpose(0, 1)
 
 
 def packed(name):
     documents = Documents.of(cu, int(cu.diff().max()), s)
-    return lambda q, k, v: KERNELS[name](q, k, v, documents, window_size, dim ** -0.5, 0.0)
+    return lambda q, k, v: KERNELS[name](q, k, v, documents, window_size, dim**-0.5, 0.0)
 
 
 def kb(field: str) -> int:
@@ -98,8 +98,10 @@ def step(fn, q, k, v, backward=True):
 candidates = {"dense": (dense, True), "sdpa": (packed("sdpa"), True), "flex": (flex, cuda)} | ({"varlen": (packed("varlen"), True)} if cuda else {})
 q = torch.randn(s, heads, dim, device=device, dtype=dtype)
 k, v = (torch.randn(s, groups, dim, device=device, dtype=dtype) for _ in range(2))
-print(f"{device.type} {args.dtype}: one row of {s} tokens, documents {lengths} (+ padding), window {args.window}, "
-      f"{heads} heads / {groups} groups x {dim}; forward + backward")
+print(
+    f"{device.type} {args.dtype}: one row of {s} tokens, documents {lengths} (+ padding), window {args.window}, "
+    f"{heads} heads / {groups} groups x {dim}; forward + backward"
+)
 reference = step(candidates["sdpa"][0], q, k, v)
 for name, (fn, backward) in candidates.items():
     out = step(fn, q, k, v, backward)  # warm-up (and compilation)

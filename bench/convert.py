@@ -31,13 +31,33 @@ from alignflow.orchestrator import demo
 from alignflow.job.checkpoint.safetensors_io import TensorSpec, write_sharded
 
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
-    "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 20,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
 }
-MIXTRAL = {**CONFIG, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 3584,
-           "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2}
+MIXTRAL = {
+    **CONFIG,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
 SHAPES = {"llama": CONFIG, "mixtral": MIXTRAL}
 CHILD = """
 import json, re, sys
@@ -54,8 +74,14 @@ def hf_specs(c: dict) -> list[TensorSpec]:
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "post_attention_layernorm.weight": (h,),
+        }
         if "num_local_experts" in c:  # Mixtral: a router and w1 (gate), w3 (up), w2 (down) per expert
             shapes[p + "block_sparse_moe.gate.weight"] = (c["num_local_experts"], h)
             for e in range(c["num_local_experts"]):
@@ -111,8 +137,10 @@ files = sorted(source.glob("*.safetensors"))
 warm_s = plain_read(files)
 evict(files)
 read_s = plain_read(files)
-cfg = {"model": {"source": str(source), "hf_config": None, "tokenizer": str(tokenizer), "make_vocab_size_divisible_by": 128},
-       "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}}}
+cfg = {
+    "model": {"source": str(source), "hf_config": None, "tokenizer": str(tokenizer), "make_vocab_size_divisible_by": 128},
+    "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+}
 baseline, _ = child("imports-only")
 evict(files)
 converted, convert_s = child("convert", json.dumps(cfg), str(out))
@@ -121,11 +149,15 @@ read_mbs, convert_mbs = size / 1e6 / read_s, size / 1e6 / convert_s
 print(f"{'':<34}{'seconds':>9}{'MB/s':>9}")
 print(f"{'plain read (page cache)':<34}{warm_s:>9.2f}{size / 1e6 / warm_s:>9.0f}")
 print(f"{'plain read of the shards':<34}{read_s:>9.2f}{read_mbs:>9.0f}")
-print(f"{'alignflow convert stage':<34}{converted['seconds']:>9.2f}{converted['mb_per_s']:>9.0f}   {converted['mb_per_s'] / read_mbs:.0%} of plain read")
+print(
+    f"{'alignflow convert stage':<34}{converted['seconds']:>9.2f}{converted['mb_per_s']:>9.0f}   {converted['mb_per_s'] / read_mbs:.0%} of plain read"
+)
 print(f"{'  the same, with process start-up':<34}{convert_s:>9.2f}{convert_mbs:>9.0f}   {convert_mbs / read_mbs:.0%} of plain read")
 peak = converted["peak_rss"]
-print(f"peak RSS of convert: {peak / 1e6:.0f} MB = {peak / size:.1%} of the checkpoint, "
-      f"{peak / largest.nbytes:.1f}x the largest tensor; a process importing the same modules: {baseline['peak_rss'] / 1e6:.0f} MB")
+print(
+    f"peak RSS of convert: {peak / 1e6:.0f} MB = {peak / size:.1%} of the checkpoint, "
+    f"{peak / largest.nbytes:.1f}x the largest tensor; a process importing the same modules: {baseline['peak_rss'] / 1e6:.0f} MB"
+)
 print(f"bench process peak RSS (generation): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
 if args.workdir is None:
     shutil.rmtree(work)

@@ -49,18 +49,76 @@ from pathlib import Path
 from alignflow.orchestrator.config.memory import GIB, Dimensions, Layout, estimate
 from alignflow.job.train.utilization import FORWARD, PEAK_SOURCE, TRAINING, ModelShape, figures, model_flops, peak_rss_bytes, peak_tflops
 
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=64, vocab_size=128256, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+)
 SHAPES = {  # model; SFT rows; preference pairs (pair_micro: TRL's pairs, our packed rows per micro batch); prompts x generations; made data
-    "1b": dict(model=LLAMA_1B, seq=4096, micro=1, rows=8, pair_micro=4, pairs=16, gen_batch=64, prompts=64, generations=4,
-               max_new=256, warmup=2, steps=5, chats=(500, 20, 120, 150, 900), pair_data=(160, 20, 60, 100, 500)),
-    "short": dict(model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                             head_dim=64, vocab_size=151936, tie_word_embeddings=True,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-                  seq=1024, micro=8, rows=32, pair_micro=8, pairs=64, gen_batch=128, prompts=128, generations=4,
-                  max_new=128, warmup=2, steps=5, chats=(1500, 5, 40, 20, 200), pair_data=(500, 5, 30, 10, 120)),
-    "tiny": dict(model=None, seq=256, micro=2, rows=4, pair_micro=2, pairs=4, gen_batch=4, prompts=4, generations=2,
-                 max_new=8, warmup=1, steps=2, chats=(60, 5, 20, 10, 60), pair_data=(12, 5, 10, 5, 30)),
+    "1b": dict(
+        model=LLAMA_1B,
+        seq=4096,
+        micro=1,
+        rows=8,
+        pair_micro=4,
+        pairs=16,
+        gen_batch=64,
+        prompts=64,
+        generations=4,
+        max_new=256,
+        warmup=2,
+        steps=5,
+        chats=(500, 20, 120, 150, 900),
+        pair_data=(160, 20, 60, 100, 500),
+    ),
+    "short": dict(
+        model=dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        seq=1024,
+        micro=8,
+        rows=32,
+        pair_micro=8,
+        pairs=64,
+        gen_batch=128,
+        prompts=128,
+        generations=4,
+        max_new=128,
+        warmup=2,
+        steps=5,
+        chats=(1500, 5, 40, 20, 200),
+        pair_data=(500, 5, 30, 10, 120),
+    ),
+    "tiny": dict(
+        model=None,
+        seq=256,
+        micro=2,
+        rows=4,
+        pair_micro=2,
+        pairs=4,
+        gen_batch=4,
+        prompts=4,
+        generations=2,
+        max_new=8,
+        warmup=1,
+        steps=2,
+        chats=(60, 5, 20, 10, 60),
+        pair_data=(12, 5, 10, 5, 30),
+    ),
 }
 
 
@@ -73,9 +131,11 @@ def device_name():
 def environment() -> None:
     import torch
 
-    print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, device {device_name() or 'CPU'}, "
-          f"dense bf16 peak "
-          f"{peak_tflops(device_name()) or 'unknown (no MFU)'} TFLOP/s ({PEAK_SOURCE})")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, device {device_name() or 'CPU'}, "
+        f"dense bf16 peak "
+        f"{peak_tflops(device_name()) or 'unknown (no MFU)'} TFLOP/s ({PEAK_SOURCE})"
+    )
     for name in ("megatron-core", "transformers", "trl", "datasets", "accelerate", "flash-attn", "transformer-engine"):
         try:
             print(f"  {name} {md.version(name)}")
@@ -90,8 +150,9 @@ def gpu_tests(dry_run: bool) -> int:
 
     files = sorted({t.split("::")[0] for t in GPU_TESTS})
     args = ["--collect-only", "-q"] if dry_run else ["-v", "-rfE", "--durations=10", "--timeout=300"]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu", *args, *files],
-                         capture_output=dry_run, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu", *args, *files], capture_output=dry_run, text=True
+    )
     if dry_run:
         found = {line.split("[")[0] for line in out.stdout.splitlines() if "::" in line}
         missing = [t for t in GPU_TESTS if t not in found]
@@ -128,8 +189,9 @@ def prepare(work: Path, shape: dict, dry_run: bool) -> None:
     rng = random.Random(0)
     text = lambda low, high: " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))  # noqa: E731
     n, ask_lo, ask_hi, say_lo, say_hi = shape["chats"]
-    chats = [{"messages": [{"role": "user", "content": text(ask_lo, ask_hi)}, {"role": "assistant", "content": text(say_lo, say_hi)}]}
-             for _ in range(n)]
+    chats = [
+        {"messages": [{"role": "user", "content": text(ask_lo, ask_hi)}, {"role": "assistant", "content": text(say_lo, say_hi)}]} for _ in range(n)
+    ]
     n, ask_lo, ask_hi, say_lo, say_hi = shape["pair_data"]
     pairs = [{"prompt": text(ask_lo, ask_hi), "chosen": text(say_lo, say_hi), "rejected": text(say_lo, say_hi)} for _ in range(n)]
     data = work / "data"
@@ -138,14 +200,16 @@ def prepare(work: Path, shape: dict, dry_run: bool) -> None:
         (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     files = {"sft": data / "sft.jsonl", "preference": data / "preference.jsonl", "prompts": assets / "data" / "prompts_train.jsonl"}
     model = {"source": str(hf), "tokenizer": str(assets / "tokenizer")}
-    cfg = typed({"data": {kind: {"train": str(path), "val_fraction": 0.0} for kind, path in files.items()} | {"seq_length": shape["seq"]},
-                 "model": model})
+    cfg = typed(
+        {"data": {kind: {"train": str(path), "val_fraction": 0.0} for kind, path in files.items()} | {"seq_length": shape["seq"]}, "model": model}
+    )
     prep.run(cfg, {}, str(work / "prep"))
     convert.run(cfg, {}, str(work / "model"))
     prompts = Prompts(Prepared(str(work / "prep")), "train")  # the same prompt tokens on both sides
     rollouts = [prompts.tokens(i) for i in range(shape["prompts"]) for _ in range(shape["generations"])]
-    (work / "inputs.json").write_text(json.dumps({"hf": str(hf), "tokenizer": str(assets / "tokenizer"), "prompts": rollouts,
-                                                  "files": {k: str(v) for k, v in files.items()}}))
+    (work / "inputs.json").write_text(
+        json.dumps({"hf": str(hf), "tokenizer": str(assets / "tokenizer"), "prompts": rollouts, "files": {k: str(v) for k, v in files.items()}})
+    )
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -176,8 +240,7 @@ def peak_gib() -> float:
 
 
 def result(kind: str, tokens: float, flops: float, seconds: float, settings: str) -> dict:
-    return {"kind": kind, "tokens_per_s": tokens / seconds, **figures(flops, seconds, 1, device_name()), "peak_gib": peak_gib(),
-            "settings": settings}
+    return {"kind": kind, "tokens_per_s": tokens / seconds, **figures(flops, seconds, 1, device_name()), "peak_gib": peak_gib(), "settings": settings}
 
 
 def ours(work: Path, shape: dict, precision: str) -> list[dict]:
@@ -194,12 +257,22 @@ def ours(work: Path, shape: dict, precision: str) -> list[dict]:
 
     paths = json.loads((work / "inputs.json").read_text())
     total = shape["warmup"] + shape["steps"]
-    section = {"precision": precision, "trainer": {"max_steps": total, "val_check_interval": 10**6}, "checkpoint": {"every_n_steps": 10**6},
-               "optim": {"lr": 1e-5, "min_lr": 1e-6, "warmup_steps": 0}, "recompute_granularity": "none"}
-    cfg = typed({"sft": section | {"micro_batch_size": shape["micro"], "global_batch_size": shape["rows"]},
-                 "dpo": section | {"micro_batch_size": shape["pair_micro"], "global_batch_size": shape["pairs"]},
-                 "ref_logprobs": {"micro_batch_size": shape["pair_micro"]}, "model": {"source": str(work / "model")},
-                 "store": {"cache_dir": str(work / "cache")}})
+    section = {
+        "precision": precision,
+        "trainer": {"max_steps": total, "val_check_interval": 10**6},
+        "checkpoint": {"every_n_steps": 10**6},
+        "optim": {"lr": 1e-5, "min_lr": 1e-6, "warmup_steps": 0},
+        "recompute_granularity": "none",
+    }
+    cfg = typed(
+        {
+            "sft": section | {"micro_batch_size": shape["micro"], "global_batch_size": shape["rows"]},
+            "dpo": section | {"micro_batch_size": shape["pair_micro"], "global_batch_size": shape["pairs"]},
+            "ref_logprobs": {"micro_batch_size": shape["pair_micro"]},
+            "model": {"source": str(work / "model")},
+            "store": {"cache_dir": str(work / "cache")},
+        }
+    )
     inputs, prepared = {"data": str(work / "prep"), "model": str(work / "model")}, Prepared(str(work / "prep"))
 
     def train(kind: str, data, objective, then=None) -> list[dict]:
@@ -258,8 +331,11 @@ def ours(work: Path, shape: dict, precision: str) -> list[dict]:
         ref_logprobs.run(cfg, inputs, str(work / "ours-ref"))  # the stage: the reference log-probs DPO reads
         return train("dpo", dpo.load_data(prepared, str(work / "ours-ref")), dpo.dpo_objective(cfg.dpo.loss))
 
-    return (attempt("sft", lambda: train("sft", sft.load_data(prepared), sft.SFT, then=rollouts)) + attempt("reference", reference_pass)
-            + attempt("dpo", preference))
+    return (
+        attempt("sft", lambda: train("sft", sft.load_data(prepared), sft.SFT, then=rollouts))
+        + attempt("reference", reference_pass)
+        + attempt("dpo", preference)
+    )
 
 
 def trl(work: Path, shape: dict, on_gpu: bool) -> list[dict]:
@@ -276,8 +352,19 @@ def trl(work: Path, shape: dict, on_gpu: bool) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
     attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
     warmup, steps = shape["warmup"], shape["steps"]
-    common = dict(output_dir=str(work / "trl"), max_steps=warmup + steps, learning_rate=1e-5, bf16=on_gpu, use_cpu=not on_gpu,
-                  gradient_checkpointing=False, report_to=[], save_strategy="no", logging_steps=10**6, seed=0, disable_tqdm=True)
+    common = dict(
+        output_dir=str(work / "trl"),
+        max_steps=warmup + steps,
+        learning_rate=1e-5,
+        bf16=on_gpu,
+        use_cpu=not on_gpu,
+        gradient_checkpointing=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10**6,
+        seed=0,
+        disable_tqdm=True,
+    )
     settings = f"attn {attention}, {'fp32 weights + bf16 autocast' if on_gpu else 'fp32'}, gradient_checkpointing False"
     print(f"TRL settings: {common}, attn_implementation={attention}", flush=True)
 
@@ -307,8 +394,15 @@ def trl(work: Path, shape: dict, on_gpu: bool) -> list[dict]:
 
     def sft() -> list[dict]:
         chats = [json.loads(line) for line in Path(paths["files"]["sft"]).read_text().splitlines()]
-        args = SFTConfig(**common, packing=True, packing_strategy="bfd", padding_free=True, max_length=shape["seq"],
-                         per_device_train_batch_size=shape["micro"], gradient_accumulation_steps=shape["rows"] // shape["micro"])
+        args = SFTConfig(
+            **common,
+            packing=True,
+            packing_strategy="bfd",
+            padding_free=True,
+            max_length=shape["seq"],
+            per_device_train_batch_size=shape["micro"],
+            gradient_accumulation_steps=shape["rows"] // shape["micro"],
+        )
         trainer = SFTTrainer(model=load(), args=args, train_dataset=Dataset.from_list(chats), processing_class=tokenizer)
         packed = trainer.train_dataset["seq_lengths"]  # the documents of each packed row
         flops = sum(model_flops(model_shape, row, TRAINING) for row in packed)
@@ -316,26 +410,60 @@ def trl(work: Path, shape: dict, on_gpu: bool) -> list[dict]:
 
     def preference() -> list[dict]:
         rows = [json.loads(line) for line in Path(paths["files"]["preference"]).read_text().splitlines()]
-        pairs = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                    "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
-        args = DPOConfig(**common, precompute_ref_log_probs=True, max_length=None, beta=0.1, per_device_train_batch_size=shape["pair_micro"],
-                         gradient_accumulation_steps=shape["pairs"] // shape["pair_micro"])
+        pairs = Dataset.from_list(
+            [
+                {
+                    "prompt": [{"role": "user", "content": r["prompt"]}],
+                    "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                    "rejected": [{"role": "assistant", "content": r["rejected"]}],
+                }
+                for r in rows
+            ]
+        )
+        args = DPOConfig(
+            **common,
+            precompute_ref_log_probs=True,
+            max_length=None,
+            beta=0.1,
+            per_device_train_batch_size=shape["pair_micro"],
+            gradient_accumulation_steps=shape["pairs"] // shape["pair_micro"],
+        )
         trainer = DPOTrainer(model=load(), args=args, train_dataset=pairs, processing_class=tokenizer)  # TRL's precompute once: a warm-up
         data = trainer.train_dataset
         documents = [(len(p) + len(c), len(p) + len(r)) for p, c, r in zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"])]
-        loader = trainer.accelerator.prepare(DataLoader(data.remove_columns(["ref_chosen_logps", "ref_rejected_logps"]),
-                                                        batch_size=shape["pair_micro"], collate_fn=trainer.data_collator, shuffle=False))
+        loader = trainer.accelerator.prepare(
+            DataLoader(
+                data.remove_columns(["ref_chosen_logps", "ref_rejected_logps"]),
+                batch_size=shape["pair_micro"],
+                collate_fn=trainer.data_collator,
+                shuffle=False,
+            )
+        )
         reset_peak()
         sync()
         started = time.perf_counter()
         for batch in loader:  # TRL's precompute loop (`_precompute_ref_logps`), without its caching
             trainer.compute_ref_log_probs(trainer.model, batch)
         sync()
-        reference = result("reference", sum(map(sum, documents)), model_flops(model_shape, [n for d in documents for n in d], FORWARD),
-                           time.perf_counter() - started, f"{settings}, the policy model (TRL precomputes with it), padded pairs, no grad")
+        reference = result(
+            "reference",
+            sum(map(sum, documents)),
+            model_flops(model_shape, [n for d in documents for n in d], FORWARD),
+            time.perf_counter() - started,
+            f"{settings}, the policy model (TRL precomputes with it), padded pairs, no grad",
+        )
         per_pair = [model_flops(model_shape, d, TRAINING) for d in documents]
-        return [reference, train(trainer, "dpo", sum(map(sum, documents)) / len(documents), sum(per_pair) / len(per_pair), shape["pairs"],
-                                 "precomputed reference, padded pairs (padding-free DPO is off in TRL 1.16)")]
+        return [
+            reference,
+            train(
+                trainer,
+                "dpo",
+                sum(map(sum, documents)) / len(documents),
+                sum(per_pair) / len(per_pair),
+                shape["pairs"],
+                "precomputed reference, padded pairs (padding-free DPO is off in TRL 1.16)",
+            ),
+        ]
 
     def generation() -> list[dict]:  # GRPOTrainer's rollouts without vLLM: HF generate, left-padded batches
         model = load(torch.bfloat16 if on_gpu else torch.float32).to("cuda" if on_gpu else "cpu").eval()
@@ -348,8 +476,16 @@ def trl(work: Path, shape: dict, on_gpu: bool) -> list[dict]:
             sync()
             began = time.perf_counter()
             with torch.no_grad():
-                done = model.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=shape["max_new"],
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                done = model.generate(
+                    **batch,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=shape["max_new"],
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
             sync()
             if start >= 0:
                 seconds += time.perf_counter() - began
@@ -384,8 +520,7 @@ def side(who: str, work: Path, flags: list[str]) -> list[dict]:
     its log (stderr) in the work folder, whose tail is shown when something failed."""
     log = work / f"{who}.log"
     with log.open("w") as stderr:
-        out = subprocess.run([sys.executable, __file__, "--side", who, str(work), *flags],
-                             stdout=subprocess.PIPE, stderr=stderr, text=True)
+        out = subprocess.run([sys.executable, __file__, "--side", who, str(work), *flags], stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines = out.stdout.strip().splitlines()
     print("\n".join(line for line in lines[:-1] if "settings" in line))
     measured = json.loads(lines[-1]) if out.returncode == 0 and lines else [{"kind": who, "error": f"exit code {out.returncode}"}]
@@ -401,32 +536,44 @@ def cell(value, spec: str) -> str:
 def report(shape: dict, ours_: list[dict], trl_: list[dict], dry_run: bool) -> int:
     """The table, each measurement's settings or error, and issue 22's bars; the number of errors."""
     mine, theirs = ({r["kind"]: r for r in rows if "error" not in r} for rows in (ours_, trl_))
-    print(f"\n{'':<12}{'ours tok/s':>12}{'TRL tok/s':>12}{'ours/TRL':>9}{'ours TFLOP/s':>14}{'ours MFU':>10}{'TRL TFLOP/s':>13}"
-          f"{'TRL MFU':>9}{'ours GiB':>10}{'TRL GiB':>9}")
+    print(
+        f"\n{'':<12}{'ours tok/s':>12}{'TRL tok/s':>12}{'ours/TRL':>9}{'ours TFLOP/s':>14}{'ours MFU':>10}{'TRL TFLOP/s':>13}"
+        f"{'TRL MFU':>9}{'ours GiB':>10}{'TRL GiB':>9}"
+    )
     speedup = lambda a, b: a["tokens_per_s"] / b["tokens_per_s"] if a and b else None  # noqa: E731
     for kind in ("sft", "reference", "dpo", "generation"):
         a, b = mine.get(kind, {}), theirs.get(kind, {})
-        print(f"{kind:<12}{cell(a.get('tokens_per_s'), '12,.0f')}{cell(b.get('tokens_per_s'), '12,.0f')}{cell(speedup(a, b), '9.2f')}"
-              f"{cell(a.get('tflops'), '14.4g')}{cell(a.get('mfu'), '10.3f')}{cell(b.get('tflops'), '13.4g')}{cell(b.get('mfu'), '9.3f')}"
-              f"{cell(a.get('peak_gib'), '10.2f')}{cell(b.get('peak_gib'), '9.2f')}")
+        print(
+            f"{kind:<12}{cell(a.get('tokens_per_s'), '12,.0f')}{cell(b.get('tokens_per_s'), '12,.0f')}{cell(speedup(a, b), '9.2f')}"
+            f"{cell(a.get('tflops'), '14.4g')}{cell(a.get('mfu'), '10.3f')}{cell(b.get('tflops'), '13.4g')}{cell(b.get('mfu'), '9.3f')}"
+            f"{cell(a.get('peak_gib'), '10.2f')}{cell(b.get('peak_gib'), '9.2f')}"
+        )
     for who, rows in (("ours", ours_), ("TRL", trl_)):
         for r in rows:
             print(f"  {who} {r['kind']}: {r.get('settings') or 'ERROR ' + r['error']}")
     errors = sum("error" in r for r in ours_ + trl_)
     peak_vs_estimate = mine["sft"]["peak_gib"] * GIB / shape["footprint"].total if "sft" in mine else None
     if all(kind in mine for kind in ("sft", "reference", "dpo")) and all(kind in theirs for kind in ("sft", "dpo")):
-        bars = [("SFT MFU >= 0.40", (mine["sft"]["mfu"] or 0) >= 0.40),
-                ("reference tokens/s >= 2.5 x SFT's", speedup(mine["reference"], mine["sft"]) >= 2.5),
-                ("DPO tokens/s >= 0.9 x SFT's", speedup(mine["dpo"], mine["sft"]) >= 0.9),
-                ("SFT ours >= 1.3 x TRL", speedup(mine["sft"], theirs["sft"]) >= 1.3),
-                ("DPO ours >= 1.3 x TRL", speedup(mine["dpo"], theirs["dpo"]) >= 1.3),
-                ("SFT peak within 15% of the estimate", abs(peak_vs_estimate - 1) <= 0.15)]
-        print("\nissue 22's bars" + (" (a CPU dry run: not judged)" if dry_run else "") + ": "
-              + "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in bars))
+        bars = [
+            ("SFT MFU >= 0.40", (mine["sft"]["mfu"] or 0) >= 0.40),
+            ("reference tokens/s >= 2.5 x SFT's", speedup(mine["reference"], mine["sft"]) >= 2.5),
+            ("DPO tokens/s >= 0.9 x SFT's", speedup(mine["dpo"], mine["sft"]) >= 0.9),
+            ("SFT ours >= 1.3 x TRL", speedup(mine["sft"], theirs["sft"]) >= 1.3),
+            ("DPO ours >= 1.3 x TRL", speedup(mine["dpo"], theirs["dpo"]) >= 1.3),
+            ("SFT peak within 15% of the estimate", abs(peak_vs_estimate - 1) <= 0.15),
+        ]
+        print(
+            "\nissue 22's bars"
+            + (" (a CPU dry run: not judged)" if dry_run else "")
+            + ": "
+            + "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in bars)
+        )
     if peak_vs_estimate is not None:
-        print(f"SFT peak {mine['sft']['peak_gib']:.2f} GiB; estimated (alignflow.orchestrator.config.memory: Megatron's state per parameter, "
-              f"Korthikanti et al.'s activations for this layer) {shape['footprint'].describe()}; measured / estimated "
-              f"{peak_vs_estimate:.3f}")
+        print(
+            f"SFT peak {mine['sft']['peak_gib']:.2f} GiB; estimated (alignflow.orchestrator.config.memory: Megatron's state per parameter, "
+            f"Korthikanti et al.'s activations for this layer) {shape['footprint'].describe()}; measured / estimated "
+            f"{peak_vs_estimate:.3f}"
+        )
     return errors
 
 
@@ -461,10 +608,14 @@ def main() -> int:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         shape = shape | {"params": sum(p.numel() for p in AutoModelForCausalLM.from_config(LlamaConfig(**config)).parameters())}
-    layout = Layout(world=1, bf16=not args.dry_run, micro_batch=shape["micro"], seq_length=shape["seq"], micro_batches=shape["rows"] // shape["micro"])
+    layout = Layout(
+        world=1, bf16=not args.dry_run, micro_batch=shape["micro"], seq_length=shape["seq"], micro_batches=shape["rows"] // shape["micro"]
+    )
     shape["footprint"] = estimate(Dimensions.of(config), layout)  # what `align plan` estimates for this SFT
-    print(f"\nshape: {shape['params'] / 1e6:.1f}M parameters, rows of {shape['seq']} tokens; inputs made in {time.perf_counter() - started:.0f} s",
-          flush=True)
+    print(
+        f"\nshape: {shape['params'] / 1e6:.1f}M parameters, rows of {shape['seq']} tokens; inputs made in {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
     sides = [side(who, work, [f"--shape={args.shape}"] + (["--dry-run"] if args.dry_run else [])) for who in ("ours", "trl")]
     return failed + report(shape, *sides, args.dry_run)
 

@@ -33,8 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES = {"demo": {}, "1m": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
-                             "num_key_value_heads": 2, "head_dim": 32}}
+SHAPES = {
+    "demo": {},
+    "1m": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+}
 BATCHES, GENERATIONS, MICRO, NEW_TOKENS, WARMUP, STEPS = (8, 64), 8, 8, 64, 2, 5
 LR, KL, SEED = 1e-5, 0.01, 1234
 
@@ -57,17 +59,42 @@ def prepare(work: Path) -> None:
         (work / shape / "hf" / "config.json").write_text(json.dumps(config))
         (work / shape / "hf" / "model.safetensors").write_bytes(save(demo.init_weights(config), metadata={"format": "pt"}))
         system = [" ".join(demo.SENTENCES[: min(int(rng.pareto(1.0)), 6)]) if shape != "demo" else "" for _ in rows]  # 12-227 tokens
-        lines = [{"prompt": [{"role": "system", "content": s}] * bool(s) + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-                 for r, s in zip(rows, system)]
+        lines = [
+            {"prompt": [{"role": "system", "content": s}] * bool(s) + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+            for r, s in zip(rows, system)
+        ]
         (work / shape / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-        spec = {"train": str(work / shape / "prompts.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None,
-                "answer_key": "answer"}
-        cfg = OmegaConf.create({"prep": OmegaConf.structured(PrepConfig),
-                                "data": {"sft": None, "preference": None, "prompts": spec, "seq_length": 512, "max_prompt_length": 256,
-                                         "truncation": "keep_start", "packing": True, "seed": 0},
-                                "model": {"source": str(work / shape / "hf"), "hf_config": None, "tokenizer": str(assets / "tokenizer"),
-                                          "chat_template": None, "make_vocab_size_divisible_by": 128},
-                                "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}}})
+        spec = {
+            "train": str(work / shape / "prompts.jsonl"),
+            "val": None,
+            "val_fraction": 0.0,
+            "format": "auto",
+            "dev_choose_samples": None,
+            "answer_key": "answer",
+        }
+        cfg = OmegaConf.create(
+            {
+                "prep": OmegaConf.structured(PrepConfig),
+                "data": {
+                    "sft": None,
+                    "preference": None,
+                    "prompts": spec,
+                    "seq_length": 512,
+                    "max_prompt_length": 256,
+                    "truncation": "keep_start",
+                    "packing": True,
+                    "seed": 0,
+                },
+                "model": {
+                    "source": str(work / shape / "hf"),
+                    "hf_config": None,
+                    "tokenizer": str(assets / "tokenizer"),
+                    "chat_template": None,
+                    "make_vocab_size_divisible_by": 128,
+                },
+                "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+            }
+        )
         prep.run(cfg, {}, str(work / shape / "prep"))
         convert.run(cfg, {}, str(work / shape / "model"))
 
@@ -83,14 +110,25 @@ def ours(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]
     from alignflow.job.train.datasets import Prompts
     from alignflow.job.worker import typed
 
-    cfg = typed({"grpo": {"num_prompts_per_step": batch // GENERATIONS, "num_generations_per_prompt": GENERATIONS,
-                          "generation_batch_size": batch, "micro_batch_size": MICRO, "max_new_tokens": NEW_TOKENS,
-                          "generation_temperature": 1.0, "loss": {"ref_policy_kl_penalty": KL}, "precision": "fp32",
-                          "trainer": {"max_steps": WARMUP + STEPS, "val_check_interval": 0, "log_every_n_steps": 1000, "seed": SEED},
-                          "checkpoint": {"every_n_steps": 1000, "resume": False},
-                          "optim": {"lr": LR, "min_lr": LR, "warmup_steps": 0, "weight_decay": 0.01}},  # constant lr, as TRL's
-                 "model": {"source": str(work / shape / "hf"), "tokenizer": str(work / "demo" / "tokenizer")},
-                 "store": {"cache_dir": str(work / "cache")}})
+    cfg = typed(
+        {
+            "grpo": {
+                "num_prompts_per_step": batch // GENERATIONS,
+                "num_generations_per_prompt": GENERATIONS,
+                "generation_batch_size": batch,
+                "micro_batch_size": MICRO,
+                "max_new_tokens": NEW_TOKENS,
+                "generation_temperature": 1.0,
+                "loss": {"ref_policy_kl_penalty": KL},
+                "precision": "fp32",
+                "trainer": {"max_steps": WARMUP + STEPS, "val_check_interval": 0, "log_every_n_steps": 1000, "seed": SEED},
+                "checkpoint": {"every_n_steps": 1000, "resume": False},
+                "optim": {"lr": LR, "min_lr": LR, "warmup_steps": 0, "weight_decay": 0.01},
+            },  # constant lr, as TRL's
+            "model": {"source": str(work / shape / "hf"), "tokenizer": str(work / "demo" / "tokenizer")},
+            "store": {"cache_dir": str(work / "cache")},
+        }
+    )
     model, data, steps = str(work / shape / "model"), Prepared(str(work / shape / "prep")), []
     prompts = Prompts(data, "train")
     with engine.training("grpo", cfg, {"model": model}, str(work / f"ours-{shape}-{batch}"), len(prompts), batch // GENERATIONS) as run:
@@ -126,18 +164,43 @@ def trl(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]:
     rows = table.take(order).to_pylist()
     dataset = Dataset.from_list([{"prompt": lines[r["sample_id"]]["prompt"], "answer": r["answer"]} for r in rows])
     args = GRPOConfig(
-        output_dir=str(work / f"trl-{shape}-{batch}"), use_cpu=True, bf16=False, seed=SEED, report_to=[], save_strategy="no",
-        logging_steps=1000, disable_tqdm=True, max_steps=WARMUP + STEPS, shuffle_dataset=False, num_iterations=1,
-        per_device_train_batch_size=MICRO, gradient_accumulation_steps=batch // MICRO, num_generations=GENERATIONS,
-        max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS}, temperature=1.0, top_p=1.0, top_k=0,
-        beta=KL, learning_rate=LR, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.01, max_grad_norm=1.0)
+        output_dir=str(work / f"trl-{shape}-{batch}"),
+        use_cpu=True,
+        bf16=False,
+        seed=SEED,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1000,
+        disable_tqdm=True,
+        max_steps=WARMUP + STEPS,
+        shuffle_dataset=False,
+        num_iterations=1,
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=batch // MICRO,
+        num_generations=GENERATIONS,
+        max_completion_length=NEW_TOKENS,
+        generation_kwargs={"min_new_tokens": NEW_TOKENS},
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=KL,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+    )
 
     def reward(completions, answer, **_):
         return [exact_match("", c[0]["content"], a) for c, a in zip(completions, answer)]
 
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(work / shape / "hf", dtype=torch.float32), args=args,
-                          reward_funcs=reward, train_dataset=dataset,
-                          processing_class=AutoTokenizer.from_pretrained(work / "demo" / "tokenizer"))
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(work / shape / "hf", dtype=torch.float32),
+        args=args,
+        reward_funcs=reward,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(work / "demo" / "tokenizer"),
+    )
     if [list(p) for p in trainer._tokenize_prompts(dataset["prompt"][:])[0]] != [r["prompt_ids"] for r in rows]:
         raise RuntimeError("TRL's prompt ids differ from our prep's")
 
@@ -169,8 +232,11 @@ def measure(who: str, work: Path, shape: str, batch: int, threads: str) -> dict:
     if out.returncode:
         sys.exit(f"{who} {shape} B={batch} failed: {(out.stderr.strip().splitlines() or ['?'])[-1][:300]}")
     steps = json.loads(out.stdout.strip().splitlines()[-1])[WARMUP:]
-    return {"step_s": statistics.median(s for s, _, _ in steps), "tok_s": statistics.median(t / g for _, t, g in steps),
-            "tokens": statistics.mean(t for _, t, _ in steps)}
+    return {
+        "step_s": statistics.median(s for s, _, _ in steps),
+        "tok_s": statistics.median(t / g for _, t, g in steps),
+        "tokens": statistics.mean(t for _, t, _ in steps),
+    }
 
 
 if __name__ == "__main__" and len(sys.argv) == 6:  # one measurement in its own process
@@ -184,8 +250,10 @@ elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", default="default", help="torch threads of both sides (default: torch's default)")
     threads = parser.parse_args().threads
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; fp32 CPU, torch threads {threads}; "
-          f"{NEW_TOKENS} new tokens forced, {GENERATIONS} generations per prompt, micro batch {MICRO}, median of {STEPS} steps after {WARMUP}")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; fp32 CPU, torch threads {threads}; "
+        f"{NEW_TOKENS} new tokens forced, {GENERATIONS} generations per prompt, micro batch {MICRO}, median of {STEPS} steps after {WARMUP}"
+    )
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-grpo-"))
     prepare(work)
     print(f"{'model':<6}{'B':>4}{'gen tok/s ours':>16}{'TRL':>8}{'ratio':>7}{'step s ours':>13}{'TRL':>8}{'TRL/ours':>9}")
@@ -197,7 +265,10 @@ elif __name__ == "__main__":
                 sys.exit(f"{shape} B={batch}: {a['tokens']} generated tokens per step here, {b['tokens']} in TRL")
             generation.append(a["tok_s"] / b["tok_s"])
             step.append(b["step_s"] / a["step_s"])
-            print(f"{shape:<6}{batch:>4}{a['tok_s']:>16.0f}{b['tok_s']:>8.0f}{generation[-1]:>7.2f}{a['step_s']:>13.3f}{b['step_s']:>8.3f}"
-                  f"{step[-1]:>9.2f}", flush=True)
+            print(
+                f"{shape:<6}{batch:>4}{a['tok_s']:>16.0f}{b['tok_s']:>8.0f}{generation[-1]:>7.2f}{a['step_s']:>13.3f}{b['step_s']:>8.3f}"
+                f"{step[-1]:>9.2f}",
+                flush=True,
+            )
     print(f"load average {os.getloadavg()[0]:.2f}")
     print(f"ratio: generation {min(generation):.2f} step {min(step):.2f}")

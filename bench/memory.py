@@ -38,8 +38,18 @@ import torch
 import torch.multiprocessing as mp
 
 DP, MICRO, SEQ = 2, 2, 256
-LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-             num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=SEQ, rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    max_position_embeddings=SEQ,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 SETTINGS = {  # name: (precision, distributed optimizer, recompute, theory in bytes per parameter)
     "fp32": ("fp32", False, "none", 16.0),
     "bf16": ("bf16", False, "none", 18.0),
@@ -72,14 +82,26 @@ def rank_main(rank: int, setting: str, results) -> None:
     from alignflow.job.train.engine import build_optimizer, ddp_config, recompute_settings, set_lr, wrap_ddp
 
     precision, distributed, recompute, _ = SETTINGS[setting]
-    cfg = OmegaConf.create({
-        "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-                     "context_parallel_size": 1, "expert_model_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": distributed,
-                     "overlap_grad_reduce": None, "overlap_param_gather": None},
-        "optim": {"name": "adamw", "lr": 1e-4, "min_lr": 1e-5, "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.98, "adam_eps": 1e-8},
-        "trainer": {"gradient_clip_val": 1.0},
-        "recompute_granularity": recompute, "recompute_method": "uniform", "recompute_num_layers": 1,
-    })
+    cfg = OmegaConf.create(
+        {
+            "parallel": {
+                "tensor_model_parallel_size": 1,
+                "pipeline_model_parallel_size": 1,
+                "virtual_pipeline_model_parallel_size": None,
+                "context_parallel_size": 1,
+                "expert_model_parallel_size": 1,
+                "sequence_parallel": False,
+                "use_distributed_optimizer": distributed,
+                "overlap_grad_reduce": None,
+                "overlap_param_gather": None,
+            },
+            "optim": {"name": "adamw", "lr": 1e-4, "min_lr": 1e-5, "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.98, "adam_eps": 1e-8},
+            "trainer": {"gradient_clip_val": 1.0},
+            "recompute_granularity": recompute,
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    )
     runtime.init_parallel(cfg.parallel, seed=1)
     baseline = kb("VmRSS")
     chunk = build_gpt(LLAMA, cfg.parallel, params_dtype=resolve_precision(precision), calculate_per_token_loss=True, **recompute_settings(cfg))
@@ -98,8 +120,15 @@ def rank_main(rank: int, setting: str, results) -> None:
         model[0].zero_grad_buffer()
         optimizer.zero_grad()
         fresh_peak()
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=model[0], num_microbatches=1,
-                                    seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([tokens]),
+            model=model[0],
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=MICRO,
+            forward_only=False,
+        )
         forward_backward = kb("VmHWM")
         fresh_peak()
         finalize_model_grads(model, torch.tensor(MICRO * SEQ, dtype=torch.int))
@@ -134,7 +163,9 @@ if __name__ == "__main__":
     figures = {}
     for name, (_, _, _, theory) in SETTINGS.items():
         params, state, activations, peak = figures[name] = measure(name)
-        print(f"{name:<24} {params / 1e6:>6.1f}M {state / params:>13.2f} {theory:>6.1f} {activations / 2**20:>14.0f} {peak / params:>12.2f}", flush=True)
+        print(
+            f"{name:<24} {params / 1e6:>6.1f}M {state / params:>13.2f} {theory:>6.1f} {activations / 2**20:>14.0f} {peak / params:>12.2f}", flush=True
+        )
     params, state, activations, _ = figures["bf16+distopt"]
     saves = 1 - figures["bf16+distopt+recompute"][2] / activations
     print(f"memory: bf16+distopt {state / params:.2f} B/param (theory {6 + 12 / DP:.2f}), recompute saves {100 * saves:.0f}%")

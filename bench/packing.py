@@ -26,8 +26,7 @@ N, CAPACITY, SEED = 1_000_000, 4096, 0
 lengths = np.clip(np.random.default_rng(SEED).lognormal(6.0, 1.0, N), 1, CAPACITY).astype(np.int64)
 tokens = int(lengths.sum())
 lower = -(-tokens // CAPACITY)
-print(f"{N:,} sequences, {tokens:,} tokens, capacity {CAPACITY}: lower bound {lower:,} packs "
-      f"(efficiency <= {tokens / (lower * CAPACITY):.5f})")
+print(f"{N:,} sequences, {tokens:,} tokens, capacity {CAPACITY}: lower bound {lower:,} packs (efficiency <= {tokens / (lower * CAPACITY):.5f})")
 print(f"{'method':<30}{'seconds':>9}{'peak MiB':>10}{'packs':>10}{'efficiency':>12}{'over bound':>12}")
 
 

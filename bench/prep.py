@@ -55,13 +55,17 @@ def ours(rank: int, world: int, data: str, demo: str, out: str) -> None:
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         dist.barrier()
-    cfg = OmegaConf.create({"prep": PrepConfig(), "data": DataConfig(sft=DatasetConfig(train=data), seq_length=SEQ, seed=SEED),
-                            "model": {"tokenizer": f"{demo}/tokenizer", "chat_template": None}})
+    cfg = OmegaConf.create(
+        {
+            "prep": PrepConfig(),
+            "data": DataConfig(sft=DatasetConfig(train=data), seq_length=SEQ, seed=SEED),
+            "model": {"tokenizer": f"{demo}/tokenizer", "chat_template": None},
+        }
+    )
     start = time.perf_counter()
     metrics = prep.run(cfg, {}, out)
     if rank == 0:
-        print(json.dumps({"seconds": time.perf_counter() - start, "tokens": metrics["sft.train.tokens"],
-                          "packs": metrics["sft.train.packs"]}))
+        print(json.dumps({"seconds": time.perf_counter() - start, "tokens": metrics["sft.train.tokens"], "packs": metrics["sft.train.packs"]}))
 
 
 def trl(data: str, demo: str, work: str) -> None:
@@ -72,8 +76,16 @@ def trl(data: str, demo: str, work: str) -> None:
 
     disable_progress_bar()
     tokenizer, model = AutoTokenizer.from_pretrained(f"{demo}/tokenizer"), AutoModelForCausalLM.from_pretrained(f"{demo}/tiny-llama")
-    args = SFTConfig(output_dir=f"{work}/trainer", max_length=SEQ, packing=True, packing_strategy="bfd", dataset_num_proc=2,
-                     report_to="none", seed=SEED, use_cpu=True)
+    args = SFTConfig(
+        output_dir=f"{work}/trainer",
+        max_length=SEQ,
+        packing=True,
+        packing_strategy="bfd",
+        dataset_num_proc=2,
+        report_to="none",
+        seed=SEED,
+        use_cpu=True,
+    )
     start = time.perf_counter()
     dataset = load_dataset("json", data_files=data, split="train", cache_dir=f"{work}/cache")
     packed = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train_dataset
@@ -110,19 +122,30 @@ def main(n: int, work: Path) -> None:
 
     assets = str(demo.build(work / "demo"))
     print(f"{os.cpu_count()} cores; load: the load average at the start of each run (1 min); CPU s: the run's, imports included")
-    print(f"{'run':<24}{'rows':>11}{'tokens':>13}{'packs':>8}{'load':>6}{'seconds':>9}{'rows/s':>8}{'CPU s':>7}{'peak RSS MB':>13}{'peak PSS MB':>13}")
+    print(
+        f"{'run':<24}{'rows':>11}{'tokens':>13}{'packs':>8}{'load':>6}{'seconds':>9}{'rows/s':>8}{'CPU s':>7}{'peak RSS MB':>13}{'peak PSS MB':>13}"
+    )
     results = {}
-    for label, rows, kind, world in (("alignflow, 1 rank", n, "ours", 1), ("alignflow, 2 ranks", n, "ours", 2),
-                                     ("TRL SFTTrainer, 2 procs", n, "trl", 2), ("alignflow, 2 ranks", 10 * n, "ours", 2)):
+    for label, rows, kind, world in (
+        ("alignflow, 1 rank", n, "ours", 1),
+        ("alignflow, 2 ranks", n, "ours", 2),
+        ("TRL SFTTrainer, 2 procs", n, "trl", 2),
+        ("alignflow, 2 ranks", 10 * n, "ours", 2),
+    ):
         data = work / f"chats-{rows}.jsonl"
         if not data.exists():
             write_chats(data, rows)
         me, load = [sys.executable, __file__, kind], os.getloadavg()[0]
         with tempfile.TemporaryDirectory(dir=work) as out:
-            commands = [[*me, str(r), str(world), str(data), assets, out] for r in range(world)] if kind == "ours" else [[*me, str(data), assets, out]]
+            commands = (
+                [[*me, str(r), str(world), str(data), assets, out] for r in range(world)] if kind == "ours" else [[*me, str(data), assets, out]]
+            )
             r = results[label, rows] = measure(commands)
-        print(f"{label:<24}{rows:>11,}{r['tokens']:>13,}{r['packs']:>8,}{load:>6.2f}{r['seconds']:>9.1f}{rows / r['seconds']:>8,.0f}"
-              f"{r['cpu']:>7.0f}{r['rss']:>13,.0f}{r['pss']:>13,.0f}", flush=True)
+        print(
+            f"{label:<24}{rows:>11,}{r['tokens']:>13,}{r['packs']:>8,}{load:>6.2f}{r['seconds']:>9.1f}{rows / r['seconds']:>8,.0f}"
+            f"{r['cpu']:>7.0f}{r['rss']:>13,.0f}{r['pss']:>13,.0f}",
+            flush=True,
+        )
     ours2, theirs, big = results["alignflow, 2 ranks", n], results["TRL SFTTrainer, 2 procs", n], results["alignflow, 2 ranks", 10 * n]
     print(f"prep: ratio {theirs['seconds'] / ours2['seconds']:.2f} peak {ours2['rss']:.0f} MB at {n} rows, peak {big['rss']:.0f} MB at {10 * n} rows")
 

@@ -45,15 +45,32 @@ import numpy as np
 
 SHAPES = {  # name: (micro batch, rows per step, SFT / max length, timed steps, the model's shape (None: the demo's), pairs)
     "demo": (4, 16, 256, 20, None, None),
-    "longtail": (8, 32, 512, 15, {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                  "intermediate_size": 352, "head_dim": 32}, 1000),
-    "mid": (4, 16, 512, 4, {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-                            "intermediate_size": 1536, "head_dim": 64}, 200),
+    "longtail": (
+        8,
+        32,
+        512,
+        15,
+        {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 352, "head_dim": 32},
+        1000,
+    ),
+    "mid": (
+        4,
+        16,
+        512,
+        4,
+        {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1536, "head_dim": 64},
+        200,
+    ),
 }
 WARMUP = 2  # training steps left out on both sides before the timed ones
 REF_PASSES = 5  # the reference pass is timed this many times on each side, the median kept
-TRL_SETTINGS = {"bf16": False, "gradient_checkpointing": False, "attn_implementation": "sdpa", "packing_strategy": "bfd (SFT)",
-                "padding_free": "True (SFT)"}
+TRL_SETTINGS = {
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "attn_implementation": "sdpa",
+    "packing_strategy": "bfd (SFT)",
+    "padding_free": "True (SFT)",
+}
 
 
 def peak_rss_mb() -> float:
@@ -76,10 +93,14 @@ def longtail_files(assets: Path, work: Path, shape: dict, pairs: int) -> tuple[P
     text = lambda: " ".join(rng.choice(words, size=int(np.clip(rng.lognormal(3.2, 0.8), 6, 200))))  # noqa: E731
     data = work / "data"
     data.mkdir(exist_ok=True)
-    (data / "sft.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": text()[:60]},
-                                                                     {"role": "assistant", "content": text()}]}) + "\n" for _ in range(2000)))
-    (data / "preference.jsonl").write_text("".join(json.dumps({"prompt": text()[:60], "chosen": text(), "rejected": text()}) + "\n"
-                                                   for _ in range(pairs)))
+    (data / "sft.jsonl").write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": text()[:60]}, {"role": "assistant", "content": text()}]}) + "\n" for _ in range(2000)
+        )
+    )
+    (data / "preference.jsonl").write_text(
+        "".join(json.dumps({"prompt": text()[:60], "chosen": text(), "rejected": text()}) + "\n" for _ in range(pairs))
+    )
     return model, data
 
 
@@ -92,12 +113,22 @@ def prepare(shape: str, work: Path) -> None:
     assets = demo.build(work.parent / "demo")
     _, _, _, _, model_shape, pairs = SHAPES[shape]
     model, data = (assets / "tiny-llama", assets / "data") if model_shape is None else longtail_files(assets, work, model_shape, pairs)
-    files = {"sft": "sft_train.jsonl", "preference": "preference_train.jsonl"} if shape == "demo" else {"sft": "sft.jsonl", "preference": "preference.jsonl"}
-    cfg = typed({"data": {kind: {"train": str(data / name)} for kind, name in files.items()} | {"prompts": None, "seq_length": SHAPES[shape][2]},
-                 "model": {"source": str(model), "tokenizer": str(assets / "tokenizer")}})
+    files = (
+        {"sft": "sft_train.jsonl", "preference": "preference_train.jsonl"}
+        if shape == "demo"
+        else {"sft": "sft.jsonl", "preference": "preference.jsonl"}
+    )
+    cfg = typed(
+        {
+            "data": {kind: {"train": str(data / name)} for kind, name in files.items()} | {"prompts": None, "seq_length": SHAPES[shape][2]},
+            "model": {"source": str(model), "tokenizer": str(assets / "tokenizer")},
+        }
+    )
     prep.run(cfg, {}, str(work / "prep"))
     convert.run(cfg, {}, str(work / "model"))
-    (work / "shape.json").write_text(json.dumps({"hf": str(model), "tokenizer": str(assets / "tokenizer"), "data": {k: str(data / v) for k, v in files.items()}}))
+    (work / "shape.json").write_text(
+        json.dumps({"hf": str(model), "tokenizer": str(assets / "tokenizer"), "data": {k: str(data / v) for k, v in files.items()}})
+    )
 
 
 def ours(kind: str, shape: str, work: Path) -> dict:
@@ -106,9 +137,15 @@ def ours(kind: str, shape: str, work: Path) -> dict:
 
     micro, rows, _, steps = SHAPES[shape][:4]
     total = WARMUP + steps
-    section = {"micro_batch_size": micro, "global_batch_size": rows, "precision": "fp32", "recompute_granularity": "none",
-               "trainer": {"max_steps": total, "val_check_interval": total, "log_every_n_steps": 1}, "checkpoint": {"every_n_steps": total},
-               "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 0}}
+    section = {
+        "micro_batch_size": micro,
+        "global_batch_size": rows,
+        "precision": "fp32",
+        "recompute_granularity": "none",
+        "trainer": {"max_steps": total, "val_check_interval": total, "log_every_n_steps": 1},
+        "checkpoint": {"every_n_steps": total},
+        "optim": {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 0},
+    }
     cfg = typed({"sft": section, "dpo": section, "ref_logprobs": {"micro_batch_size": micro}, "model": {"source": str(work / "model")}})
     inputs = {"data": str(work / "prep"), "model": str(work / "model")}
     if kind == "sft":
@@ -147,9 +184,21 @@ def trl(kind: str, shape: str, work: Path) -> dict:
     files = json.loads((work / "shape.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(files["hf"], dtype=torch.float32, attn_implementation=TRL_SETTINGS["attn_implementation"])
     tokenizer = AutoTokenizer.from_pretrained(files["tokenizer"])
-    common = dict(output_dir=str(work / f"trl-{kind}"), per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
-                  max_steps=WARMUP + steps, learning_rate=1e-4, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10**6, seed=0,
-                  bf16=TRL_SETTINGS["bf16"], gradient_checkpointing=TRL_SETTINGS["gradient_checkpointing"], disable_tqdm=True)
+    common = dict(
+        output_dir=str(work / f"trl-{kind}"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=rows // micro,
+        max_steps=WARMUP + steps,
+        learning_rate=1e-4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10**6,
+        seed=0,
+        bf16=TRL_SETTINGS["bf16"],
+        gradient_checkpointing=TRL_SETTINGS["gradient_checkpointing"],
+        disable_tqdm=True,
+    )
     data = [json.loads(line) for line in Path(files["data"]["sft" if kind == "sft" else "preference"]).read_text().splitlines()]
 
     class StepEnds(TrainerCallback):
@@ -167,14 +216,30 @@ def trl(kind: str, shape: str, work: Path) -> dict:
         return float(np.median(np.diff(ends.at[WARMUP - 1 :])))
 
     if kind == "sft":
-        trainer = SFTTrainer(model=model, args=SFTConfig(**common, packing=True, packing_strategy="bfd", padding_free=True, max_length=length),
-                             train_dataset=Dataset.from_list(data), processing_class=tokenizer)
+        trainer = SFTTrainer(
+            model=model,
+            args=SFTConfig(**common, packing=True, packing_strategy="bfd", padding_free=True, max_length=length),
+            train_dataset=Dataset.from_list(data),
+            processing_class=tokenizer,
+        )
         lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
         return {"tokens_per_s": sum(lengths) / len(lengths) * rows / step_seconds(trainer)}
-    pairs = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in data])
-    trainer = DPOTrainer(model=model, args=DPOConfig(**common, precompute_ref_log_probs=kind == "dpo", max_length=length, beta=0.1),
-                         train_dataset=pairs, processing_class=tokenizer)
+    pairs = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in data
+        ]
+    )
+    trainer = DPOTrainer(
+        model=model,
+        args=DPOConfig(**common, precompute_ref_log_probs=kind == "dpo", max_length=length, beta=0.1),
+        train_dataset=pairs,
+        processing_class=tokenizer,
+    )
     prepared = trainer.train_dataset
     per_pair = [len(p) * 2 + len(c) + len(r) for p, c, r in zip(prepared["prompt_ids"], prepared["chosen_ids"], prepared["rejected_ids"])]
     if kind == "dpo":
@@ -237,8 +302,11 @@ elif __name__ == "__main__":
         work = root / shape
         prepare(shape, work)
         params = json.loads((work / "model" / "hf" / "config.json").read_text())
-        print(f"\n{shape} ({parameters(params) / 1e6:.2f}M parameters): micro {micro}, {rows} rows/step, {steps} timed steps, length {length}, "
-              f"fp32 CPU; tokens/s of real tokens", flush=True)
+        print(
+            f"\n{shape} ({parameters(params) / 1e6:.2f}M parameters): micro {micro}, {rows} rows/step, {steps} timed steps, length {length}, "
+            f"fp32 CPU; tokens/s of real tokens",
+            flush=True,
+        )
         print(f"{'':<26}{'ours tok/s':>12}{'TRL tok/s':>12}{'ours/TRL':>10}{'ours MB':>10}{'TRL MB':>10}")
         for kind, label in (("sft", "SFT"), ("ref", "reference log-probs"), ("dpo", "DPO (precomputed ref)")):
             a, b = measure("ours", kind, shape, work, threads), measure("trl", kind, shape, work, threads)
@@ -247,10 +315,15 @@ elif __name__ == "__main__":
                 ratios[kind].append(float("nan"))
                 continue
             ratios[kind].append(a["tokens_per_s"] / b["tokens_per_s"])
-            print(f"{label:<26}{a['tokens_per_s']:>12.0f}{b['tokens_per_s']:>12.0f}{ratios[kind][-1]:>10.2f}"
-                  f"{a['peak_rss_mb']:>10.0f}{b['peak_rss_mb']:>10.0f}")
+            print(
+                f"{label:<26}{a['tokens_per_s']:>12.0f}{b['tokens_per_s']:>12.0f}{ratios[kind][-1]:>10.2f}"
+                f"{a['peak_rss_mb']:>10.0f}{b['peak_rss_mb']:>10.0f}"
+            )
     worst = {kind: min(zip(values, shapes)) for kind, values in ratios.items()}
-    print("\nworst ours/TRL: " + ", ".join(f"{kind} {ratio:.2f} ({shape})" for kind, (ratio, shape) in worst.items())
-          + ("; mid: " + ", ".join(f"{kind} {values[list(shapes).index('mid')]:.2f}" for kind, values in ratios.items()) if "mid" in shapes else ""))
+    print(
+        "\nworst ours/TRL: "
+        + ", ".join(f"{kind} {ratio:.2f} ({shape})" for kind, (ratio, shape) in worst.items())
+        + ("; mid: " + ", ".join(f"{kind} {values[list(shapes).index('mid')]:.2f}" for kind, values in ratios.items()) if "mid" in shapes else "")
+    )
     print(f"load average {os.getloadavg()[0]:.2f}")
     print(f"ratio: sft {min(ratios['sft']):.2f} dpo {min(ratios['dpo']):.2f} ref {min(ratios['ref']):.2f}")

@@ -74,8 +74,9 @@ def align(pipeline: str = "sft_dpo", overrides: list[str] | None = None, force: 
         with cancel_jobs_on_interrupt():  # the signal lands here, in the main thread, not in the tasks' threads
             for stage in stages:
                 upstream = {name: futures[name] for name in stage.upstream()}
-                futures[stage.name] = task_for(stage).submit(stage.name, pipeline, tuple(overrides), Wiring(stage, upstream),
-                                                             wait_for=list(upstream.values()))
+                futures[stage.name] = task_for(stage).submit(
+                    stage.name, pipeline, tuple(overrides), Wiring(stage, upstream), wait_for=list(upstream.values())
+                )
             _name_task_runs(futures)
 
             for done, future in enumerate(futures.values(), start=1):
@@ -139,33 +140,53 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
         state = future.state
         result = future.result(raise_on_failure=False) if state.is_completed() else None
         done = isinstance(result, StageResult)
-        rows.append({"name": name, "kind": stages[name].kind, "state": state.name, "fingerprint": result.fingerprint if done else "",
-                     "uri": result.uri if done else "", "metrics": result.metrics if done else {}})
+        rows.append(
+            {
+                "name": name,
+                "kind": stages[name].kind,
+                "state": state.name,
+                "fingerprint": result.fingerprint if done else "",
+                "uri": result.uri if done else "",
+                "metrics": result.metrics if done else {},
+            }
+        )
         metrics = ", ".join(f"{k}={format_value(v)}" for k, v in list(rows[-1]["metrics"].items())[:3])
         lines.append(f"| {name} | {stages[name].kind} | {state.name} | {f'`{result.fingerprint}`' if done else ''} | {metrics} |")
     store, name = store_of(stages.cfg), flow_run.name or "align"
-    record = {"name": name, "pipeline": stages.name, "flow_run_id": str(flow_run.id), "deployment": _deployment(),
-              "overrides": list(flow_run.parameters.get("overrides") or []), "stages": rows}
+    record = {
+        "name": name,
+        "pipeline": stages.name,
+        "flow_run_id": str(flow_run.id),
+        "deployment": _deployment(),
+        "overrides": list(flow_run.parameters.get("overrides") or []),
+        "stages": rows,
+    }
     verdict = _judge(stages.cfg.gate, store, record)
     record |= {"gate": verdict.as_dict()} if verdict else {}
     trend = _trend(stages, store, record)
     report = _write_report(stages, rows, trend, verdict.message() if verdict else "")
     uri = runs.write(store, name, record)
-    lines += ["", f"report: `{report}` (every stage's curves and config)",
-              f"compare with another run: `align compare '{flow_run.name}' OTHER_RUN` (record: `{uri}`)"]
+    lines += [
+        "",
+        f"report: `{report}` (every stage's curves and config)",
+        f"compare with another run: `align compare '{flow_run.name}' OTHER_RUN` (record: `{uri}`)",
+    ]
     lines += ["", verdict.markdown()] if verdict and verdict.baseline else ["", verdict.message()] if verdict else []
     key = pipeline.replace("_", "-")
     dashboard.markdown(f"align-{key}", "\n".join(lines), "pipeline summary")
     if verdict and verdict.regressed:
         dashboard.markdown("regression", verdict.markdown(), f"align {pipeline}: what dropped against the baseline run")
     if len(trend) >= 2:
-        dashboard.markdown(f"trend-{key}", trend_markdown(f"align {pipeline}: the last {len(trend)} runs", trend),
-                           f"align {pipeline}: metrics across runs")
+        dashboard.markdown(
+            f"trend-{key}", trend_markdown(f"align {pipeline}: the last {len(trend)} runs", trend), f"align {pipeline}: metrics across runs"
+        )
     logger = get_run_logger()
     logger.info("\n".join(lines))
     if missed := dashboard.drain(DRAIN_S):
-        logger.warning(f"the Prefect API is still unreachable: {len(missed)} updates of the UI wait for it "
-                       f"({', '.join(missed[:5])}); every stage's output and the run's record are in the store: {uri}")
+        logger.warning(
+            f"the Prefect API is still unreachable: {len(missed)} updates of the UI wait for it "
+            f"({', '.join(missed[:5])}); every stage's output and the run's record are in the store: {uri}"
+        )
     return verdict
 
 
@@ -185,7 +206,7 @@ def _trend(stages: Pipeline, store, record: dict) -> list[tuple[str, dict]]:
     metrics = gate.metrics_of(record)
     names = list(gate.gated(stages.cfg.gate.thresholds, metrics)) or [k for k in metrics if _charted(stages, k)]
     earlier = [r for r in gate.series(store, record) if r["name"] != record["name"]]
-    return gate.trend([*earlier, record][-stages.cfg.gate.trend_runs:], names)
+    return gate.trend([*earlier, record][-stages.cfg.gate.trend_runs :], names)
 
 
 def _charted(stages: Pipeline, key: str) -> bool:

@@ -70,9 +70,14 @@ def cmd_config(args: argparse.Namespace) -> int:
     pipeline, overrides = _split(args.overrides)
     stages = build(pipeline, overrides, check_paths=False)
     shown = masked(stages.cfg)
-    shown["instances"] = {stage.name: {"kind": stage.kind, "inputs": {r: list(u) if isinstance(u, tuple) else u for r, u in stage.inputs.items()},
-                                       stage.kind: masked(stage.cfg, (stage.kind,))[stage.kind]}
-                          for stage in stages}  # each instance's effective config
+    shown["instances"] = {
+        stage.name: {
+            "kind": stage.kind,
+            "inputs": {r: list(u) if isinstance(u, tuple) else u for r, u in stage.inputs.items()},
+            stage.kind: masked(stage.cfg, (stage.kind,))[stage.kind],
+        }
+        for stage in stages
+    }  # each instance's effective config
     console.print(yaml.safe_dump(shown, sort_keys=False), end="", markup=False, highlight=False)
     return 0
 
@@ -95,9 +100,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planned = plan(stages)
     store = survey(store_of(cfg), cfg)
     if args.json:
-        print(json.dumps({"stages": [asdict(row) for row in planned], "store": store.as_dict(items=False),
-                          "memory": {name: {**m.footprint.gib(), "stage": m.footprint.stage, "layout": asdict(m.layout), "shape_from": m.shape_from}
-                                     for name, m in memory.items()}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "stages": [asdict(row) for row in planned],
+                    "store": store.as_dict(items=False),
+                    "memory": {
+                        name: {**m.footprint.gib(), "stage": m.footprint.stage, "layout": asdict(m.layout), "shape_from": m.shape_from}
+                        for name, m in memory.items()
+                    },
+                },
+                indent=2,
+            )
+        )
         return 0
     _print_memory(memory, cfg.launcher.gpu_memory_gib)
     table = Table(title=f"align plan: {cfg.pipeline.name}  (store {cfg.store.root})")
@@ -122,18 +137,27 @@ def _print_memory(memory: dict, limit_gib: float | None) -> None:
     """Each training stage's estimated per-rank memory (`alignflow.orchestrator.config.memory`) in GiB."""
     if not memory:
         return
-    table = Table(title=f"estimated memory per rank in GiB (alignflow/orchestrator/config/memory.py), launcher.gpu_memory_gib: {limit_gib}",
-                  title_justify="left")
+    table = Table(
+        title=f"estimated memory per rank in GiB (alignflow/orchestrator/config/memory.py), launcher.gpu_memory_gib: {limit_gib}",
+        title_justify="left",
+    )
     for column in ("stage", "layout", "weights", "gradients", "optimizer", "activations", "total", "shape from"):
         table.add_column(column, overflow="fold", justify="left" if column in ("stage", "layout", "shape from") else "right")
     for name, m in memory.items():
         lay, g = m.layout, m.footprint.gib()
-        layout = (f"TP{lay.tp} PP{lay.pp}{f' VP{lay.vpp}' if lay.vpp else ''}{f' EP{lay.ep}' if lay.ep > 1 else ''} DP{lay.dp}, "
-                  f"micro {lay.micro_batch} x {lay.seq_length}, {'bf16' if lay.bf16 else 'fp32'}, recompute {lay.recompute}"
-                  f"{', dist. optimizer' if lay.distributed_optimizer else ''}{', LoRA' if lay.lora_params is not None else ''}")
+        layout = (
+            f"TP{lay.tp} PP{lay.pp}{f' VP{lay.vpp}' if lay.vpp else ''}{f' EP{lay.ep}' if lay.ep > 1 else ''} DP{lay.dp}, "
+            f"micro {lay.micro_batch} x {lay.seq_length}, {'bf16' if lay.bf16 else 'fp32'}, recompute {lay.recompute}"
+            f"{', dist. optimizer' if lay.distributed_optimizer else ''}{', LoRA' if lay.lora_params is not None else ''}"
+        )
         over = limit_gib and g["total"] > limit_gib
-        table.add_row(name, layout, *(f"{g[k]:.3g}" for k in ("weights", "gradients", "optimizer", "activations")),
-                      f"[red]{g['total']:.3g}[/]" if over else f"{g['total']:.3g}", m.shape_from)
+        table.add_row(
+            name,
+            layout,
+            *(f"{g[k]:.3g}" for k in ("weights", "gradients", "optimizer", "activations")),
+            f"[red]{g['total']:.3g}[/]" if over else f"{g['total']:.3g}",
+            m.shape_from,
+        )
     Console(width=max(console.width, 160)).print(table)
 
 
@@ -167,8 +191,10 @@ def _ui_caught_up() -> None:
     from tasks import dashboard
 
     if missed := dashboard.drain(DRAIN_S):
-        console.print(f"[yellow]the Prefect UI missed {len(missed)} updates of this run ({', '.join(missed[:5])}): its API "
-                      "did not come back in time[/]", highlight=False)
+        console.print(
+            f"[yellow]the Prefect UI missed {len(missed)} updates of this run ({', '.join(missed[:5])}): its API did not come back in time[/]",
+            highlight=False,
+        )
 
 
 def _api_unreachable(err: BaseException | None) -> bool:
@@ -186,8 +212,11 @@ def _finished_without_api(stages: Pipeline, err: Exception) -> int:
     """The run could not tell Prefect how it ended: the store says what it did."""
     planned = plan(stages)
     done = [row for row in planned if row.status == "committed"]
-    console.print(f"[yellow]the Prefect API ({os.environ.get('PREFECT_API_URL', 'ephemeral')}) stopped answering ({err}); "
-                  "the UI does not show how this run ended.[/] From the store:", highlight=False)
+    console.print(
+        f"[yellow]the Prefect API ({os.environ.get('PREFECT_API_URL', 'ephemeral')}) stopped answering ({err}); "
+        "the UI does not show how this run ended.[/] From the store:",
+        highlight=False,
+    )
     for row in planned:
         console.print(f"  {row.stage:<13} {'committed' if row.status == 'committed' else 'not committed':<13} {row.uri}")
     return 0 if len(done) == len(planned) else 1
@@ -227,14 +256,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(json.dumps(found.as_dict() | {"dry_run": deleted is None, "deleted": [i.path for i in deleted or []]}, indent=2))
         return 0
     say, root = partial(console.print, markup=False, highlight=False), store.path()
-    say(f"align gc: {found.root} " + ("(deleted what is listed)" if deleted is not None else
-                                      "(dry run: nothing deleted; `align gc --yes` deletes what is listed)"))
+    say(
+        f"align gc: {found.root} "
+        + ("(deleted what is listed)" if deleted is not None else "(dry run: nothing deleted; `align gc --yes` deletes what is listed)")
+    )
     for category in CATEGORIES:
         items = [i for i in found.reclaim if i.category == category]
         say(f"  {category:<12} {len(items):>4}  {decimal(sum(i.bytes for i in items)):>10}")
         for item in items:
             skipped = "  (skipped: its lease is live now)" if deleted is not None and item not in deleted else ""
-            say(f"      {item.path[len(root) + 1:]}  {decimal(item.bytes)}  {item.why}{skipped}")
+            say(f"      {item.path[len(root) + 1 :]}  {decimal(item.bytes)}  {item.why}{skipped}")
     done = found.reclaim if deleted is None else deleted
     say(f"{'would reclaim' if deleted is None else 'reclaimed'} {decimal(sum(i.bytes for i in done))} of {decimal(found.bytes)}")
     for why, count in found.kept.items():

@@ -75,8 +75,9 @@ class _Queue:
     def _went_down(self, err: Exception) -> None:
         if not self.down:
             self.down = True
-            log.warning("the Prefect API is unreachable (%s: %s); the stages go on, and the UI will catch up when it is "
-                        "back", type(err).__name__, err)
+            log.warning(
+                "the Prefect API is unreachable (%s: %s); the stages go on, and the UI will catch up when it is back", type(err).__name__, err
+            )
 
     def drain(self, timeout_s: float) -> list[str]:
         """Wait up to `timeout_s` for every queued call to be made; the keys still pending."""

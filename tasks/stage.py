@@ -153,8 +153,11 @@ def _job_rows(job: dict | None) -> list[dict]:
     """The job that produced the output (on a cache hit: the one that did, back then)."""
     if not job:
         return []
-    return [{"field": "job", "value": f"{job['launcher']} {job['job_id']} {job.get('state', '')}".rstrip()},
-            {"field": "stdout", "value": job["stdout"]}, {"field": "stderr", "value": job["stderr"]}]
+    return [
+        {"field": "job", "value": f"{job['launcher']} {job['job_id']} {job.get('state', '')}".rstrip()},
+        {"field": "stdout", "value": job["stdout"]},
+        {"field": "stderr", "value": job["stderr"]},
+    ]
 
 
 def _publish_table(stage: str, rows: list[dict]) -> None:
@@ -167,8 +170,11 @@ def _publish_curves(result: StageResult, storage_options: dict) -> None:
     records = read_metrics(result.uri, storage_options)
     if not records:
         return
-    dashboard.markdown(_key("curves", result.stage), curves_markdown(result.stage, records) + f"\n\nreport: `{result.uri.rstrip('/')}/{REPORT}`",
-                       f"{result.stage}: curves")
+    dashboard.markdown(
+        _key("curves", result.stage),
+        curves_markdown(result.stage, records) + f"\n\nreport: `{result.uri.rstrip('/')}/{REPORT}`",
+        f"{result.stage}: curves",
+    )
     picked = sorted({round(i * (len(records) - 1) / max(STEP_ROWS - 1, 1)) for i in range(STEP_ROWS)})
     rows = [{k: format_value(v) for k, v in records[i].items()} for i in picked]
     dashboard.table(_key("steps", result.stage), rows, f"{result.stage}: metrics per step")

@@ -26,8 +26,16 @@ aten = torch.ops.aten
 # Ops that move data between devices on purpose (a copy's source may be anywhere).
 TRANSFERS = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default}
 # Ops where CUDA takes a 0-dim CPU tensor as an operand (TensorIterator's CPU scalars), besides the pointwise ones.
-CPU_SCALAR_OPS = {aten.where.self, aten.masked_fill.Tensor, aten.masked_fill_.Tensor, aten.clamp.Tensor, aten.clamp_min.Tensor,
-                  aten.clamp_max.Tensor, aten.lerp.Tensor, aten.lerp_.Tensor}
+CPU_SCALAR_OPS = {
+    aten.where.self,
+    aten.masked_fill.Tensor,
+    aten.masked_fill_.Tensor,
+    aten.clamp.Tensor,
+    aten.clamp_min.Tensor,
+    aten.clamp_max.Tensor,
+    aten.lerp.Tensor,
+    aten.lerp_.Tensor,
+}
 # What brings a value from accel to the host (a GPU sync).
 HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
 
@@ -45,8 +53,16 @@ class OnAccel(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(),
-                                                   dtype=elem.dtype, layout=elem.layout, device=ACCEL, requires_grad=elem.requires_grad)
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            elem.size(),
+            strides=elem.stride(),
+            storage_offset=elem.storage_offset(),
+            dtype=elem.dtype,
+            layout=elem.layout,
+            device=ACCEL,
+            requires_grad=elem.requires_grad,
+        )
 
     def __init__(self, elem: torch.Tensor):
         self.elem = elem

@@ -91,8 +91,9 @@ def s3_endpoint():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(AWS_ACCESS_KEY_ID="test-key-id", AWS_SECRET_ACCESS_KEY="test-secret-value", AWS_DEFAULT_REGION="us-east-1")
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:

@@ -41,10 +41,13 @@ def runs(case: str, rank: int) -> list[tuple[str, Sampling, list[list[int]], int
     """(name, sampling, prompts, seed) of each run."""
     eos = 82  # a token the tiny model draws often: rows end early, at different steps
     vocab = tiny_hf_model(case)[1]["vocab_size"]
-    samplings = {"greedy": Sampling(max_new_tokens=12, eos_id=eos, vocab_size=vocab),
-                 "sampled": Sampling(max_new_tokens=12, eos_id=eos, vocab_size=vocab, temperature=1.0)}
-    return [(f"{name} set {i}", sampling, prompts, 11 + i + rank) for name, sampling in samplings.items()
-            for i, prompts in enumerate(prompt_sets(rank))]
+    samplings = {
+        "greedy": Sampling(max_new_tokens=12, eos_id=eos, vocab_size=vocab),
+        "sampled": Sampling(max_new_tokens=12, eos_id=eos, vocab_size=vocab, temperature=1.0),
+    }
+    return [
+        (f"{name} set {i}", sampling, prompts, 11 + i + rank) for name, sampling in samplings.items() for i, prompts in enumerate(prompt_sets(rank))
+    ]
 
 
 def generate_all(chunks: list, planned: list) -> list[list]:
@@ -77,12 +80,16 @@ def main() -> int:
     for every, completions in got.items():
         for (name, *_), ours, theirs in zip(planned, completions, expected, strict=True):
             same = [a.tokens == b.tokens and a.truncated == b.truncated for a, b in zip(ours, theirs, strict=True)]
-            error = max((abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logps + a.sampling_logps, b.logps + b.sampling_logps)),
-                        default=0.0)
+            error = max(
+                (abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logps + a.sampling_logps, b.logps + b.sampling_logps)), default=0.0
+            )
             lengths = [len(c.tokens) for c in theirs]
-            print(f"rank {rank} (global {dist.get_rank()}) {name} check every {every}: {len(theirs)} completions of lengths {lengths} "
-                  f"({sum(not c.truncated for c in theirs)} ended by EOS), {same.count(False)} differ from EP1, "
-                  f"max |logp - EP1| = {error:.1e}", flush=True)
+            print(
+                f"rank {rank} (global {dist.get_rank()}) {name} check every {every}: {len(theirs)} completions of lengths {lengths} "
+                f"({sum(not c.truncated for c in theirs)} ended by EOS), {same.count(False)} differ from EP1, "
+                f"max |logp - EP1| = {error:.1e}",
+                flush=True,
+            )
             failed |= not all(same) or not error <= TOLERANCE
     runtime.teardown()
     return int(failed)

@@ -18,9 +18,26 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import (
-    Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from reference_convert import hf_to_megatron
@@ -31,8 +48,14 @@ from alignflow.job.model.gpt import build_gpt, load_megatron_state, token_nll
 
 TOLERANCE = 1e-5  # fp32, max abs over all logits
 TINY = dict(
-    vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
     initializer_range=0.1,  # large enough that attention is peaked: a layout error shows in the logits
 )
 PHI3_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # Phi3Config's defaults (32000) lie outside vocab 100
@@ -43,16 +66,36 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "llama_tied": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "mistral_window": (MistralConfig, MistralForCausalLM, {"sliding_window": 4}),
-    "llama3_rope": (LlamaConfig, LlamaForCausalLM, {
-        "max_position_embeddings": 16384,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    }),
-    "llama3_rope_other": (LlamaConfig, LlamaForCausalLM, {  # constants Megatron-Core's rope_scaling cannot take
-        "max_position_embeddings": 256,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 2.0,
-                            "high_freq_factor": 8.0, "original_max_position_embeddings": 32},
-    }),
+    "llama3_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {
+            "max_position_embeddings": 16384,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+    ),
+    "llama3_rope_other": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {  # constants Megatron-Core's rope_scaling cannot take
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "low_freq_factor": 2.0,
+                "high_freq_factor": 8.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
     "llama_biases": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True, "mlp_bias": True}),
     "llama_attention_bias": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head_dim != hidden / heads, as Qwen3's real sizes
@@ -60,40 +103,88 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, {}),  # post-norm, q/k norms over the whole projection
     "olmo2_tied_bias": (Olmo2Config, Olmo2ForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
     "phi3_window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 4, **PHI3_TOKENS}),  # fused qkv_proj, gate_up_proj; a window
-    "phi3_longrope": (Phi3Config, Phi3ForCausalLM, {  # Phi-3-*-128k's RoPE within original_max_position_embeddings
-        "max_position_embeddings": 64, "original_max_position_embeddings": 32,  # Phi3Config's own key wins over rope_parameters'
-        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
-                            "short_factor": [1.0, 1.3, 1.7, 2.2, 2.9, 3.4, 4.1, 5.0], "long_factor": [2.0] * 8},
-        **PHI3_TOKENS,
-    }),
-    "phi4_partial_tied": (Phi3Config, Phi3ForCausalLM, {  # Phi-4-mini's shape: RoPE on 3/4 of each head, tied
-        "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
-        **PHI3_TOKENS,
-    }),
-    "phi4_mini_longrope": (Phi3Config, Phi3ForCausalLM, {  # Phi-4-mini: longrope on 3/4 of each head (12 of 16 dims: 6 factors), tied
-        "tie_word_embeddings": True, "max_position_embeddings": 64, "original_max_position_embeddings": 32,
-        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,
-                            "short_factor": [1.0, 1.4, 1.9, 2.6, 3.3, 4.5], "long_factor": [2.0] * 6},
-        **PHI3_TOKENS,
-    }),
+    "phi3_longrope": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        {  # Phi-3-*-128k's RoPE within original_max_position_embeddings
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 32,  # Phi3Config's own key wins over rope_parameters'
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 32,
+                "short_factor": [1.0, 1.3, 1.7, 2.2, 2.9, 3.4, 4.1, 5.0],
+                "long_factor": [2.0] * 8,
+            },
+            **PHI3_TOKENS,
+        },
+    ),
+    "phi4_partial_tied": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        {  # Phi-4-mini's shape: RoPE on 3/4 of each head, tied
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+            **PHI3_TOKENS,
+        },
+    ),
+    "phi4_mini_longrope": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        {  # Phi-4-mini: longrope on 3/4 of each head (12 of 16 dims: 6 factors), tied
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 32,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 32,
+                "short_factor": [1.0, 1.4, 1.9, 2.6, 3.3, 4.5],
+                "long_factor": [2.0] * 6,
+            },
+            **PHI3_TOKENS,
+        },
+    ),
     # Sliding (4 tokens) and full layers alternating, head_dim != hidden / heads != query_pre_attn_scalar,
     # soft-caps small enough to bend the scores and logits.
-    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {
-        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "attn_logit_softcapping": 5.0,
-        "final_logit_softcapping": 3.0,
-    }),
-    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {  # its own RoPE base on sliding layers, linear scaling on full ones
-        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-    }),
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 4,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {  # its own RoPE base on sliding layers, linear scaling on full ones
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        },
+    ),
     # mixture of experts: 4 experts, top 2, renormalized over the top 2 (Mixtral's router) or not
     "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                                                         "norm_topk_prob": True, "head_dim": 32}),
-    "qwen3_moe_unnormed": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                                                                  "norm_topk_prob": False, "tie_word_embeddings": True}),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True, "head_dim": 32},
+    ),
+    "qwen3_moe_unnormed": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False, "tie_word_embeddings": True},
+    ),
 }
 
 
@@ -125,13 +216,19 @@ def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
 def megatron_logits(chunks: list, ids: torch.Tensor) -> Optional[torch.Tensor]:
     """Full-vocab logits on the last pipeline stage (None elsewhere), through Megatron's
     schedule with one sequence per micro batch (virtual PP needs several micro batches)."""
+
     def step(data_iterator, chunk):
         return chunk(next(data_iterator), None, None, runtime_gather_output=True), None
 
     micro_batches = list(ids.to(device()).split(1))
     outputs = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=[iter(micro_batches) for _ in chunks], model=chunks,
-        num_microbatches=len(micro_batches), seq_length=ids.shape[1], micro_batch_size=1, forward_only=True,
+        forward_step_func=step,
+        data_iterator=[iter(micro_batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=ids.shape[1],
+        micro_batch_size=1,
+        forward_only=True,
     )
     return torch.cat(outputs).cpu() if parallel_state.is_pipeline_last_stage() else None
 
@@ -186,19 +283,34 @@ def converted_chunks(hf_config: dict, parallel: dict, hf_state: dict) -> list:
     chunks = built if isinstance(built, list) else [built]
     vp_size = parallel["virtual_pipeline_model_parallel_size"]
     for vp_stage, chunk in enumerate(chunks):
-        load_megatron_state(chunk.eval(), hf_to_megatron(
-            hf_state, hf_config,
-            parallel_state.get_tensor_model_parallel_rank(), parallel["tensor_model_parallel_size"],
-            parallel_state.get_pipeline_model_parallel_rank(), parallel["pipeline_model_parallel_size"],
-            vp_stage=vp_stage if vp_size else None, vp_size=vp_size,
-            ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=parallel["expert_model_parallel_size"],
-        ))
+        load_megatron_state(
+            chunk.eval(),
+            hf_to_megatron(
+                hf_state,
+                hf_config,
+                parallel_state.get_tensor_model_parallel_rank(),
+                parallel["tensor_model_parallel_size"],
+                parallel_state.get_pipeline_model_parallel_rank(),
+                parallel["pipeline_model_parallel_size"],
+                vp_stage=vp_stage if vp_size else None,
+                vp_size=vp_size,
+                ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                ep_size=parallel["expert_model_parallel_size"],
+            ),
+        )
     return chunks
 
 
 def parallel_cfg(tp: int = 1, pp: int = 1, vp: Optional[int] = None, ep: int = 1) -> dict:
-    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": vp,
-            "context_parallel_size": 1, "expert_model_parallel_size": ep, "sequence_parallel": False, "use_distributed_optimizer": False}
+    return {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vp,
+        "context_parallel_size": 1,
+        "expert_model_parallel_size": ep,
+        "sequence_parallel": False,
+        "use_distributed_optimizer": False,
+    }
 
 
 def main() -> int:

@@ -30,8 +30,13 @@ def check(loss_type: str, rank: int) -> None:
 
     big = logp.clone().requires_grad_(True)
     if loss_type == "bnpo":  # TRL normalises bnpo per micro batch, then averages the micro batches
-        reference = sum(trl_loss("bnpo", big[i : i + 1], old[i : i + 1], ref[i : i + 1], advantages[i : i + 1], mask[i : i + 1],
-                                 beta=0.04, epsilon_high=0.28) for i in range(4)) / 4
+        reference = (
+            sum(
+                trl_loss("bnpo", big[i : i + 1], old[i : i + 1], ref[i : i + 1], advantages[i : i + 1], mask[i : i + 1], beta=0.04, epsilon_high=0.28)
+                for i in range(4)
+            )
+            / 4
+        )
     else:
         reference = trl_loss(loss_type, big, old, ref, advantages, mask, beta=0.04, epsilon_high=0.28)
     reference.backward()

@@ -129,8 +129,15 @@ def stage_experts(shape: ModelShape, ep_rank: int, ep_size: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def stage_params(shape: ModelShape, pp_rank: int = 0, pp_size: int = 1, vp_stage: Optional[int] = None, vp_size: Optional[int] = None,
-                 ep_rank: int = 0, ep_size: int = 1) -> list[Placed]:
+def stage_params(
+    shape: ModelShape,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    vp_stage: Optional[int] = None,
+    vp_size: Optional[int] = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> list[Placed]:
     """The table entries a pipeline stage (virtual chunk) and expert-parallel rank holds, with
     their global and local (layer, expert) numbers."""
     pre, post = stage_ends(pp_rank, pp_size, vp_stage, vp_size)
@@ -151,8 +158,13 @@ def stage_params(shape: ModelShape, pp_rank: int = 0, pp_size: int = 1, vp_stage
 
 
 def param_to_megatron(
-    param: Param, slot: Slot, hf_state: Mapping[str, Tensor], shape: ModelShape,
-    tp_rank: int, tp_size: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+    param: Param,
+    slot: Slot,
+    hf_state: Mapping[str, Tensor],
+    shape: ModelShape,
+    tp_rank: int,
+    tp_size: int,
+    divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
 ) -> Tensor:
     """One Megatron tensor (this TP rank's slice) from the HF tensors it is built from."""
     check_tp(shape, tp_size)
@@ -163,8 +175,17 @@ def param_to_megatron(
 
 
 def hf_to_megatron(
-    hf_state: Mapping[str, Tensor], hf_config: Mapping, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-    *, vp_stage: Optional[int] = None, vp_size: Optional[int] = None, ep_rank: int = 0, ep_size: int = 1,
+    hf_state: Mapping[str, Tensor],
+    hf_config: Mapping,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    *,
+    vp_stage: Optional[int] = None,
+    vp_size: Optional[int] = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
     make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY,
 ) -> dict[str, Tensor]:
     """This rank's local Megatron state (checkpoint names, stage-local layer and EP-local expert numbers).

@@ -45,8 +45,10 @@ def test_packed_rows_give_hf_logits_of_each_document_alone(one_rank, case, tmp_p
     batch, ids = packed_batch(ROWS, LENGTH)
     documents = document_params(batch)
     with torch.no_grad():
-        ours = {"megatron": sft_forward(model, dict(batch, labels=None)),
-                "lean": token_nll(LeanForward.of([model], LENGTH), batch["tokens"], batch["position_ids"], None, None, packed_seq_params=documents)}
+        ours = {
+            "megatron": sft_forward(model, dict(batch, labels=None)),
+            "lean": token_nll(LeanForward.of([model], LENGTH), batch["tokens"], batch["position_ids"], None, None, packed_seq_params=documents),
+        }
         for r, docs in enumerate(ROWS):
             starts = np.cumsum([0, *docs])
             for a, e in zip(starts, starts[1:]):
@@ -147,7 +149,9 @@ def test_on_cuda_in_bf16_the_kernel_is_torchs_varlen_attention():
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(24, 4, 16, dtype=torch.bfloat16, device="cuda")
         kv = torch.empty(24, 2, 16, dtype=torch.bfloat16, device="cuda")
-        documents = Documents.of(torch.empty(4, dtype=torch.int32, device="cuda"), 12, 24)  # 3 documents; fake tensors hold no values (and torch.tensor(device="cuda") is refused once tests/accelerator.py registered its device)
+        documents = Documents.of(
+            torch.empty(4, dtype=torch.int32, device="cuda"), 12, 24
+        )  # 3 documents; fake tensors hold no values (and torch.tensor(device="cuda") is refused once tests/accelerator.py registered its device)
         assert kernel(q, 0.0) == "varlen" and kernel(q, 0.1) == "sdpa" and kernel(q.float(), 0.0) == "sdpa"
         for window in (None, (3, 0)):
             out = packed_attention(q, kv, kv, documents, window, 0.25)

@@ -15,8 +15,14 @@ KINDS = ("sft", "reference", "dpo", "generation")
 
 @pytest.mark.slow
 def test_the_gpu_bench_runs_end_to_end_on_cpu():
-    out = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    out = subprocess.run(
+        [sys.executable, "bench/gpu.py", "--dry-run"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     lines = out.stdout.splitlines()
     assert f"GPU test subset: {len(GPU_TESTS)} tests collected" in lines

@@ -31,7 +31,9 @@ def test_typo_and_wrong_type_name_the_key(base_overrides, override, key):
 
 def test_tensor_parallel_must_divide_heads(base_overrides):
     with pytest.raises(ConfigError) as err:
-        compose("sft_dpo", [*base_overrides, "sft.parallel.tensor_model_parallel_size=3", "sft.resources.tasks_per_node=3", "sft.global_batch_size=36"])
+        compose(
+            "sft_dpo", [*base_overrides, "sft.parallel.tensor_model_parallel_size=3", "sft.resources.tasks_per_node=3", "sft.global_batch_size=36"]
+        )
     assert "sft.parallel.tensor_model_parallel_size: 3 does not divide the model's 4 attention heads" in str(err.value)
 
 
@@ -47,8 +49,10 @@ def test_tensor_parallel_must_divide_heads(base_overrides):
         (["data.sft.train=/nonexistent/x.jsonl"], "data.sft.train: /nonexistent/x.jsonl does not exist"),
         (["force=[grpo]"], "force: 'grpo' is not a stage"),
         (["sft.recompute_granularity=full", "sft.recompute_num_layers=0"], "sft.recompute_num_layers: must be >= 1"),
-        (["sft.recompute_granularity=full", "sft.recompute_method=block", "sft.recompute_num_layers=3"],
-         "sft.recompute_num_layers: 3 exceeds the 2 layers of a pipeline stage"),
+        (
+            ["sft.recompute_granularity=full", "sft.recompute_method=block", "sft.recompute_num_layers=3"],
+            "sft.recompute_num_layers: 3 exceeds the 2 layers of a pipeline stage",
+        ),
         (["sft.parallel.overlap_param_gather=true"], "sft.parallel.overlap_param_gather: needs use_distributed_optimizer"),
     ],
 )
@@ -107,8 +111,11 @@ def test_other_env_values_are_resolved_for_jobs_hashed_in_identity_and_masked_wh
     a secret (by its key's name) still travels as `${oc.env:...}` text, resolved by the job."""
     monkeypatch.setenv("STEPS", "20")
     monkeypatch.setenv("JUDGE_API_KEY", "judge-sekrit")
-    overrides = [*base_overrides, "sft.trainer.max_steps=${oc.env:STEPS}", "grpo.environment=[{name: exact_match, kwargs: "
-                 "{api_key: '${oc.env:JUDGE_API_KEY}', endpoint: '${oc.env:STEPS}'}}]"]
+    overrides = [
+        *base_overrides,
+        "sft.trainer.max_steps=${oc.env:STEPS}",
+        "grpo.environment=[{name: exact_match, kwargs: {api_key: '${oc.env:JUDGE_API_KEY}', endpoint: '${oc.env:STEPS}'}}]",
+    ]
     cfg = compose("sft_grpo", overrides)
     job = for_job(cfg, ("sft", "grpo"))
     assert job["sft"]["trainer"]["max_steps"] == 20  # resolved, typed
@@ -123,20 +130,34 @@ def test_other_env_values_are_resolved_for_jobs_hashed_in_identity_and_masked_wh
     assert "max_steps: '***'" in shown and "judge-sekrit" not in shown
 
 
-@pytest.mark.parametrize("pipeline, override, key, variable", [
-    ("sft_dpo", "logging.wandb.api_key=wandb-0123456789abcdef", "logging.wandb.api_key", "WANDB_API_KEY"),
-    ("sft_dpo", "+store.storage_options.secret=wJalrXUtnFEMI", "store.storage_options.secret", "AWS_SECRET_ACCESS_KEY"),
-    ("sft_dpo", "+store.storage_options.key=AKIAIOSFODNN7", "store.storage_options.key", "AWS_ACCESS_KEY_ID"),
-    ("sft_dpo", "+store.storage_options.token=FwoGZXIvYXdz", "store.storage_options.token", "AWS_SESSION_TOKEN"),
-    ("sft_dpo", "+store.storage_options.client_kwargs.aws_secret_access_key=wJalrXUtnFEMI",
-     "store.storage_options.client_kwargs.aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-    ("sft_grpo", "grpo.environment=[{name: exact_match, kwargs: {api_key: judge-0123456789}}]", "grpo.environment[0].kwargs.api_key",
-     "KWARGS_API_KEY"),
-    ("sft_grpo", "pipeline.stages.grpo.environment=[{name: exact_match, kwargs: {password: hunter2hunter2}}]",
-     "pipeline.stages.grpo.environment[0].kwargs.password", "KWARGS_PASSWORD"),
-])
-def test_a_secret_written_out_is_refused_at_compose_before_anything_is_written(base_overrides, tmp_path, capsys, pipeline, override,
-                                                                              key, variable):
+@pytest.mark.parametrize(
+    "pipeline, override, key, variable",
+    [
+        ("sft_dpo", "logging.wandb.api_key=wandb-0123456789abcdef", "logging.wandb.api_key", "WANDB_API_KEY"),
+        ("sft_dpo", "+store.storage_options.secret=wJalrXUtnFEMI", "store.storage_options.secret", "AWS_SECRET_ACCESS_KEY"),
+        ("sft_dpo", "+store.storage_options.key=AKIAIOSFODNN7", "store.storage_options.key", "AWS_ACCESS_KEY_ID"),
+        ("sft_dpo", "+store.storage_options.token=FwoGZXIvYXdz", "store.storage_options.token", "AWS_SESSION_TOKEN"),
+        (
+            "sft_dpo",
+            "+store.storage_options.client_kwargs.aws_secret_access_key=wJalrXUtnFEMI",
+            "store.storage_options.client_kwargs.aws_secret_access_key",
+            "AWS_SECRET_ACCESS_KEY",
+        ),
+        (
+            "sft_grpo",
+            "grpo.environment=[{name: exact_match, kwargs: {api_key: judge-0123456789}}]",
+            "grpo.environment[0].kwargs.api_key",
+            "KWARGS_API_KEY",
+        ),
+        (
+            "sft_grpo",
+            "pipeline.stages.grpo.environment=[{name: exact_match, kwargs: {password: hunter2hunter2}}]",
+            "pipeline.stages.grpo.environment[0].kwargs.password",
+            "KWARGS_PASSWORD",
+        ),
+    ],
+)
+def test_a_secret_written_out_is_refused_at_compose_before_anything_is_written(base_overrides, tmp_path, capsys, pipeline, override, key, variable):
     assert main(["run", f"pipeline={pipeline}", *base_overrides, override]) == 2
     out = capsys.readouterr().out
     assert f"{key}: a secret must not be written in the config or an override (Prefect stores flow parameters in plain text" in out
@@ -147,8 +168,10 @@ def test_a_secret_written_out_is_refused_at_compose_before_anything_is_written(b
 
 def test_a_secret_from_the_environment_or_left_null_is_accepted(base_overrides, monkeypatch):
     monkeypatch.setenv("MY_SECRET", "s")
-    compose("sft_dpo", [*base_overrides, "logging.wandb.api_key=null", "+store.storage_options.secret=${oc.env:MY_SECRET}",
-                        "+store.storage_options.anon=false"])
+    compose(
+        "sft_dpo",
+        [*base_overrides, "logging.wandb.api_key=null", "+store.storage_options.secret=${oc.env:MY_SECRET}", "+store.storage_options.anon=false"],
+    )
 
 
 def test_only_secret_named_keys_are_secrets(base_overrides):

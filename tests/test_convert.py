@@ -28,7 +28,19 @@ from megatron_ranks import tiny_hf_model  # noqa: E402
 RANKS = Path(__file__).with_name("checkpoint_ranks.py")
 TOLERANCE = 1e-5
 # q/k norms, biases, sandwich norms, post-norm, fused qkv_proj, Phi-4-mini's config (partial rotary longrope), experts
-STREAMED = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "olmo2_tied_bias", "phi3_window", "phi4_mini_longrope", "mixtral", "qwen3_moe"]
+STREAMED = [
+    "llama",
+    "qwen2",
+    "qwen3_tied_bias",
+    "llama_biases",
+    "gemma2",
+    "gemma3",
+    "olmo2_tied_bias",
+    "phi3_window",
+    "phi4_mini_longrope",
+    "mixtral",
+    "qwen3_moe",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +60,13 @@ def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def stage_cfg(source, demo_dir, tp=1, hf_config=None, **export_cfg):
-    return OmegaConf.create({
-        "model": {"source": str(source), "hf_config": hf_config, "tokenizer": str(demo_dir / "tokenizer"), "make_vocab_size_divisible_by": 128},
-        "convert": {"parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1}},
-        "export": {"dtype": "float32", "max_shard_size": "2GB", "destination": None, **export_cfg},
-    })
+    return OmegaConf.create(
+        {
+            "model": {"source": str(source), "hf_config": hf_config, "tokenizer": str(demo_dir / "tokenizer"), "make_vocab_size_divisible_by": 128},
+            "convert": {"parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1}},
+            "export": {"dtype": "float32", "max_shard_size": "2GB", "destination": None, **export_cfg},
+        }
+    )
 
 
 def convert_to(tmp_path, source, demo_dir, name="ckpt", **kw) -> Path:
@@ -71,8 +85,14 @@ def torchrun(nproc: int, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    run = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(nproc), str(RANKS), *args],
-                         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env)
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(nproc), str(RANKS), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PROJECT_ROOT,
+        env=env,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout
 
@@ -127,9 +147,15 @@ def test_nemo_prefixed_torch_dist_source(hf_dirs, demo_dir, tmp_path):
     ckpt = convert_to(tmp_path, hf_dirs["llama"], demo_dir)
     reader = DistCheckpointReader(str(ckpt / MODEL_DIR))
     entries = [
-        Entry(f"module.{key}", reader.shape(key), reader.dtype(key), tuple(
-            Chunk(tuple(c.offsets), tuple(c.sizes), lambda key=key, c=c: reader.read_chunk(key, c.offsets))
-            for c in reader.metadata.state_dict_metadata[key].chunks))
+        Entry(
+            f"module.{key}",
+            reader.shape(key),
+            reader.dtype(key),
+            tuple(
+                Chunk(tuple(c.offsets), tuple(c.sizes), lambda key=key, c=c: reader.read_chunk(key, c.offsets))
+                for c in reader.metadata.state_dict_metadata[key].chunks
+            ),
+        )
         for key in reader.keys()
     ]
     nemo = tmp_path / "nemo" / "weights"

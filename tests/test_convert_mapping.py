@@ -13,12 +13,29 @@ from transformers import Gemma2Config, Gemma3TextConfig
 from alignflow.job.convert.layout import merge_fc1, merge_hf_qkv, merge_qkv, split_fc1, split_hf_qkv, split_qkv
 from alignflow.job.convert.families import model_shape
 from reference_convert import (
-    hf_to_megatron, megatron_to_hf, padded_vocab_size, shard, stage_layers, stage_params, unshard,
+    hf_to_megatron,
+    megatron_to_hf,
+    padded_vocab_size,
+    shard,
+    stage_layers,
+    stage_params,
+    unshard,
 )
 
 # GQA untied, tied, qkv bias, q/k norms, every bias, sandwich norms, post-norm with whole q/k norms, fused qkv_proj / gate_up_proj, experts
-CASES = ["llama", "llama_tied", "qwen2", "qwen3_tied_bias", "llama_biases", "gemma2", "gemma3", "olmo2_tied_bias", "phi4_partial_tied",
-         "mixtral", "qwen3_moe"]
+CASES = [
+    "llama",
+    "llama_tied",
+    "qwen2",
+    "qwen3_tied_bias",
+    "llama_biases",
+    "gemma2",
+    "gemma3",
+    "olmo2_tied_bias",
+    "phi4_partial_tied",
+    "mixtral",
+    "qwen3_moe",
+]
 LAYER_NAMES = [
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.weight",
@@ -79,8 +96,11 @@ def test_every_hf_tensor_is_read_once_and_every_megatron_tensor_made_once(hf, ca
 
 
 MOE_LAYER_NAMES = [
-    "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-    "pre_mlp_layernorm.weight", "mlp.router.weight",
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_proj.weight",
+    "pre_mlp_layernorm.weight",
+    "mlp.router.weight",
     *(f"mlp.experts.local_experts.{e}.{fc}.weight" for e in range(4) for fc in ("linear_fc1", "linear_fc2")),
 ]
 
@@ -91,7 +111,10 @@ def test_moe_megatron_names_and_experts_split_over_ep(hf, case):
     extra = {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"} if case == "qwen3_moe" else set()
     names = set(hf_to_megatron(hf_state, config, 0, 1, 0, 1))
     assert names == {f"decoder.layers.{i}.{n}" for i in range(4) for n in [*MOE_LAYER_NAMES, *extra]} | {
-        "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"}
+        "embedding.word_embeddings.weight",
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    }
     experts = "block_sparse_moe.experts.{e}.w{w}" if case == "mixtral" else "mlp.experts.{e}.{w}_proj"
     gate, up, down = ("1", "3", "2") if case == "mixtral" else ("gate", "up", "down")
     for ep_rank in range(2):  # EP rank r holds experts 2r, 2r + 1 as its local experts 0, 1
@@ -100,8 +123,12 @@ def test_moe_megatron_names_and_experts_split_over_ep(hf, case):
         for e in range(2):
             hf_name = f"model.layers.1.{experts}.weight"
             fc1 = local[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"]
-            assert torch.equal(fc1, torch.cat([hf_state[hf_name.format(e=2 * ep_rank + e, w=gate)], hf_state[hf_name.format(e=2 * ep_rank + e, w=up)]]))
-            assert torch.equal(local[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc2.weight"], hf_state[hf_name.format(e=2 * ep_rank + e, w=down)])
+            assert torch.equal(
+                fc1, torch.cat([hf_state[hf_name.format(e=2 * ep_rank + e, w=gate)], hf_state[hf_name.format(e=2 * ep_rank + e, w=up)]])
+            )
+            assert torch.equal(
+                local[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc2.weight"], hf_state[hf_name.format(e=2 * ep_rank + e, w=down)]
+            )
     with pytest.raises(ValueError, match="num_experts=4 does not split over EP=3"):
         hf_to_megatron(hf_state, config, 0, 1, 0, 1, ep_rank=0, ep_size=3)
 
@@ -244,8 +271,11 @@ def test_vocab_is_padded_to_a_multiple_of_128_times_tp():
 
 
 def test_unsupported_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                         "Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match="'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM",
+    ):
         model_shape({**tiny_hf_model("llama")[1], "architectures": ["GPT2LMHeadModel"]})
 
 
@@ -255,58 +285,112 @@ def test_gemma_sandwich_norms_map_to_the_post_norms_of_the_projections(hf):
     hf_state, config = hf["gemma3"]
     megatron = hf_to_megatron(hf_state, config, 0, 1, 0, 1)
     layer = "decoder.layers.1."
-    for name, hf_name in [("self_attention.linear_proj.post_layernorm.weight", "post_attention_layernorm.weight"),
-                          ("mlp.linear_fc1.layer_norm_weight", "pre_feedforward_layernorm.weight"),
-                          ("mlp.linear_fc2.post_layernorm.weight", "post_feedforward_layernorm.weight"),
-                          ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-                          ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight")]:
+    for name, hf_name in [
+        ("self_attention.linear_proj.post_layernorm.weight", "post_attention_layernorm.weight"),
+        ("mlp.linear_fc1.layer_norm_weight", "pre_feedforward_layernorm.weight"),
+        ("mlp.linear_fc2.post_layernorm.weight", "post_feedforward_layernorm.weight"),
+        ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+        ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    ]:
         assert torch.equal(megatron[layer + name], hf_state["model.layers.1." + hf_name]), name
 
 
-@pytest.mark.parametrize("config_cls,legacy", [
-    (Gemma3TextConfig, {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-                        "sliding_window_pattern": 3, "num_hidden_layers": 7}),
-    (Gemma2Config, {"rope_theta": 1e4, "num_hidden_layers": 5}),
-])
+@pytest.mark.parametrize(
+    "config_cls,legacy",
+    [
+        (
+            Gemma3TextConfig,
+            {
+                "rope_theta": 1e6,
+                "rope_local_base_freq": 1e4,
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                "sliding_window_pattern": 3,
+                "num_hidden_layers": 7,
+            },
+        ),
+        (Gemma2Config, {"rope_theta": 1e4, "num_hidden_layers": 5}),
+    ],
+)
 def test_gemma_configs_without_layer_types_read_as_transformers_reads_them(config_cls, legacy):
     """A config.json of transformers 4 (no `layer_types`, no per-layer-type `rope_parameters`)
     gives the shape of the config transformers 5 makes of it."""
     architecture = {Gemma3TextConfig: "Gemma3ForCausalLM", Gemma2Config: "Gemma2ForCausalLM"}[config_cls]
-    written = {"architectures": [architecture], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "max_position_embeddings": 64, **legacy}
+    written = {
+        "architectures": [architecture],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 100,
+        "max_position_embeddings": 64,
+        **legacy,
+    }
     shape = model_shape(written)
     assert shape == model_shape({**config_cls(**written).to_dict(), "architectures": [architecture]})
     assert sum(shape.window_layers) < len(shape.window_layers) and any(shape.window_layers)
 
 
-@pytest.mark.parametrize("case,change,message", [
-    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3 rope scaling without low_freq_factor"),
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
-    ("qwen3", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
-    ("phi4_partial_tied", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
-                                               "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}},
-     r"longrope rope_parameters.short_factor has 8 factors; the model's 12 rotary dims per head \(head_dim x partial_rotary_factor 0.75\) take 6"),
-    ("phi3_window", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}, "original_max_position_embeddings": None},
-     "longrope rope scaling without original_max_position_embeddings or short_factor"),
-    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5: LlamaForCausalLM is mapped with RoPE over whole heads"),
-    ("olmo2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ("gemma2", {"attention_bias": True}, "attention_bias=True: Gemma's attention biases are not mapped"),
-    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True: bidirectional attention"),
-    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu': Gemma2ForCausalLM maps only 'gelu_pytorch_tanh'"),
-    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"] * 2}, "layer_types=.*one of 'sliding_attention', 'full_attention'"),
-    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
-     "rope_type 'linear' on sliding_attention layers"),
-    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0},
-                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_type 'yarn'"),
-    ("gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]}, "'Gemma3ForConditionalGeneration': the multimodal Gemma 3"),
-    ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]: dense layers among the MoE layers are not mapped"),
-    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2: dense layers among the MoE layers are not mapped"),
-    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: router jitter noise"),
-    ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-])
+@pytest.mark.parametrize(
+    "case,change,message",
+    [
+        ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+        ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3 rope scaling without low_freq_factor"),
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
+        ("qwen3", {"use_sliding_window": True}, "use_sliding_window=True: per-layer sliding windows"),
+        (
+            "phi4_partial_tied",
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.75,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                    "original_max_position_embeddings": 32,
+                }
+            },
+            r"longrope rope_parameters.short_factor has 8 factors; the model's 12 rotary dims per head \(head_dim x partial_rotary_factor 0.75\) take 6",
+        ),
+        (
+            "phi3_window",
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}, "original_max_position_embeddings": None},
+            "longrope rope scaling without original_max_position_embeddings or short_factor",
+        ),
+        ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5: LlamaForCausalLM is mapped with RoPE over whole heads"),
+        ("olmo2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("gemma2", {"attention_bias": True}, "attention_bias=True: Gemma's attention biases are not mapped"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True: bidirectional attention"),
+        ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu': Gemma2ForCausalLM maps only 'gelu_pytorch_tanh'"),
+        ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"] * 2}, "layer_types=.*one of 'sliding_attention', 'full_attention'"),
+        (
+            "gemma3",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                }
+            },
+            "rope_type 'linear' on sliding_attention layers",
+        ),
+        (
+            "gemma3",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+            "rope_type 'yarn'",
+        ),
+        ("gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]}, "'Gemma3ForConditionalGeneration': the multimodal Gemma 3"),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]: dense layers among the MoE layers are not mapped"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2: dense layers among the MoE layers are not mapped"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: router jitter noise"),
+        ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
 def test_unsupported_config_fails_clearly(case, change, message):
     with pytest.raises(ValueError, match=message):
         model_shape({**tiny_hf_model(case)[1], **change})

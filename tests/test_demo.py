@@ -93,11 +93,16 @@ def test_task_data(assets):
     data = assets / "data"
     sizes = {p.name: len(read_jsonl(p)) for p in data.glob("*.jsonl")}
     assert sizes == {
-        "sft_train.jsonl": 2000, "sft_val.jsonl": 200,
-        "preference_train.jsonl": 1000, "preference_val.jsonl": 200,
-        "prompts_train.jsonl": 4000, "prompts_val.jsonl": 200,
-        "sft_domain_train.jsonl": 1000, "sft_domain_val.jsonl": 102,  # the held-out problems that are subtractions
-        "preference_rm_train.jsonl": 4000, "preference_rm_val.jsonl": 200,  # the reward model's pairs (sft_rm_grpo)
+        "sft_train.jsonl": 2000,
+        "sft_val.jsonl": 200,
+        "preference_train.jsonl": 1000,
+        "preference_val.jsonl": 200,
+        "prompts_train.jsonl": 4000,
+        "prompts_val.jsonl": 200,
+        "sft_domain_train.jsonl": 1000,
+        "sft_domain_val.jsonl": 102,  # the held-out problems that are subtractions
+        "preference_rm_train.jsonl": 4000,
+        "preference_rm_val.jsonl": 200,  # the reward model's pairs (sft_rm_grpo)
     }
     for row in read_jsonl(data / "sft_domain_train.jsonl"):
         assert " - " in row["messages"][0]["content"] and solve(row["messages"][0]["content"]) == row["messages"][1]["content"]
@@ -113,6 +118,7 @@ def test_task_data(assets):
 
 def test_no_kind_trains_on_a_held_out_problem(assets):
     """Every kind's val split is the same held-out problems, and no train split has one."""
+
     def questions(stem: str, split: str) -> set[str]:
         rows = read_jsonl(assets / "data" / f"{stem}_{split}.jsonl")
         found = {row["messages"][0]["content"] if "messages" in row else row["prompt"] for row in rows}

@@ -35,18 +35,40 @@ CONFIGS = {
     # the teacher is the student: without the SFT term the gradient is rounding noise, which Adam's first step scales up
     "distillation": lambda demo: stage_cfg("distillation", demo, **ONE_STEP, loss={"sft_loss_weight": 0.5}),
     # two updates per batch: the old policy's log-probs too; the reference's with the KL term
-    "grpo": lambda demo: stage_cfg("grpo", demo, **ONE_STEP, num_prompts_per_step=2, num_generations_per_prompt=2, max_new_tokens=20,
-                                   generation_batch_size=2, num_optimizer_steps_per_batch=2, loss={"ref_policy_kl_penalty": 0.1}),
+    "grpo": lambda demo: stage_cfg(
+        "grpo",
+        demo,
+        **ONE_STEP,
+        num_prompts_per_step=2,
+        num_generations_per_prompt=2,
+        max_new_tokens=20,
+        generation_batch_size=2,
+        num_optimizer_steps_per_batch=2,
+        loss={"ref_policy_kl_penalty": 0.1},
+    ),
     # with recompute: Megatron's own forward and backward (not the one-rank lean ones)
     "sft_lora": lambda demo: stage_cfg("sft", demo, **ONE_STEP, finetuning_type="lora", recompute_granularity="selective"),
     "ref_logprobs": lambda demo: {"ref_logprobs": {"micro_batch_size": 2, "parallel": eval_stage.SINGLE_RANK}, **FORWARD_ONLY},
-    "teacher_logprobs": lambda demo: {"teacher_logprobs": {"micro_batch_size": 2, "topk_logits_k": 4, "parallel": eval_stage.SINGLE_RANK},
-                                      **FORWARD_ONLY},
-    "eval": lambda demo: {"eval": {"micro_batch_size": 2, "limit_batches": 2, "num_generation_samples": 4, "max_new_tokens": 20,
-                                   "parallel": eval_stage.SINGLE_RANK}, **FORWARD_ONLY},
+    "teacher_logprobs": lambda demo: {
+        "teacher_logprobs": {"micro_batch_size": 2, "topk_logits_k": 4, "parallel": eval_stage.SINGLE_RANK},
+        **FORWARD_ONLY,
+    },
+    "eval": lambda demo: {
+        "eval": {"micro_batch_size": 2, "limit_batches": 2, "num_generation_samples": 4, "max_new_tokens": 20, "parallel": eval_stage.SINGLE_RANK},
+        **FORWARD_ONLY,
+    },
 }
-MODULES = {"sft": sft, "dpo": dpo, "dpo_bf16": dpo, "distillation": distillation, "grpo": grpo, "sft_lora": sft, "ref_logprobs": ref_logprobs,
-           "teacher_logprobs": teacher_logprobs, "eval": eval_stage}
+MODULES = {
+    "sft": sft,
+    "dpo": dpo,
+    "dpo_bf16": dpo,
+    "distillation": distillation,
+    "grpo": grpo,
+    "sft_lora": sft,
+    "ref_logprobs": ref_logprobs,
+    "teacher_logprobs": teacher_logprobs,
+    "eval": eval_stage,
+}
 TIMINGS = ("tokens_per_s", "tflops", "mfu", "peak_memory_gib", "peak_memory_of")  # how fast and how big, not what
 # bf16 validation attends through torch's kernels: math on accel, flash on the CPU, rounding apart in bf16
 # (relative, absolute): bf16 DPO's rewards are beta x log-prob sums of a few hundredths, whose bf16
@@ -59,12 +81,28 @@ def inputs(demo_dir, tmp_path_factory) -> dict:
     """A few rows of each demo data set, the demo model, its reference log-probs and top-k (on the CPU)."""
     root = tmp_path_factory.mktemp("device")
     data = demo_dir / "data"
-    spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
-                   "format": "auto", "dev_choose_samples": rows, "answer_key": "answer"}
-            for kind, rows in (("sft", 96), ("preference", 8), ("prompts", 8))}
-    prep.run(typed({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-                    "data": {**spec, "seq_length": 256, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
-                    "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None}}), {}, str(root / "prep"))
+    spec = {
+        kind: {
+            "train": str(data / f"{kind}_train.jsonl"),
+            "val": str(data / f"{kind}_val.jsonl"),
+            "val_fraction": 0.0,
+            "format": "auto",
+            "dev_choose_samples": rows,
+            "answer_key": "answer",
+        }
+        for kind, rows in (("sft", 96), ("preference", 8), ("prompts", 8))
+    }
+    prep.run(
+        typed(
+            {
+                "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+                "data": {**spec, "seq_length": 256, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
+                "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
+            }
+        ),
+        {},
+        str(root / "prep"),
+    )
     model = str(convert_demo(demo_dir, root / "base"))
     found = {"data": str(root / "prep"), "model": model, "ref_model": model, "teacher": model, "baselines": []}
     for kind, role in (("ref_logprobs", "ref_logprobs"), ("teacher_logprobs", "teacher_logprobs")):
@@ -142,8 +180,22 @@ def test_generation_reads_the_host_once_a_stretch_and_samples_what_the_cpu_sampl
 
 
 # torch's factories that make a tensor (or generator) on the CPU unless told otherwise
-FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn", "randint", "randperm",
-             "Generator"}
+FACTORIES = {
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "linspace",
+    "eye",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "Generator",
+}
 
 
 def test_every_tensor_factory_in_alignflow_says_where():
@@ -152,7 +204,12 @@ def test_every_tensor_factory_in_alignflow_says_where():
     silent = []
     for path in sorted((PROJECT_ROOT / "alignflow").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES
-                    and ast.unparse(node.func.value) == "torch" and not any(k.arg == "device" for k in node.keywords)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in FACTORIES
+                and ast.unparse(node.func.value) == "torch"
+                and not any(k.arg == "device" for k in node.keywords)
+            ):
                 silent.append(f"{path.relative_to(PROJECT_ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not silent, "tensors made without a device:\n" + "\n".join(silent)

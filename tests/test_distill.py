@@ -44,12 +44,15 @@ WORKED = {
 }
 
 
-@pytest.mark.parametrize("kl_type, zero_outside_topk, expected", [
-    ("forward", False, WORKED["forward"]),
-    ("reverse", False, WORKED["reverse"]),
-    ("mixed", False, 0.3 * WORKED["forward"] + 0.7 * WORKED["reverse"]),
-    ("forward", True, WORKED["forward_full"]),
-])
+@pytest.mark.parametrize(
+    "kl_type, zero_outside_topk, expected",
+    [
+        ("forward", False, WORKED["forward"]),
+        ("reverse", False, WORKED["reverse"]),
+        ("mixed", False, 0.3 * WORKED["forward"] + 0.7 * WORKED["reverse"]),
+        ("forward", True, WORKED["forward_full"]),
+    ],
+)
 def test_topk_kl_on_a_worked_example(kl_type, zero_outside_topk, expected):
     cfg = DistillationLossConfig(kl_type=kl_type, mixed_kl_weight=0.3, zero_outside_topk=zero_outside_topk)
     got = topk_kl(STUDENT.log()[TOP], TEACHER.log()[TOP], cfg)
@@ -97,8 +100,7 @@ def test_the_stage_loss_is_kl_and_nll_from_explicit_distributions(one_rank):
     b, s, v = 2, 6, 20
     logits, teacher = torch.randn(b, s, v, requires_grad=True), torch.randn(b, s, v).log_softmax(-1)
     t_logp, t_ids = teacher.topk(K, dim=-1)
-    batch = {"labels": torch.randint(0, v, (b, s)), "teacher_ids": t_ids, "teacher_logp": t_logp,
-             "loss_mask": (torch.rand(b, s) < 0.6).float()}
+    batch = {"labels": torch.randint(0, v, (b, s)), "teacher_ids": t_ids, "teacher_logp": t_logp, "loss_mask": (torch.rand(b, s) < 0.6).float()}
     cfg = DistillationLossConfig(sft_loss_weight=0.25)
     terms = distillation.distillation_objective(cfg, v).loss(logits, batch)
     student = logits.log_softmax(-1)
@@ -117,16 +119,24 @@ def test_the_stage_loss_is_kl_and_nll_from_explicit_distributions(one_rank):
 
 
 def convert_model(source: Path, tokenizer: Path, out: Path) -> Path:
-    convert.run(typed({
-        "model": {"source": str(source), "hf_config": None, "tokenizer": str(tokenizer), "make_vocab_size_divisible_by": 128},
-        "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
-    }), {}, str(out))
+    convert.run(
+        typed(
+            {
+                "model": {"source": str(source), "hf_config": None, "tokenizer": str(tokenizer), "make_vocab_size_divisible_by": 128},
+                "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+            }
+        ),
+        {},
+        str(out),
+    )
     return out
 
 
 def topk_cfg(k: int = K, **section) -> dict:
-    return {"teacher_logprobs": {"micro_batch_size": 7, "topk_logits_k": k, "parallel": eval_stage.SINGLE_RANK, **section},
-            "model": {"make_vocab_size_divisible_by": 128}}
+    return {
+        "teacher_logprobs": {"micro_batch_size": 7, "topk_logits_k": k, "parallel": eval_stage.SINGLE_RANK, **section},
+        "model": {"make_vocab_size_divisible_by": 128},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +146,18 @@ def demo(demo_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
     data = prep_demo(demo_dir, root / "prep")
     base = convert_demo(demo_dir, root / "base")
-    cfg = stage_cfg("sft", demo_dir, micro_batch_size=4, global_batch_size=16, trainer={"max_steps": 60, "val_check_interval": 60},
-                    optim={"lr": 3e-3, "warmup_steps": 5})
+    cfg = stage_cfg(
+        "sft",
+        demo_dir,
+        micro_batch_size=4,
+        global_batch_size=16,
+        trainer={"max_steps": 60, "val_check_interval": 60},
+        optim={"lr": 3e-3, "warmup_steps": 5},
+    )
     sft.run(typed(cfg), {"data": str(data), "model": str(base)}, str(root / "teacher"))
     teacher_logprobs.run(typed(topk_cfg()), {"data": str(data), "teacher": str(root / "teacher")}, str(root / "topk"))
     student = convert_model(demo_dir / "tiny-llama-student", demo_dir / "tokenizer", root / "student")
-    return {"root": root, "data": str(data), "base": str(base), "teacher": str(root / "teacher"), "topk": str(root / "topk"),
-            "student": str(student)}
+    return {"root": root, "data": str(data), "base": str(base), "teacher": str(root / "teacher"), "topk": str(root / "topk"), "student": str(student)}
 
 
 def test_teacher_topk_equal_hf_transformers_topk(demo, demo_dir, tmp_path):
@@ -189,9 +204,15 @@ def test_distill_rows_align_the_teacher_topk_to_the_packed_loss_positions(demo):
 
 
 def test_the_students_heldout_kl_to_the_teacher_falls(demo, demo_dir, tmp_path):
-    cfg = stage_cfg("distillation", demo_dir, micro_batch_size=4, global_batch_size=16, loss={"sft_loss_weight": 0.25},
-                    trainer={"max_steps": 30, "val_check_interval": 5, "log_every_n_steps": 1, "limit_val_batches": 4},
-                    optim={"lr": 3e-3, "warmup_steps": 3})
+    cfg = stage_cfg(
+        "distillation",
+        demo_dir,
+        micro_batch_size=4,
+        global_batch_size=16,
+        loss={"sft_loss_weight": 0.25},
+        trainer={"max_steps": 30, "val_check_interval": 5, "log_every_n_steps": 1, "limit_val_batches": 4},
+        optim={"lr": 3e-3, "warmup_steps": 3},
+    )
     inputs = {"data": demo["data"], "model": demo["student"], "teacher_logprobs": demo["topk"]}
     metrics = distillation.run(typed(cfg), inputs, str(tmp_path / "out"))
     lines = metrics_lines(tmp_path / "out")
@@ -208,8 +229,10 @@ def test_the_students_heldout_kl_to_the_teacher_falls(demo, demo_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_teacher_logprobs_at_tp2_and_pp2_equal_tp1(demo, tmp_path, tp, pp):
-    layout = {"resources": {"tasks_per_node": 2}, "parallel": {**eval_stage.SINGLE_RANK, "tensor_model_parallel_size": tp,
-                                                                "pipeline_model_parallel_size": pp}}
+    layout = {
+        "resources": {"tasks_per_node": 2},
+        "parallel": {**eval_stage.SINGLE_RANK, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+    }
     inputs = {"data": demo["data"], "model": demo["teacher"]}
     torchrun(2, topk_cfg(**layout), inputs, tmp_path / "two", "--stage", "teacher_logprobs")
     for split in ("train", "val"):
@@ -255,8 +278,7 @@ def test_a_copy_of_the_same_tokenizer_is_the_same_tokenizer(base_overrides, demo
 
 def test_distillation_data_must_be_what_the_teacher_ran_on(base_overrides):
     with pytest.raises(ConfigError, match="pipeline.stages.distillation.inputs.data: 'prep_other' is not the data 'prep'"):
-        compose("distill", [*base_overrides, "pipeline.stages.prep_other={kind: prep}",
-                            "pipeline.stages.distillation.inputs.data=prep_other"])
+        compose("distill", [*base_overrides, "pipeline.stages.prep_other={kind: prep}", "pipeline.stages.distillation.inputs.data=prep_other"])
 
 
 @pytest.mark.slow
@@ -265,9 +287,17 @@ def test_distillation_losses_at_tp2_and_pp2_match_tp1(demo, demo_dir, tmp_path, 
     """The student's log-probs from vocab-parallel logits (the softmax normaliser and the picks
     at the label and the teacher's ids summed over TP ranks, with their gradients) train as one
     rank does: losses, KL and val KL agree to 1e-4 (fp32)."""
+
     def cfg(tp: int = 1, pp: int = 1) -> dict:
-        return stage_cfg("distillation", demo_dir, tp, pp, precision="fp32", loss={"sft_loss_weight": 0.25, "zero_outside_topk": True},
-                         trainer={"max_steps": 4, "val_check_interval": 4, "log_every_n_steps": 1, "limit_val_batches": 2})
+        return stage_cfg(
+            "distillation",
+            demo_dir,
+            tp,
+            pp,
+            precision="fp32",
+            loss={"sft_loss_weight": 0.25, "zero_outside_topk": True},
+            trainer={"max_steps": 4, "val_check_interval": 4, "log_every_n_steps": 1, "limit_val_batches": 2},
+        )
 
     inputs = {"data": demo["data"], "model": demo["student"], "teacher_logprobs": demo["topk"]}
     distillation.run(typed(cfg()), inputs, str(tmp_path / "one"))

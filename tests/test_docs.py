@@ -22,17 +22,22 @@ RUN_BY = {
     r"align plan ": ("tests/test_flow.py", "test_plan_marks_committed_stages", 'main(["plan"'),
     r"align config ": ("tests/test_config.py", "test_secret_from_env_is_masked_and_never_resolved_for_jobs", 'main(["config"'),
     r"align run ": ("tests/test_flow.py", "test_demo_pipeline_runs_then_hits_the_cache", '"force=[eval]"'),
-    r"align compare ": ("tests/test_flow.py", "test_changed_input_config_reruns_and_force_reruns_and_compare_says_why",
-                         'main(["compare"'),
-    r"align gc$": ("tests/test_gc.py", "test_gc_on_a_local_store", "check_gc(capsys"),  # -> main(["gc", ...])
+    r"align compare ": ("tests/test_flow.py", "test_changed_input_config_reruns_and_force_reruns_and_compare_says_why", 'main(["compare"'),
+    r"align gc$": ("tests/test_gc.py", "test_gc_on_a_local_store", "check_gc("),  # -> main(["gc", ...])
     r"infra/prefect-server\.sh worker": ("tests/integration/conftest.py", "prefect_stack", "prefect-server.sh"),
     r"prefect deploy --all --prefect-file deployments/prefect\.yaml": ("tests/integration/conftest.py", "prefect_stack", '"deploy", "--all"'),
-    r"prefect deployment run align/": ("tests/integration/test_deployments.py", "test_a_cancelled_run_shows_its_stages_cancelled",
-                                       '"deployment", "run"'),
+    r"prefect deployment run align/": (
+        "tests/integration/test_deployments.py",
+        "test_a_cancelled_run_shows_its_stages_cancelled",
+        '"deployment", "run"',
+    ),
     r"prefect deployment inspect align/nightly": ("tests/integration/test_deployments.py", "test_nightly_is_scheduled_at_two_utc", '"inspect"'),
     r"prefect flow-run ls --state Scheduled": ("tests/integration/test_deployments.py", "test_nightly_is_scheduled_at_two_utc", '"ls", "--state"'),
     r"prefect automation create --from-file deployments/automations\.yaml": (
-        "tests/test_gate.py", "test_the_documented_automation_notifies_on_the_nightlys_regressed_state", '"automation", "create", "--from-file"'),
+        "tests/test_gate.py",
+        "test_the_documented_automation_notifies_on_the_nightlys_regressed_state",
+        '"automation", "create", "--from-file"',
+    ),
     r"infra/slurm\.sh up": ("tests/conftest.py", "slurm_cluster", '"up"'),
     r"infra/s3\.sh up": ("tests/test_docs.py", "test_infra_s3_up_serves_the_bucket_it_prints", "s3.sh"),
     r"python3 bench/gpu\.py": ("tests/test_bench_gpu.py", "test_the_gpu_bench_runs_end_to_end_on_cpu", "gpu.py"),
@@ -120,8 +125,13 @@ def test_infra_s3_up_serves_the_bucket_it_prints(tmp_path):
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         exports = dict(a.split("=", 1) for a in shlex.split(up.stdout.splitlines()[1].removeprefix("export ")))
-        fs = fsspec.filesystem("s3", key=exports["AWS_ACCESS_KEY_ID"], secret=exports["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True,
-                               client_kwargs={"endpoint_url": exports["AWS_ENDPOINT_URL"], "region_name": "us-east-1"})
+        fs = fsspec.filesystem(
+            "s3",
+            key=exports["AWS_ACCESS_KEY_ID"],
+            secret=exports["AWS_SECRET_ACCESS_KEY"],
+            skip_instance_cache=True,
+            client_kwargs={"endpoint_url": exports["AWS_ENDPOINT_URL"], "region_name": "us-east-1"},
+        )
         fs.pipe("docs-test/hello.txt", b"hi")
         assert fs.cat("docs-test/hello.txt") == b"hi"
     finally:

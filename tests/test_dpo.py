@@ -31,13 +31,26 @@ def inputs(demo_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     prep_demo(demo_dir, root / "prep", preference=True)
     base = convert_demo(demo_dir, root / "base")
-    sft_cfg = stage_cfg("sft", demo_dir, micro_batch_size=4, global_batch_size=16, trainer={"max_steps": 120, "val_check_interval": 120},
-                        optim={"lr": 3e-3, "warmup_steps": 10})
+    sft_cfg = stage_cfg(
+        "sft",
+        demo_dir,
+        micro_batch_size=4,
+        global_batch_size=16,
+        trainer={"max_steps": 120, "val_check_interval": 120},
+        optim={"lr": 3e-3, "warmup_steps": 10},
+    )
     sft.run(typed(sft_cfg), {"data": str(root / "prep"), "model": str(base)}, str(root / "model"))
     model = root / "model"
-    ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK, "precision": "fp32"},
-                            "model": {"make_vocab_size_divisible_by": 128}}),  # fp32 as the tests' online references (auto: bf16 on CUDA)
-                     {"data": str(root / "prep"), "model": str(model)}, str(root / "ref"))
+    ref_logprobs.run(
+        typed(
+            {
+                "ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK, "precision": "fp32"},
+                "model": {"make_vocab_size_divisible_by": 128},
+            }
+        ),  # fp32 as the tests' online references (auto: bf16 on CUDA)
+        {"data": str(root / "prep"), "model": str(model)},
+        str(root / "ref"),
+    )
     return {"data": str(root / "prep"), "model": str(model), "ref_logprobs": str(root / "ref")}
 
 
@@ -45,9 +58,11 @@ def dpo_cfg(demo_dir, tp=1, pp=1, **section) -> dict:
     return stage_cfg("dpo", demo_dir, tp, pp, **{"micro_batch_size": 2, "global_batch_size": 8, "loss": {"beta": 0.1}, **section})
 
 
-@pytest.mark.parametrize("loss_cfg", [DPOLossConfig(), DPOLossConfig(loss_type=["ipo"], preference_average_log_probs=True,
-                                                                                     sft_loss_weight=0.5, sft_average_log_probs=True)],
-                         ids=["sigmoid", "ipo-averaged+sft"])
+@pytest.mark.parametrize(
+    "loss_cfg",
+    [DPOLossConfig(), DPOLossConfig(loss_type=["ipo"], preference_average_log_probs=True, sft_loss_weight=0.5, sft_average_log_probs=True)],
+    ids=["sigmoid", "ipo-averaged+sft"],
+)
 def test_precomputed_reference_equals_an_online_reference(inputs, loss_cfg):
     pairs = PreferencePairs(Prepared(inputs["data"]), "val", inputs["ref_logprobs"])
     runtime.init_parallel(eval_stage.SINGLE_RANK)
@@ -80,8 +95,14 @@ def test_dpo_fits_its_pairs(demo_dir, inputs, tmp_path, precision):
     (data / "preference").mkdir(parents=True)
     (data / "metadata.json").write_text((Path(inputs["data"]) / "metadata.json").read_text())
     pq.write_table(table, data / "preference" / "train-00000.parquet")
-    cfg = dpo_cfg(demo_dir, precision=precision, global_batch_size=16, micro_batch_size=4,
-                  trainer={"max_steps": 25, "log_every_n_steps": 1}, optim={"lr": 3e-3, "warmup_steps": 2})
+    cfg = dpo_cfg(
+        demo_dir,
+        precision=precision,
+        global_batch_size=16,
+        micro_batch_size=4,
+        trainer={"max_steps": 25, "log_every_n_steps": 1},
+        optim={"lr": 3e-3, "warmup_steps": 2},
+    )
     metrics = dpo.run(typed(cfg), {**inputs, "data": str(data)}, str(tmp_path / "out"))
     lines = metrics_lines(tmp_path / "out")
     assert metrics["steps"] == 25 and (tmp_path / "out" / "model" / ".metadata").exists()
@@ -96,8 +117,11 @@ def test_dpo_losses_of_a_moe_at_ep2_match_ep1(demo_dir, inputs, tmp_path):
     reference log-probs): EP2 gives EP1's DPO losses (HF's load-balancing term included), aux
     losses and rewards within 1e-5 (both on 2 ranks, DP2)."""
     model = convert_demo(demo_dir, tmp_path / "moe", "tiny-qwen3-moe", output_router_logits=True, router_aux_loss_coef=0.5)
-    ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
-                            "model": {"make_vocab_size_divisible_by": 128}}), {"data": inputs["data"], "model": str(model)}, str(tmp_path / "ref"))
+    ref_logprobs.run(
+        typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK}, "model": {"make_vocab_size_divisible_by": 128}}),
+        {"data": inputs["data"], "model": str(model)},
+        str(tmp_path / "ref"),
+    )
     moe = {"data": inputs["data"], "model": str(model), "ref_logprobs": str(tmp_path / "ref")}
     runs = {}
     for ep in (1, 2):
@@ -114,10 +138,11 @@ def test_dpo_losses_at_tp2_and_pp2_match_tp1(demo_dir, inputs, tmp_path, tp, pp)
     reference = tmp_path / "tp1"
     dpo.run(typed(dpo_cfg(demo_dir, trainer={"val_check_interval": 5})), inputs, str(reference))
     parallel = tmp_path / f"tp{tp}pp{pp}"
-    torchrun(2, dpo_cfg(demo_dir, tp, pp, trainer={"val_check_interval": 5}), inputs, parallel, "--stage", "dpo", "--ref-logprobs", inputs["ref_logprobs"])
+    torchrun(
+        2, dpo_cfg(demo_dir, tp, pp, trainer={"val_check_interval": 5}), inputs, parallel, "--stage", "dpo", "--ref-logprobs", inputs["ref_logprobs"]
+    )
     # reward accuracy counts near-ties: not continuous, so not compared
     assert_same_steps(reference, parallel, 1e-4, keys=("loss", "reward_margin", "chosen_reward", "val_loss"))
-
 
 
 def test_a_steps_pairs_pack_into_few_full_rows(demo_dir, tmp_path):
@@ -129,12 +154,34 @@ def test_a_steps_pairs_pack_into_few_full_rows(demo_dir, tmp_path):
     words = lambda: " ".join(["seven"] * int(min(rng.lognormal(3.0, 0.8), 200)))  # noqa: E731
     rows = [{"prompt": f"Say {i}", "chosen": words(), "rejected": words()} for i in range(96)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = {"train": str(tmp_path / "pairs.jsonl"), "val": None, "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None,
-            "answer_key": "answer"}
-    prep.run(typed({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-                    "data": {"sft": None, "preference": spec, "prompts": None, "seq_length": 256, "max_prompt_length": 16,
-                             "truncation": "keep_start", "packing": True, "seed": 0},
-                    "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None}}), {}, str(tmp_path / "prep"))
+    spec = {
+        "train": str(tmp_path / "pairs.jsonl"),
+        "val": None,
+        "val_fraction": 0.0,
+        "format": "auto",
+        "dev_choose_samples": None,
+        "answer_key": "answer",
+    }
+    prep.run(
+        typed(
+            {
+                "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+                "data": {
+                    "sft": None,
+                    "preference": spec,
+                    "prompts": None,
+                    "seq_length": 256,
+                    "max_prompt_length": 16,
+                    "truncation": "keep_start",
+                    "packing": True,
+                    "seed": 0,
+                },
+                "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
+            }
+        ),
+        {},
+        str(tmp_path / "prep"),
+    )
     pairs = PreferencePairs(Prepared(str(tmp_path / "prep")), "train")
     share = np.sort(rng.permutation(len(pairs))[:64])
     micro = pairs.micro_batches(share, 3)

@@ -37,7 +37,7 @@ def an_export(root, shards: int, tag: str):
 
 def published(fs, root: str) -> dict[str, str]:
     """The files a publish put at `root`, its marker aside (tests/test_export_destination.py checks that)."""
-    return {path[len(root) + 1:]: fs.cat_file(path).decode() for path in fs.find(root) if path != f"{root}/{MARKER}"}
+    return {path[len(root) + 1 :]: fs.cat_file(path).decode() for path in fs.find(root) if path != f"{root}/{MARKER}"}
 
 
 def test_a_local_destination_is_replaced_whole(tmp_path):

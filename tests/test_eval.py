@@ -25,17 +25,32 @@ from train_ranks import assert_hardware_use, convert_demo, prep_demo, sft_cfg  #
 
 
 def prep_cfg(demo_dir):
-    data = {kind: {"train": str(demo_dir / "data" / f"{kind}_train.jsonl"), "val": str(demo_dir / "data" / f"{kind}_val.jsonl"),
-                   "val_fraction": 0.0, "format": "auto", "dev_choose_samples": None, "answer_key": "answer"}
-            for kind in ("sft", "preference", "prompts")}
-    return typed({
-        "prep": {},
-        "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True, "seed": 0, **data},
-        "model": {"source": str(demo_dir / "tiny-llama"), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
-                  "chat_template": None, "make_vocab_size_divisible_by": 128},
-        "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
-        "eval": {"limit_batches": 2, "num_generation_samples": 24, "max_new_tokens": 6, "num_examples_shown": 2, "micro_batch_size": 8},
-    })
+    data = {
+        kind: {
+            "train": str(demo_dir / "data" / f"{kind}_train.jsonl"),
+            "val": str(demo_dir / "data" / f"{kind}_val.jsonl"),
+            "val_fraction": 0.0,
+            "format": "auto",
+            "dev_choose_samples": None,
+            "answer_key": "answer",
+        }
+        for kind in ("sft", "preference", "prompts")
+    }
+    return typed(
+        {
+            "prep": {},
+            "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True, "seed": 0, **data},
+            "model": {
+                "source": str(demo_dir / "tiny-llama"),
+                "hf_config": None,
+                "tokenizer": str(demo_dir / "tokenizer"),
+                "chat_template": None,
+                "make_vocab_size_divisible_by": 128,
+            },
+            "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+            "eval": {"limit_batches": 2, "num_generation_samples": 24, "max_new_tokens": 6, "num_examples_shown": 2, "micro_batch_size": 8},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +66,14 @@ def test_eval_reports_each_model(outputs, tmp_path):
     cfg, root = outputs
     model = str(root / "convert" / "c1")
     metrics = eval_stage.run(cfg, {"data": str(root / "prep" / "p1"), "model": model, "baselines": []}, str(tmp_path / "out"))
-    assert set(metrics) == {"convert.val_loss", "convert.perplexity", "convert.preference_accuracy", "convert.accuracy",
-                            "convert.preference_accuracy_stderr", "convert.accuracy_stderr"}
+    assert set(metrics) == {
+        "convert.val_loss",
+        "convert.perplexity",
+        "convert.preference_accuracy",
+        "convert.accuracy",
+        "convert.preference_accuracy_stderr",
+        "convert.accuracy_stderr",
+    }
     assert metrics["convert.perplexity"] == pytest.approx(torch.tensor(metrics["convert.val_loss"]).exp().item(), rel=1e-6)
     assert 0 <= metrics["convert.preference_accuracy"] <= 1 and metrics["convert.accuracy"] == 0.0  # random weights
     pairs = len(PreferencePairs(Prepared(str(root / "prep" / "p1")), "val"))  # each pair a 0/1 outcome: lm-eval's acc_stderr of them
@@ -78,8 +99,14 @@ def tuned(demo_dir, tmp_path_factory):
     """The demo model fine-tuned briefly (tests/test_grpo.py's): it answers with numbers, some right."""
     root = tmp_path_factory.mktemp("eval-tuned")
     data = str(prep_demo(demo_dir, root / "data", prompts=True))
-    cfg = sft_cfg(demo_dir, micro_batch_size=8, global_batch_size=16, trainer={"max_steps": 60, "val_check_interval": 60},
-                  optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4}, checkpoint={"every_n_steps": 60})
+    cfg = sft_cfg(
+        demo_dir,
+        micro_batch_size=8,
+        global_batch_size=16,
+        trainer={"max_steps": 60, "val_check_interval": 60},
+        optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4},
+        checkpoint={"every_n_steps": 60},
+    )
     sft.run(typed(cfg), {"data": data, "model": str(convert_demo(demo_dir, root / "base"))}, str(root / "sft" / "s1"))
     return {"data": data, "model": str(root / "sft" / "s1"), "baselines": []}
 
@@ -109,8 +136,14 @@ def test_forward_only_models_are_built_in_their_stages_precision(outputs, precis
 
     cfg, root = outputs
     section = OmegaConf.merge(cfg.ref_logprobs, {"precision": precision, "parallel": eval_stage.SINGLE_RANK})
-    dtypes = forward_only_splits(cfg, section, str(root / "convert" / "c1"), PreferencePairs, Prepared(str(root / "prep" / "p1")),
-                                 lambda model, chunks, rows, split: {split: {p.dtype for c in chunks for p in c.parameters()}})
+    dtypes = forward_only_splits(
+        cfg,
+        section,
+        str(root / "convert" / "c1"),
+        PreferencePairs,
+        Prepared(str(root / "prep" / "p1")),
+        lambda model, chunks, rows, split: {split: {p.dtype for c in chunks for p in c.parameters()}},
+    )
     expected = {torch.bfloat16 if precision == "bf16" else torch.float32}
     assert {split: dtypes[split] for split in ("train", "val")} == {"train": expected, "val": expected}
 
@@ -119,7 +152,7 @@ def test_megatron_greedy_equals_hf_greedy(outputs, demo_dir):
     cfg, root = outputs
     hf = AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", attn_implementation="eager").eval()
     prompt = torch.tensor([[1, 5, 9, 42, 7, 100, 3], [1, 8, 8, 300, 2, 11, 6]])
-    expected = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)[:, prompt.shape[1]:]
+    expected = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)[:, prompt.shape[1] :]
     runtime.init_parallel(eval_stage.SINGLE_RANK)
     try:
         model, _ = eval_stage.load_model(str(root / "convert" / "c1"), 128)
@@ -140,7 +173,9 @@ def test_ref_logprobs_equal_hf_log_probs_of_each_response(outputs, demo_dir, tmp
     from alignflow.job.train.datasets import PreferencePairs
 
     cfg, root = outputs
-    cfg = OmegaConf.merge(cfg, {"ref_logprobs": {"micro_batch_size": 7, "parallel": eval_stage.SINGLE_RANK, "precision": "fp32"}})  # HF's fp32; 200 pairs: an uneven last micro batch
+    cfg = OmegaConf.merge(
+        cfg, {"ref_logprobs": {"micro_batch_size": 7, "parallel": eval_stage.SINGLE_RANK, "precision": "fp32"}}
+    )  # HF's fp32; 200 pairs: an uneven last micro batch
     metrics = ref_logprobs.run(cfg, {"data": str(root / "prep" / "p1"), "model": str(root / "convert" / "c1")}, str(tmp_path / "ref"))
     got = pq.read_table(tmp_path / "ref" / "val-00000.parquet").to_pydict()
     assert metrics["val.pairs"] == len(got["sample_id"]) == 200
@@ -179,8 +214,9 @@ def test_eval_and_ref_logprobs_on_two_ranks_equal_one_rank(outputs, tmp_path, tp
     parallel = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
     layout = {"micro_batch_size": 7, "resources": {"tasks_per_node": 2}, "parallel": parallel}
     two = OmegaConf.to_container(OmegaConf.merge(cfg, {"eval": {**layout, "limit_batches": 5}, "ref_logprobs": layout}))
-    one = typed(OmegaConf.merge(two, {stage: {"resources": {"tasks_per_node": 1}, "parallel": eval_stage.SINGLE_RANK}
-                                      for stage in ("eval", "ref_logprobs")}))
+    one = typed(
+        OmegaConf.merge(two, {stage: {"resources": {"tasks_per_node": 1}, "parallel": eval_stage.SINGLE_RANK} for stage in ("eval", "ref_logprobs")})
+    )
     inputs = {"data": str(root / "prep" / "p1"), "model": str(root / "convert" / "c1")}
 
     expected = eval_stage.run(one, {**inputs, "baselines": []}, str(tmp_path / "eval-1"))
@@ -206,9 +242,20 @@ def test_eval_of_a_moe_at_ep2_equals_one_rank(outputs, demo_dir, tmp_path):
 
     cfg, root = outputs
     inputs = {"data": str(root / "prep" / "p1"), "model": str(convert_demo(demo_dir, tmp_path / "moe" / "m1", "tiny-qwen3-moe"))}
-    two = OmegaConf.to_container(OmegaConf.merge(cfg, {"eval": {"micro_batch_size": 1, "limit_batches": 3, "num_generation_samples": 9,
-                                                                "resources": {"tasks_per_node": 2},
-                                                                "parallel": {"expert_model_parallel_size": 2}}}))
+    two = OmegaConf.to_container(
+        OmegaConf.merge(
+            cfg,
+            {
+                "eval": {
+                    "micro_batch_size": 1,
+                    "limit_batches": 3,
+                    "num_generation_samples": 9,
+                    "resources": {"tasks_per_node": 2},
+                    "parallel": {"expert_model_parallel_size": 2},
+                }
+            },
+        )
+    )
     one = typed(OmegaConf.merge(two, {"eval": {"resources": {"tasks_per_node": 1}, "parallel": eval_stage.SINGLE_RANK}}))
     expected = eval_stage.run(one, {**inputs, "baselines": []}, str(tmp_path / "eval-1"))
     torchrun(2, two, inputs, tmp_path / "eval-2", "--stage", "eval")

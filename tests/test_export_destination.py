@@ -32,8 +32,7 @@ def an_export(root, tag: str, shards: int = 1) -> None:
 def files(root) -> dict[str, bytes]:
     """Every file under `root` (local) and its bytes."""
     root = str(root)
-    return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
-            for d, _, names in os.walk(root) for n in names}
+    return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read() for d, _, names in os.walk(root) for n in names}
 
 
 def marker(fs, root: str) -> dict:
@@ -84,8 +83,9 @@ def test_a_file_added_into_an_export_makes_it_not_only_ours_and_nothing_is_touch
     before = files(tmp_path / "published")
     with pytest.raises(DestinationError) as err:
         publish(str(tmp_path / "b"), str(dest), "pipeline.stages.export_hf.destination")
-    assert str(err.value).startswith(f"pipeline.stages.export_hf.destination: {dest} holds a previous export and files it did "
-                                     "not publish (NOTES.md, eval/)")
+    assert str(err.value).startswith(
+        f"pipeline.stages.export_hf.destination: {dest} holds a previous export and files it did not publish (NOTES.md, eval/)"
+    )
     assert "no longer alignflow's alone" in str(err.value)
     assert files(tmp_path / "published") == before and os.listdir(tmp_path / "published") == ["model"]
 
@@ -131,15 +131,14 @@ def s3(s3_endpoint):
 
 
 def objects(fs, root: str) -> dict[str, bytes]:
-    return {path[len(root) + 1:]: fs.cat_file(path) for path in fs.find(root)}
+    return {path[len(root) + 1 :]: fs.cat_file(path) for path in fs.find(root)}
 
 
 def test_s3_publishes_with_a_marker_and_replaces_only_the_keys_it_listed(s3, tmp_path):
     an_export(tmp_path / "a", "first", shards=3)
     an_export(tmp_path / "b", "second")
     root = f"test/pub-{tmp_path.name}"
-    s3.pipe({f"{root}/model-2/model.safetensors": b"theirs", f"{root}/model.txt": b"a neighbour by name",
-             f"{root}/modelx": b"another"})
+    s3.pipe({f"{root}/model-2/model.safetensors": b"theirs", f"{root}/model.txt": b"a neighbour by name", f"{root}/modelx": b"another"})
     neighbours = objects(s3, root)
     publish(str(tmp_path / "a"), f"s3://{root}/model", "export.destination", ORIGIN)
     assert {k: v for k, v in objects(s3, f"{root}/model").items() if k != MARKER} == files(tmp_path / "a")
@@ -199,18 +198,20 @@ def test_compose_refuses_a_previous_export_with_a_file_added_into_it(base_overri
     compose("demo", [*base_overrides, f"export.destination={tmp_path / 'models'}"], check_paths=False)  # `align config` reads nothing
 
 
-@pytest.mark.parametrize("destination, overlap", [
-    ("{tmp}/store/published", "is inside store.root ({tmp}/store)"),
-    ("{tmp}", "contains store.root ({tmp}/store)"),
-    ("{tmp}/jobs/model", "is inside launcher.folder ({tmp}/jobs)"),
-    ("{tmp}/cache", "is store.cache_dir ({tmp}/cache)"),
-    ("{demo}/tiny-llama", "is model.source ({demo}/tiny-llama)"),
-    ("{demo}/tokenizer/exported", "is inside model.tokenizer ({demo}/tokenizer)"),
-    ("{demo}/data", "contains data.sft.train ({demo}/data/sft_train.jsonl)"),
-    ("{tmp}/link/published", "is inside store.root ({tmp}/store)"),  # a symlink to the store is the store
-])
-def test_a_destination_overlapping_what_the_pipeline_reads_or_writes_is_refused(base_overrides, demo_dir, tmp_path,
-                                                                               destination, overlap):
+@pytest.mark.parametrize(
+    "destination, overlap",
+    [
+        ("{tmp}/store/published", "is inside store.root ({tmp}/store)"),
+        ("{tmp}", "contains store.root ({tmp}/store)"),
+        ("{tmp}/jobs/model", "is inside launcher.folder ({tmp}/jobs)"),
+        ("{tmp}/cache", "is store.cache_dir ({tmp}/cache)"),
+        ("{demo}/tiny-llama", "is model.source ({demo}/tiny-llama)"),
+        ("{demo}/tokenizer/exported", "is inside model.tokenizer ({demo}/tokenizer)"),
+        ("{demo}/data", "contains data.sft.train ({demo}/data/sft_train.jsonl)"),
+        ("{tmp}/link/published", "is inside store.root ({tmp}/store)"),  # a symlink to the store is the store
+    ],
+)
+def test_a_destination_overlapping_what_the_pipeline_reads_or_writes_is_refused(base_overrides, demo_dir, tmp_path, destination, overlap):
     (tmp_path / "link").symlink_to(tmp_path / "store")  # dangling until something makes the store
     destination = destination.format(tmp=tmp_path, demo=demo_dir)
     before = files(demo_dir)
@@ -222,23 +223,34 @@ def test_a_destination_overlapping_what_the_pipeline_reads_or_writes_is_refused(
 
 def test_an_instance_source_and_another_export_instance_are_named_by_their_keys(base_overrides, demo_dir, tmp_path):
     student = demo_dir / "tiny-llama-student"
-    message = refused(base_overrides, "pipeline.stages.export={inputs: {model: distillation}}", f"export.destination={student}",
-                      pipeline="distill", check_paths=False)
+    message = refused(
+        base_overrides,
+        "pipeline.stages.export={inputs: {model: distillation}}",
+        f"export.destination={student}",
+        pipeline="distill",
+        check_paths=False,
+    )
     assert f"export.destination: {student} is pipeline.stages.convert_student.model.source ({student})" in message
     dest = tmp_path / "published"
-    message = refused(base_overrides, f"export.destination={dest}",
-                      f"pipeline.stages.export_hf={{kind: export, inputs: {{model: convert}}, destination: {dest}/hf}}")
+    message = refused(
+        base_overrides,
+        f"export.destination={dest}",
+        f"pipeline.stages.export_hf={{kind: export, inputs: {{model: convert}}, destination: {dest}/hf}}",
+    )
     assert f"export.destination: {dest} contains pipeline.stages.export_hf.destination ({dest}/hf)" in message
     message = refused(base_overrides, f"export.destination={dest}", "pipeline.stages.export_hf={kind: export, inputs: {model: convert}}")
     assert f"export.destination: {dest} is pipeline.stages.export_hf.destination ({dest})" in message  # it takes export's
     assert nothing_written(tmp_path) and not dest.exists()
 
 
-@pytest.mark.parametrize("store, destination, overlap", [
-    ("s3://test/store", "s3://test", "contains store.root (s3://test/store)"),  # a bucket's root
-    ("s3://test/store", "s3a://test/store/models/", "is inside store.root (s3://test/store)"),
-    ("s3://test/store/", "s3://test//store", "is store.root (s3://test/store/)"),
-])
+@pytest.mark.parametrize(
+    "store, destination, overlap",
+    [
+        ("s3://test/store", "s3://test", "contains store.root (s3://test/store)"),  # a bucket's root
+        ("s3://test/store", "s3a://test/store/models/", "is inside store.root (s3://test/store)"),
+        ("s3://test/store/", "s3://test//store", "is store.root (s3://test/store/)"),
+    ],
+)
 def test_object_store_destinations_overlap_by_bucket_and_prefix(base_overrides, store, destination, overlap):
     message = refused(base_overrides, f"store.root={store}", f"export.destination={destination}", check_paths=False)
     assert f"export.destination: {destination} {overlap}" in message
@@ -280,7 +292,10 @@ def test_the_export_stage_publishes_twice_and_checks_again_in_its_job(base_overr
         written = json.loads(published.pop(MARKER))
         assert published == output and dtype in json.loads(published["config.json"]).values()
         assert {k: written[k] for k in ("instance", "fingerprint", "model")} == {
-            "instance": "export", "fingerprint": export.fingerprint, "model": results["convert"].uri}
+            "instance": "export",
+            "fingerprint": export.fingerprint,
+            "model": results["convert"].uri,
+        }
         assert sorted(written["files"]) == sorted(output)
     assert sorted(os.listdir(tmp_path / "published")) == ["README.md", "model"]
 
@@ -291,8 +306,7 @@ def test_the_export_stage_publishes_twice_and_checks_again_in_its_job(base_overr
     with pytest.raises(StageFailed) as err:
         run_stage(pipeline["export_hf"], {"convert": results["convert"]}, log=print)
     expected = refused(base_overrides, *second, pipeline="convert").split("\n  - ")[1]
-    assert expected.startswith(f"pipeline.stages.export_hf.destination: {dest} holds a previous export and files it did not "
-                               "publish (eval.json)")
+    assert expected.startswith(f"pipeline.stages.export_hf.destination: {dest} holds a previous export and files it did not publish (eval.json)")
     assert expected in str(err.value).splitlines()[0]
     assert files(tmp_path / "published") == before
     assert not list((tmp_path / "store" / "export_hf").glob("*/_SUCCESS.json"))

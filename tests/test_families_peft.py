@@ -23,10 +23,12 @@ def data(demo_dir, tmp_path_factory):
 
 PHI3_STACKED = {r"model\.layers\.1\.mlp\.gate_up_proj": 2} | {rf"model\.layers\.{i}\.self_attn\.qkv_proj": 2 for i in range(4)}
 PEFT_CASES = {  # case -> (target_modules, PEFT's target_modules, HF modules whose adapter stacks n projections)
-    "olmo2": (["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-              ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"], {}),  # post-norm: the adapted output is normed
-    "phi4_partial_tied": (["q_proj", "v_proj", "up_proj", "*.layers.1.*.linear_fc1", "o_proj"],
-                          ["gate_up_proj", "o_proj", "qkv_proj"], PHI3_STACKED),
+    "olmo2": (
+        ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+        {},
+    ),  # post-norm: the adapted output is normed
+    "phi4_partial_tied": (["q_proj", "v_proj", "up_proj", "*.layers.1.*.linear_fc1", "o_proj"], ["gate_up_proj", "o_proj", "qkv_proj"], PHI3_STACKED),
 }
 
 
@@ -46,10 +48,20 @@ def test_lora_exports_as_a_peft_adapter(demo_dir, data, tmp_path, case):
     runs = {}
     for kind in ("lora", "lora_merged"):
         runs[kind] = tmp_path / kind
-        sft.run(typed(stage_cfg("sft", demo_dir, finetuning_type=kind, trainer={"max_steps": 2},
-                                optim={"lr": 1e-2, "warmup_steps": 1},
-                                lora={"adapter_dim": 4, "alpha": 8, "adapter_dropout": 0.0, "target_modules": targets})),
-                inputs, str(runs[kind]))
+        sft.run(
+            typed(
+                stage_cfg(
+                    "sft",
+                    demo_dir,
+                    finetuning_type=kind,
+                    trainer={"max_steps": 2},
+                    optim={"lr": 1e-2, "warmup_steps": 1},
+                    lora={"adapter_dim": 4, "alpha": 8, "adapter_dropout": 0.0, "target_modules": targets},
+                )
+            ),
+            inputs,
+            str(runs[kind]),
+        )
         export.run(export_cfg("unused", demo_dir), {"model": str(runs[kind])}, str(tmp_path / f"export-{kind}"))
     adapter = tmp_path / "export-lora" / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())

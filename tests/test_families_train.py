@@ -30,13 +30,27 @@ CASES = {
 # Random Gemmas of the demo model's shape: (HF config class, config beyond that shape). A 4-token
 # window on sliding layers (documents are longer), soft-caps that bend the scores and logits.
 GEMMA = {
-    "gemma2": (Gemma2Config, {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "attn_logit_softcapping": 5.0,
-                              "final_logit_softcapping": 3.0}),
-    "gemma3": (Gemma3TextConfig, {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
-                                  "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma2": (
+        Gemma2Config,
+        {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
 }
-DEMO_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+DEMO_SHAPE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
 # case -> (`megatron_ranks.CASES` entry, config changes), for the families the demo has no model of
 RANKS_CASES = {
     "olmo2-biased": ("olmo2_tied_bias", {}),  # post-norm, whole-projection q/k norms, attention biases, tied
@@ -54,13 +68,28 @@ MOE = {"mixtral"}
 def data(demo_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("families") / "prep"
     files = demo_dir / "data"
-    spec = {kind: {"train": str(files / f"{kind}_train.jsonl"), "val": str(files / f"{kind}_val.jsonl"), "val_fraction": 0.0,
-                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "preference")}
-    prep.run(typed({
-        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-        "data": {**spec, "prompts": None, "seq_length": 64, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
-        "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
-    }), {}, str(out))
+    spec = {
+        kind: {
+            "train": str(files / f"{kind}_train.jsonl"),
+            "val": str(files / f"{kind}_val.jsonl"),
+            "val_fraction": 0.0,
+            "format": "auto",
+            "dev_choose_samples": None,
+            "answer_key": "answer",
+        }
+        for kind in ("sft", "preference")
+    }
+    prep.run(
+        typed(
+            {
+                "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+                "data": {**spec, "prompts": None, "seq_length": 64, "max_prompt_length": 32, "truncation": "keep_start", "packing": True, "seed": 0},
+                "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
+            }
+        ),
+        {},
+        str(out),
+    )
     return str(out)
 
 
@@ -75,8 +104,11 @@ def inputs_of(case: str, stage: str, demo_dir: Path, data: str, root: Path) -> d
         model = convert_demo(demo_dir, root / "model", folder, **changes)
     inputs = {"data": data, "model": str(model)}
     if stage == "dpo":
-        ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK},
-                                "model": {"make_vocab_size_divisible_by": 128}}), inputs, str(root / "ref"))
+        ref_logprobs.run(
+            typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK}, "model": {"make_vocab_size_divisible_by": 128}}),
+            inputs,
+            str(root / "ref"),
+        )
         inputs["ref_logprobs"] = str(root / "ref")
     return inputs
 

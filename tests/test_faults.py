@@ -35,8 +35,16 @@ from alignflow.orchestrator.runner import plan, run_stage
 REPO = Path(__file__).resolve().parents[1]
 ALIGN = [sys.executable, "-m", "flows.cli", "run"]
 PIPELINE = ["pipeline=demo", "~pipeline.stages.eval", "~pipeline.stages.export"]  # prep -> convert -> sft
-SFT = ["sft.trainer.max_steps=40", "sft.checkpoint.every_n_steps=10", "sft.trainer.log_every_n_steps=1", "sft.optim.warmup_steps=1",
-       "sft.trainer.val_check_interval=20", "sft.trainer.limit_val_batches=1", "store.lease_ttl_s=8", "store.poll_interval_s=0.5"]
+SFT = [
+    "sft.trainer.max_steps=40",
+    "sft.checkpoint.every_n_steps=10",
+    "sft.trainer.log_every_n_steps=1",
+    "sft.optim.warmup_steps=1",
+    "sft.trainer.val_check_interval=20",
+    "sft.trainer.limit_val_batches=1",
+    "store.lease_ttl_s=8",
+    "store.poll_interval_s=0.5",
+]
 OUTAGE_S = 90.0
 
 
@@ -96,8 +104,7 @@ class AlignRun:
         self.log = log
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}, **(env or {})}  # ephemeral unless told
         with open(log, "w") as out:
-            self.process = subprocess.Popen([*ALIGN, *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen([*ALIGN, *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -122,8 +129,10 @@ class AlignRun:
 
 def training(store: Path, steps: int = 1):
     """A predicate: the sft job has logged `steps` steps in its staging folder."""
+
     def done() -> bool:
         return any(len(m.read_text().splitlines()) >= steps for m in (store / "sft" / "_staging").glob("*/metrics.jsonl"))
+
     return done
 
 
@@ -182,8 +191,12 @@ def test_a_real_server_dies_mid_training_and_comes_back(seeded, reference, tmp_p
     """infra/prefect-server.sh's server, SIGKILLed with its process group and started again on
     the same port and database 90 s later."""
     port = free_port()
-    infra = {**os.environ, "ALIGNFLOW_INFRA_DIR": str(tmp_path / "infra"), "PREFECT_SERVER_PORT": str(port),
-             "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    infra = {
+        **os.environ,
+        "ALIGNFLOW_INFRA_DIR": str(tmp_path / "infra"),
+        "PREFECT_SERVER_PORT": str(port),
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+    }
     script = str(REPO / "infra" / "prefect-server.sh")
     subprocess.run([script, "up"], env=infra, check=True, capture_output=True, timeout=300)
     api = {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_HOME": str(tmp_path / "prefect-home")}
@@ -357,8 +370,12 @@ def test_a_store_that_fails_for_a_while_does_not_lose_the_lease(s3_endpoint, tmp
 
     host, port = s3_endpoint.removeprefix("http://").split(":")
     link = Link((host, int(port)))
-    through = fsspec.filesystem("s3", client_kwargs={"endpoint_url": f"http://127.0.0.1:{link.port}"}, skip_instance_cache=True,
-                                config_kwargs={"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}})
+    through = fsspec.filesystem(
+        "s3",
+        client_kwargs={"endpoint_url": f"http://127.0.0.1:{link.port}"},
+        skip_instance_cache=True,
+        config_kwargs={"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}},
+    )
     direct = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
     path = f"test/faults/{tmp_path.name}/f1.json"
     holder, contender = Lease(through, path, ttl_s=6.0), Lease(direct, path, ttl_s=6.0)
@@ -423,8 +440,13 @@ def test_a_queued_job_of_a_dead_run_is_cancelled_and_touches_nothing(slurm_clust
     job_id = line.split("submitted slurm job ")[1].split(",")[0]
     second.kill()
     second.wait()
-    third = subprocess.run([sys.executable, "-c", RUN_HELD, *base_overrides, "launcher=slurm", "launcher.partition=debug"],
-                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    third = subprocess.run(
+        [sys.executable, "-c", RUN_HELD, *base_overrides, "launcher=slurm", "launcher.partition=debug"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert wait_for(lambda: slurm_state(job_id) == "CANCELLED", 60), slurm_state(job_id)
     assert list((tmp_path / "store" / "prep").glob("*/_SUCCESS.json"))
@@ -497,8 +519,9 @@ def test_an_s3_store_without_conditional_writes_is_refused_at_compose(s3_endpoin
     root = f"s3://test/conditional/{tmp_path.name}"
     compose("demo", [*base_overrides, f"store.root={root}", f"+store.storage_options.client_kwargs.endpoint_url={s3_endpoint}"])
     with pytest.raises(ConfigError) as err:
-        compose("demo", [*base_overrides, f"store.root={root}",
-                         f"+store.storage_options.client_kwargs.endpoint_url=http://127.0.0.1:{forgetful.port}"])
+        compose(
+            "demo", [*base_overrides, f"store.root={root}", f"+store.storage_options.client_kwargs.endpoint_url=http://127.0.0.1:{forgetful.port}"]
+        )
     assert f"store.root: {root} cannot hold alignflow's leases, which need S3's conditional writes: it overwrote an object" in str(err.value)
     fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
     assert not fs.exists(root) or fs.find(root) == []

@@ -42,8 +42,12 @@ def test_prep_identity_follows_its_config_slice(base_overrides):
 def test_the_layout_is_not_identity_but_the_distributed_optimizer_is(base_overrides):
     """A stage re-run at another TP/PP/DP size keeps its fingerprint, so it resumes its checkpoints resharded."""
     base = fp(base_overrides, "sft", {"prep": "a", "convert": "b"})
-    relaid = ["sft.resources.tasks_per_node=4", "sft.parallel.tensor_model_parallel_size=2", "sft.parallel.pipeline_model_parallel_size=2",
-              "sft.recompute_granularity=full"]
+    relaid = [
+        "sft.resources.tasks_per_node=4",
+        "sft.parallel.tensor_model_parallel_size=2",
+        "sft.parallel.pipeline_model_parallel_size=2",
+        "sft.recompute_granularity=full",
+    ]
     assert fp([*base_overrides, *relaid], "sft", {"prep": "a", "convert": "b"}) == base
     assert fp([*base_overrides, "sft.parallel.use_distributed_optimizer=true"], "sft", {"prep": "a", "convert": "b"}) != base
 
@@ -112,9 +116,13 @@ def test_upstream_change_propagates_down_the_dag(base_overrides):
 
 
 def test_swapping_two_input_roles_changes_the_fingerprint(base_overrides):
-    wired = lambda model, ref: compose("sft_grpo", [*base_overrides, f"pipeline.stages.grpo.inputs.model={model}", f"pipeline.stages.grpo.inputs.ref_model={ref}"])  # noqa: E731
+    def wired(model, ref):
+        return compose("sft_grpo", [*base_overrides, f"pipeline.stages.grpo.inputs.model={model}", f"pipeline.stages.grpo.inputs.ref_model={ref}"])
+
     upstream = {"prep": "p", "convert": "c", "sft": "s"}
-    assert fingerprint(stage_identity(Pipeline.build(wired("sft", "convert"))["grpo"], upstream)) != fingerprint(stage_identity(Pipeline.build(wired("convert", "sft"))["grpo"], upstream))
+    assert fingerprint(stage_identity(Pipeline.build(wired("sft", "convert"))["grpo"], upstream)) != fingerprint(
+        stage_identity(Pipeline.build(wired("convert", "sft"))["grpo"], upstream)
+    )
 
 
 USER_PIPELINE = """# @package _global_
@@ -132,24 +140,41 @@ WIRED = {
 }
 
 
-@pytest.mark.parametrize("changed, message", [
-    ({"dpo": "{inputs: {data: prep, modle: sft, ref_logprobs: ref_logprobs}}"},
-     r"pipeline\.stages\.dpo\.inputs\.modle: stage kind dpo has no input role 'modle'; it takes data"),
-    ({"dpo": "{inputs: {data: prep, modle: sft, ref_logprobs: ref_logprobs}}"},
-     r"pipeline\.stages\.dpo\.inputs: missing input role 'model' \(required, one model output\)"),
-    ({"dpo": "{inputs: {data: prep, model: [sft, convert], ref_logprobs: ref_logprobs}}"},
-     r"pipeline\.stages\.dpo\.inputs\.model: takes one upstream stage, got \['sft', 'convert'\]"),
-    ({"dpo": "{inputs: {data: prep, model: stf, ref_logprobs: ref_logprobs}}"},
-     r"pipeline\.stages\.dpo\.inputs\.model: 'stf' is not a stage of this pipeline"),
-    ({"dpo": "{inputs: {data: convert, model: sft, ref_logprobs: ref_logprobs}}"},
-     r"pipeline\.stages\.dpo\.inputs\.data: expects a prep output; 'convert' \(convert\) gives a model output"),
-    ({"sft": "{inputs: {data: prep, model: dpo}}"}, r"pipeline\.stages: a cycle: (sft -> dpo -> sft|dpo -> sft -> dpo)"),
-    ({"dpo_again": "{inputs: {data: prep, model: sft}}"}, r"pipeline\.stages\.dpo_again: unknown stage kind 'dpo_again'"),
-    ({"dpo": "{inputs: {data: prep, model: sft, ref_logprobs: ref_logprobs}, betta: 0.2}"},
-     r"pipeline\.stages\.dpo\.betta: not a setting of stage kind dpo"),
-    ({"dpo": "{inputs: {data: prep, model: sft, ref_logprobs: ref_logprobs}, loss: {betta: 0.2}}"},
-     r"pipeline\.stages\.dpo\.loss\.betta: Key 'betta' not in 'DPOLossConfig'"),
-])
+@pytest.mark.parametrize(
+    "changed, message",
+    [
+        (
+            {"dpo": "{inputs: {data: prep, modle: sft, ref_logprobs: ref_logprobs}}"},
+            r"pipeline\.stages\.dpo\.inputs\.modle: stage kind dpo has no input role 'modle'; it takes data",
+        ),
+        (
+            {"dpo": "{inputs: {data: prep, modle: sft, ref_logprobs: ref_logprobs}}"},
+            r"pipeline\.stages\.dpo\.inputs: missing input role 'model' \(required, one model output\)",
+        ),
+        (
+            {"dpo": "{inputs: {data: prep, model: [sft, convert], ref_logprobs: ref_logprobs}}"},
+            r"pipeline\.stages\.dpo\.inputs\.model: takes one upstream stage, got \['sft', 'convert'\]",
+        ),
+        (
+            {"dpo": "{inputs: {data: prep, model: stf, ref_logprobs: ref_logprobs}}"},
+            r"pipeline\.stages\.dpo\.inputs\.model: 'stf' is not a stage of this pipeline",
+        ),
+        (
+            {"dpo": "{inputs: {data: convert, model: sft, ref_logprobs: ref_logprobs}}"},
+            r"pipeline\.stages\.dpo\.inputs\.data: expects a prep output; 'convert' \(convert\) gives a model output",
+        ),
+        ({"sft": "{inputs: {data: prep, model: dpo}}"}, r"pipeline\.stages: a cycle: (sft -> dpo -> sft|dpo -> sft -> dpo)"),
+        ({"dpo_again": "{inputs: {data: prep, model: sft}}"}, r"pipeline\.stages\.dpo_again: unknown stage kind 'dpo_again'"),
+        (
+            {"dpo": "{inputs: {data: prep, model: sft, ref_logprobs: ref_logprobs}, betta: 0.2}"},
+            r"pipeline\.stages\.dpo\.betta: not a setting of stage kind dpo",
+        ),
+        (
+            {"dpo": "{inputs: {data: prep, model: sft, ref_logprobs: ref_logprobs}, loss: {betta: 0.2}}"},
+            r"pipeline\.stages\.dpo\.loss\.betta: Key 'betta' not in 'DPOLossConfig'",
+        ),
+    ],
+)
 def test_a_wrong_pipeline_fails_at_compose_naming_the_stage(base_overrides, tmp_path, changed, message):
     """A user's own pipeline file (found through Hydra's search path) is refused before any job."""
     stages = "\n".join(f"    {name}: {body}" for name, body in {**WIRED, **changed}.items())
@@ -168,8 +193,12 @@ def write_module(root, name: str, text: str):
 
 
 def test_code_identity_follows_formulas_not_docstrings_or_comments(tmp_path):
-    write_module(tmp_path, "alignflow.job.stages.toy", '"""A toy stage."""\nfrom alignflow.job.losses.toy import loss\nfrom alignflow.orchestrator.store import MANIFEST\n\n'
-                                                   'def run(cfg, inputs, out):\n    return loss(2.0)\n')
+    write_module(
+        tmp_path,
+        "alignflow.job.stages.toy",
+        '"""A toy stage."""\nfrom alignflow.job.losses.toy import loss\nfrom alignflow.orchestrator.store import MANIFEST\n\n'
+        "def run(cfg, inputs, out):\n    return loss(2.0)\n",
+    )
     write_module(tmp_path, "alignflow.job.losses.toy", '"""The loss."""\n\ndef loss(x):\n    """Doubles."""\n    return 2 * x  # twice\n')
     write_module(tmp_path, "alignflow.orchestrator.store", "MANIFEST = '_SUCCESS.json'\nimport alignflow.orchestrator.lease\n")
     write_module(tmp_path, "alignflow.orchestrator.lease", "")
@@ -177,7 +206,9 @@ def test_code_identity_follows_formulas_not_docstrings_or_comments(tmp_path):
     assert set(before) == {"alignflow/job/stages/toy.py", "alignflow/job/losses/toy.py", "alignflow/job/losses/__init__.py"}  # not the store's
 
     loss_file = tmp_path / "alignflow" / "job" / "losses" / "toy.py"
-    loss_file.write_text('"""The loss, reworded."""\n\n# a new comment\ndef loss(x):\n    """Doubles its input."""\n    return 2 * x  # twice, said again\n')
+    loss_file.write_text(
+        '"""The loss, reworded."""\n\n# a new comment\ndef loss(x):\n    """Doubles its input."""\n    return 2 * x  # twice, said again\n'
+    )
     assert code_identity("alignflow.job.stages.toy", root=tmp_path) == before
 
     loss_file.write_text('"""The loss."""\n\ndef loss(x):\n    """Doubles."""\n    return 3 * x\n')
@@ -216,8 +247,9 @@ def test_a_value_read_from_the_environment_is_identity_by_its_digest(base_overri
     assert fingerprint(forty) != fingerprint(twenty)
     tag = lambda value: "env:STEPS sha256:" + hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]  # noqa: E731
     assert differences(forty, twenty) == [f"config sft.trainer.max_steps: {tag(20)} -> {tag(40)}"]
-    assert fingerprint(stage_identity(build("sft_dpo", [*base_overrides, "sft.trainer.max_steps=40"])["sft"], upstream)) \
-        != fingerprint(forty)  # the value written out is another config: no value is taken for another
+    assert fingerprint(stage_identity(build("sft_dpo", [*base_overrides, "sft.trainer.max_steps=40"])["sft"], upstream)) != fingerprint(
+        forty
+    )  # the value written out is another config: no value is taken for another
 
 
 def test_a_secret_read_from_the_environment_changes_no_fingerprint(base_overrides, monkeypatch):
@@ -252,14 +284,14 @@ def boxed(prompt, completion, answer, **_):
     """1 for the right number."""
     return float(first_number(completion) == float(answer))
 '''
-HELPERS = '''import math
+HELPERS = """import math
 import re
 
 
 def first_number(text):
     found = re.search(r"-?\\d+", text)
     return float(found.group()) if found else math.nan
-'''
+"""
 
 
 def test_user_code_named_by_import_path_is_code_identity(tmp_path, monkeypatch):
@@ -288,8 +320,10 @@ def test_user_code_named_by_import_path_is_code_identity(tmp_path, monkeypatch):
 
 
 KINDS = ("prep", "convert", "sft", "dpo", "grpo", "distillation", "reward_model", "ref_logprobs", "teacher_logprobs", "eval", "export")
-IDENTITIES = "import json; from alignflow.orchestrator.fingerprint import code_identity; " \
-             f"print(json.dumps({{k: code_identity('alignflow.job.stages.' + k) for k in {KINDS!r}}}))"
+IDENTITIES = (
+    "import json; from alignflow.orchestrator.fingerprint import code_identity; "
+    f"print(json.dumps({{k: code_identity('alignflow.job.stages.' + k) for k in {KINDS!r}}}))"
+)
 
 
 def identities_in(checkout) -> dict[str, dict]:
@@ -305,9 +339,11 @@ def test_an_optimizer_or_training_loop_edit_reruns_training_stages_only(tmp_path
     checkout = tmp_path / "checkout"
     shutil.copytree(PROJECT_ROOT / "alignflow", checkout / "alignflow", ignore=shutil.ignore_patterns("__pycache__"))
     before = identities_in(checkout)
-    for path, old, new in (("job/train/engine.py", "    run.optimizer.zero_grad()\n", "    run.optimizer.zero_grad(set_to_none=True)\n"),
-                           ("job/train/schedule.py", "        return lr * step / warmup_steps", "        return lr * (step + 1) / (warmup_steps + 1)"),
-                           ("job/train/loop.py", "engine.optimizer_step(run, objective, micro,", "engine.optimizer_step(run, objective, list(micro),")):
+    for path, old, new in (
+        ("job/train/engine.py", "    run.optimizer.zero_grad()\n", "    run.optimizer.zero_grad(set_to_none=True)\n"),
+        ("job/train/schedule.py", "        return lr * step / warmup_steps", "        return lr * (step + 1) / (warmup_steps + 1)"),
+        ("job/train/loop.py", "engine.optimizer_step(run, objective, micro,", "engine.optimizer_step(run, objective, list(micro),"),
+    ):
         text = (checkout / "alignflow" / path).read_text()
         assert text.count(old) == 1, (path, old)
         (checkout / "alignflow" / path).write_text(text.replace(old, new))

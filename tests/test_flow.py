@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId, LogFilter,
-                                            LogFilterFlowRunId)
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import ArtifactSort
 
@@ -20,8 +19,14 @@ from flows.align import align
 from flows.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
-FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1",
-        "eval.num_generation_samples=4", "eval.limit_batches=1"]
+FAST = [
+    "sft.trainer.max_steps=2",
+    "sft.optim.warmup_steps=1",
+    "sft.trainer.val_check_interval=1",
+    "sft.trainer.limit_val_batches=1",
+    "eval.num_generation_samples=4",
+    "eval.limit_batches=1",
+]
 STAGES = ["prep", "convert", "sft", "eval", "export"]
 PROGRESS = re.compile(r"% done|: step \d+/\d+")
 
@@ -87,7 +92,7 @@ def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path, monkey
     report = summary.data.split("report: `")[1].split("`")[0]
     assert (tmp_path / "store" / "_reports") in Path(report).parents and f"{results['sft'].uri}/report.html" in Path(report).read_text()
     sft_report = Path(results["sft"].uri, "report.html").read_text()
-    assert sft_report.count("<svg") >= 3 and "aria-label=\"loss\"" in sft_report
+    assert sft_report.count("<svg") >= 3 and 'aria-label="loss"' in sft_report
     assert "<script" not in sft_report and "src=" not in sft_report and "<link" not in sft_report  # nothing to fetch: opens offline
     curves = asyncio.run(artifact("curves-sft")).data
     assert "| loss |" in curves and any(block in curves for block in "▁▂▃▄▅▆▇█")
@@ -162,11 +167,19 @@ def test_plan_marks_committed_stages(base_overrides, capsys):
 
 
 def test_sft_grpo_pipeline_publishes_per_step_rewards(base_overrides):
-    grpo_fast = ["grpo.trainer.max_steps=3", "grpo.optim.warmup_steps=1", "grpo.num_prompts_per_step=4", "grpo.micro_batch_size=16",
-                 "grpo.generation_batch_size=32", "grpo.trainer.log_every_n_steps=1"]
+    grpo_fast = [
+        "grpo.trainer.max_steps=3",
+        "grpo.optim.warmup_steps=1",
+        "grpo.num_prompts_per_step=4",
+        "grpo.micro_batch_size=16",
+        "grpo.generation_batch_size=32",
+        "grpo.trainer.log_every_n_steps=1",
+    ]
     results = align(pipeline="sft_grpo", overrides=[*base_overrides, *grpo_fast])
     assert list(results) == ["prep", "convert", "sft", "grpo", "eval", "export"]
-    assert {"reward_first_tenth", "reward_last_tenth", "accuracy", "steps"} <= set(results["grpo"].metrics) and "grpo.accuracy" in results["eval"].metrics
+    assert {"reward_first_tenth", "reward_last_tenth", "accuracy", "steps"} <= set(results["grpo"].metrics) and "grpo.accuracy" in results[
+        "eval"
+    ].metrics
     steps = asyncio.run(artifact("steps-grpo")).data
     rows = json.loads(steps) if isinstance(steps, str) else steps
     assert [row["step"] for row in rows] == ["1", "2", "3"]
@@ -176,8 +189,13 @@ def test_sft_grpo_pipeline_publishes_per_step_rewards(base_overrides):
 
 
 def test_iterative_dpo_runs_two_rounds_and_evaluates_every_model(base_overrides):
-    dpo_fast = ["dpo.trainer.max_steps=2", "dpo.optim.warmup_steps=1", "dpo.trainer.val_check_interval=1", "dpo.trainer.limit_val_batches=1",
-                "data.preference.dev_choose_samples=64"]
+    dpo_fast = [
+        "dpo.trainer.max_steps=2",
+        "dpo.optim.warmup_steps=1",
+        "dpo.trainer.val_check_interval=1",
+        "dpo.trainer.limit_val_batches=1",
+        "data.preference.dev_choose_samples=64",
+    ]
     results = align(pipeline="iterative_dpo", overrides=[*base_overrides, *dpo_fast])
     assert list(results) == ["prep", "convert", "sft", "ref_round1", "dpo_round1", "ref_round2", "dpo_round2", "eval", "export"]
     assert results["dpo_round1"].fingerprint != results["dpo_round2"].fingerprint
@@ -195,8 +213,9 @@ def test_a_run_left_on_the_cpu_of_a_gpu_machine_says_so_at_warning(base_override
     from test_launch import nvidia_smi
 
     nvidia_smi(tmp_path, monkeypatch)
-    state = align(pipeline="convert", overrides=[*base_overrides, f"model.tokenizer={demo_dir / 'tokenizer'}", "launcher.gpus_per_node=0"],
-                  return_state=True)
+    state = align(
+        pipeline="convert", overrides=[*base_overrides, f"model.tokenizer={demo_dir / 'tokenizer'}", "launcher.gpus_per_node=0"], return_state=True
+    )
     assert state.is_completed()
 
     async def flow_logs():
@@ -204,6 +223,7 @@ def test_a_run_left_on_the_cpu_of_a_gpu_machine_says_so_at_warning(base_override
             return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
 
     warnings = [log.message for log in asyncio.run(flow_logs()) if log.level == 30 and log.task_run_id is None]
-    assert warnings == ["launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has 4 GPU(s) (nvidia-smi -L); "
-                        "leave it unset (null) to give each rank one of them"], warnings
-
+    assert warnings == [
+        "launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has 4 GPU(s) (nvidia-smi -L); "
+        "leave it unset (null) to give each rank one of them"
+    ], warnings

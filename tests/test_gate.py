@@ -36,8 +36,13 @@ def test_stderr_is_lm_evals_sample_standard_deviation_over_sqrt_n():
 
 
 def record(name: str, metrics: dict, deployment: str | None = None, pipeline: str = "demo", state: str = "Completed", **extra) -> dict:
-    return {"name": name, "pipeline": pipeline, "deployment": deployment,
-            "stages": [{"name": "eval", "kind": "eval", "state": state, "metrics": metrics}], **extra}
+    return {
+        "name": name,
+        "pipeline": pipeline,
+        "deployment": deployment,
+        "stages": [{"name": "eval", "kind": "eval", "state": state, "metrics": metrics}],
+        **extra,
+    }
 
 
 def night(task: str) -> dict:
@@ -61,8 +66,10 @@ def test_a_drop_counts_beyond_its_threshold_and_sigmas_standard_errors_of_the_di
 def test_losses_regress_when_they_rise_and_a_metric_without_stderr_by_its_threshold_alone():
     before, after = record("a", {"sft.val_loss": 4.93, "sft.perplexity": 138.0}), record("b", {"sft.val_loss": 6.0, "sft.perplexity": 403.0})
     verdict = gate.judge({"eval.sft.val_loss": 0.1, "eval.sft.perplexity": 300.0}, 2.0, after, before)
-    assert [(c.metric, round(c.drop, 2), c.stderr, c.regressed) for c in verdict.checks] == \
-        [("eval.sft.val_loss", 1.07, None, True), ("eval.sft.perplexity", 265.0, None, False)]
+    assert [(c.metric, round(c.drop, 2), c.stderr, c.regressed) for c in verdict.checks] == [
+        ("eval.sft.val_loss", 1.07, None, True),
+        ("eval.sft.perplexity", 265.0, None, False),
+    ]
     assert verdict.message().startswith("gate: regressed against run 'a': eval.sft.val_loss 4.93 -> 6")
     assert not gate.judge({"eval.sft.val_loss": 0.1}, 2.0, before, after).regressed  # it fell: better
 
@@ -77,9 +84,14 @@ def test_a_threshold_that_matches_no_metric_is_said_and_the_first_run_has_no_bas
 
 def test_the_last_baseline_is_the_last_successful_run_of_the_same_deployment_or_pipeline(tmp_path):
     store = Store(str(tmp_path / "store"), {})
-    written = [record("n1", {}, "align/nightly"), record("other", {}, None), record("n2", {}, "align/nightly", state="Failed"),
-               record("n3", {}, "align/nightly", gate={"state": "Regressed"}), record("p1", {}, None, pipeline="sft_dpo"),
-               record("o2", {}, "align/sft-dpo")]
+    written = [
+        record("n1", {}, "align/nightly"),
+        record("other", {}, None),
+        record("n2", {}, "align/nightly", state="Failed"),
+        record("n3", {}, "align/nightly", gate={"state": "Regressed"}),
+        record("p1", {}, None, pipeline="sft_dpo"),
+        record("o2", {}, "align/sft-dpo"),
+    ]
     for r in written:
         runs.write(store, r["name"], r)
     tonight = record("n4", {}, "align/nightly")
@@ -94,8 +106,14 @@ def test_the_last_baseline_is_the_last_successful_run_of_the_same_deployment_or_
 # can afford, so the night that regresses does so on its validation loss (2 SFT steps instead
 # of 8: a real, higher loss), and the night within the noise on its preference accuracy (another
 # SFT seed: a real drop, smaller than 2 standard errors of the difference). No export: the gate reads eval.
-NIGHT = ["~pipeline.stages.export", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1", "eval.num_generation_samples=4",
-         "eval.limit_batches=1"]
+NIGHT = [
+    "~pipeline.stages.export",
+    "sft.optim.warmup_steps=1",
+    "sft.trainer.val_check_interval=1",
+    "sft.trainer.limit_val_batches=1",
+    "eval.num_generation_samples=4",
+    "eval.limit_batches=1",
+]
 GATE = "+gate.thresholds={eval.sft.val_loss: 0.3, eval.sft.preference_accuracy: 0.0}"
 
 
@@ -177,17 +195,26 @@ def test_the_documented_automation_notifies_on_the_nightlys_regressed_state(tmp_
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    block_id = SlackWebhook(url="https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX").save("nightly-alerts", overwrite=True)
+    block_id = SlackWebhook(url="https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX").save(
+        "nightly-alerts", overwrite=True
+    )
     text = (PROJECT_ROOT / "deployments" / "automations.yaml").read_text()
     filled = tmp_path / "automations.yaml"
     filled.write_text(text.replace("REPLACE-WITH-YOUR-NOTIFICATION-BLOCK-ID", str(block_id)))
-    created = subprocess.run([str(Path(sys.executable).parent / "prefect"), "automation", "create", "--from-file", str(filled)],
-                             env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}, capture_output=True, text=True, timeout=180)
+    created = subprocess.run(
+        [str(Path(sys.executable).parent / "prefect"), "automation", "create", "--from-file", str(filled)],
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert created.returncode == 0, created.stdout + created.stderr
     with get_client(sync_client=True) as client:
         [automation] = client.read_automations_by_name("align-nightly-regressed")
     trigger, [action] = automation.trigger, automation.actions
     assert trigger.expect == {"prefect.flow-run.Regressed"} and trigger.posture == "Reactive"
-    assert [dict(spec.items()) for spec in trigger.match_related] == [{"prefect.resource.role": ["flow"], "prefect.resource.name": ["align"]},
-                                                                      {"prefect.resource.role": ["deployment"], "prefect.resource.name": ["nightly"]}]
+    assert [dict(spec.items()) for spec in trigger.match_related] == [
+        {"prefect.resource.role": ["flow"], "prefect.resource.name": ["align"]},
+        {"prefect.resource.role": ["deployment"], "prefect.resource.name": ["nightly"]},
+    ]
     assert (action.type, action.block_document_id) == ("send-notification", block_id) and "{{ flow_run.state.message }}" in action.body

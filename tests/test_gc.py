@@ -58,8 +58,17 @@ def put(store: Store, source: Path, dest: str) -> None:
     store.fs.put(f"{source}/", f"{dest}/", recursive=True)
 
 
-def commit(store: Store, stage: str, key: str, source: Path, output: str, days_ago: float, inputs: dict, checkpoints: bool = False,
-           training_state: bool = False) -> None:
+def commit(
+    store: Store,
+    stage: str,
+    key: str,
+    source: Path,
+    output: str,
+    days_ago: float,
+    inputs: dict,
+    checkpoints: bool = False,
+    training_state: bool = False,
+) -> None:
     """`source` committed as `stage`'s output `key` (a training output's with a checkpoint of its
     model, as commits before #22 kept them, or as the one its config asked to keep)."""
     staging = store.staging_path(stage, key)
@@ -68,8 +77,13 @@ def commit(store: Store, stage: str, key: str, source: Path, output: str, days_a
         put(store, source / "model", f"{staging}/checkpoints/step-00000002/model")
         store.fs.pipe(f"{staging}/checkpoints/step-00000002/trainer.json", b'{"step": 2}')
         store.fs.pipe(f"{staging}/checkpoints/step-00000002/complete", b"")
-    manifest = {"stage": stage, "fingerprint": key, "inputs": {up: {"fingerprint": f} for up, f in inputs.items()},
-                "files": store.staged_files(stage, key), "committed_at": stamp(days_ago)}
+    manifest = {
+        "stage": stage,
+        "fingerprint": key,
+        "inputs": {up: {"fingerprint": f} for up, f in inputs.items()},
+        "files": store.staged_files(stage, key),
+        "committed_at": stamp(days_ago),
+    }
     if training_state:
         manifest[TRAINING_STATE] = "checkpoints/step-00000002"
     store.commit(stage, key, manifest, OUTPUTS[output])
@@ -87,17 +101,30 @@ def build(store: Store, assets: dict, prep: str) -> None:
         put(store, assets["model"] / "model", f"{store.staging_path('sft', key)}/checkpoints/step-00000001/model")
     put(store, assets["prep"] / "sft", f"{store.staging_path('prep', prep)}/sft")  # a committed fingerprint's staging left behind
     put(store, assets["model"] / "hf", f"{store.output_path('sft', HALF)}/hf")  # an output whose commit (or deletion) was cut short
-    for rel, text in (("notes.txt", b"the user's own notes"), ("datasets/raw.jsonl", b'{"text": "the user\'s data"}\n'),
-                      ("sft/README.md", b"the user's note beside alignflow's outputs"), (f"{runs.RUNS}/notes.txt", b"not a run record"),
-                      (f"cache/{fp('a user')}/blob", b"a hash-named folder of the user's")):
+    for rel, text in (
+        ("notes.txt", b"the user's own notes"),
+        ("datasets/raw.jsonl", b'{"text": "the user\'s data"}\n'),
+        ("sft/README.md", b"the user's note beside alignflow's outputs"),
+        (f"{runs.RUNS}/notes.txt", b"not a run record"),
+        (f"cache/{fp('a user')}/blob", b"a hash-named folder of the user's"),
+    ):
         fs.makedirs(store.path(rel).rsplit("/", 1)[0], exist_ok=True)
         fs.pipe(store.path(rel), text)
     runs.write(store, "old run", {"stages": [{"name": "prep", "fingerprint": P_OLD}, {"name": "sft", "fingerprint": S_OLD}]})
 
 
 def write_new_run(store: Store, prep: str) -> None:
-    runs.write(store, "new run", {"stages": [{"name": "prep", "fingerprint": prep}, {"name": "sft", "fingerprint": S},
-                                             {"name": "eval", "state": "Failed", "fingerprint": ""}]})
+    runs.write(
+        store,
+        "new run",
+        {
+            "stages": [
+                {"name": "prep", "fingerprint": prep},
+                {"name": "sft", "fingerprint": S},
+                {"name": "eval", "state": "Failed", "fingerprint": ""},
+            ]
+        },
+    )
 
 
 def snapshot(store: Store, skip: str) -> dict[str, bytes]:
@@ -105,7 +132,7 @@ def snapshot(store: Store, skip: str) -> dict[str, bytes]:
     fs, root = store.fs, store.path()
     fs.invalidate_cache()
     files = [p for p in fs.find(root) if p != skip]
-    return {p[len(root) + 1:]: fs.cat_file(p) for p in files}
+    return {p[len(root) + 1 :]: fs.cat_file(p) for p in files}
 
 
 def under(tree: dict[str, bytes], rel: str) -> dict[str, bytes]:
@@ -126,7 +153,7 @@ def check_gc(capsys, store: Store, overrides: list[str], expected: dict[str, set
     dry = gc(capsys, overrides)
     assert snapshot(store, live_lease) == before  # byte for byte
     root = store.path()
-    listed = {c: {i["path"][len(root) + 1:]: i["bytes"] for i in dry["reclaim"][c]["items"]} for c in CATEGORIES}
+    listed = {c: {i["path"][len(root) + 1 :]: i["bytes"] for i in dry["reclaim"][c]["items"]} for c in CATEGORIES}
     assert {c: set(paths) for c, paths in listed.items()} == expected
     for category, paths in listed.items():
         for rel, nbytes in paths.items():
@@ -187,15 +214,24 @@ def test_gc_on_a_local_store(capsys, base_overrides, assets, tmp_path):
     time.sleep(TTL_S + 0.5)  # leftovers are judged after a lease ttl
     with store.lease("sft", LIVE, ttl_s=TTL_S, poll_s=0.1, log=lambda line: None) as lease:
         assert lease is not None
-        dry = check_gc(capsys, store, overrides, {
-            "staging": {f"sft/_staging/{DEAD}", f"prep/_staging/{prep}"},
-            "leftovers": {f"sft/{HALF}", f"sft/{S}.replaced-0badc0de", f"sft/_leases/{HALF}.json.stale-0badc0de"},
-            "checkpoints": {f"sft/{S}/checkpoints"},
-            "outputs": {f"prep/{P_OLD}", f"convert/{C_OLD}", f"sft/{S_OLD}"},
-        }, foreign={"notes.txt", "datasets", "cache", "sft/README.md", "_runs/notes.txt"})
-        assert dry["kept"] == {"named by one of the newest 1 runs": 2, "upstream of a kept output": 1,
-                               "its lease is live (a run is producing it)": 1,
-                               "a dead run's, changed within 14 days (a rerun resumes from it)": 1}
+        dry = check_gc(
+            capsys,
+            store,
+            overrides,
+            {
+                "staging": {f"sft/_staging/{DEAD}", f"prep/_staging/{prep}"},
+                "leftovers": {f"sft/{HALF}", f"sft/{S}.replaced-0badc0de", f"sft/_leases/{HALF}.json.stale-0badc0de"},
+                "checkpoints": {f"sft/{S}/checkpoints"},
+                "outputs": {f"prep/{P_OLD}", f"convert/{C_OLD}", f"sft/{S_OLD}"},
+            },
+            foreign={"notes.txt", "datasets", "cache", "sft/README.md", "_runs/notes.txt"},
+        )
+        assert dry["kept"] == {
+            "named by one of the newest 1 runs": 2,
+            "upstream of a kept output": 1,
+            "its lease is live (a run is producing it)": 1,
+            "a dead run's, changed within 14 days (a rerun resumes from it)": 1,
+        }
     assert [row.status for row in plan(Pipeline.build(cfg)) if row.stage == "prep"] == ["committed"]  # still a cache hit
     assert Prepared(store.output_path("prep", prep)).require("sft").num_rows > 0
     assert same_weights(f"{store.output_path('sft', S)}/model", f"{assets['model']}/model")
@@ -216,7 +252,12 @@ def test_plan_shows_the_store_size_and_what_gc_would_reclaim(capsys, base_overri
     ours = sum(size for p, size in files.items() if not p.endswith("notes.txt"))
     checkpoints = sum(size for p, size in files.items() if f"/{S}/checkpoints/" in p)
     assert {k: shown["store"][k] for k in ("bytes", "outputs", "staging", "reclaim_bytes", "foreign")} == {
-        "bytes": ours, "outputs": 2, "staging": 0, "reclaim_bytes": checkpoints, "foreign": {"notes.txt": 20}}
+        "bytes": ours,
+        "outputs": 2,
+        "staging": 0,
+        "reclaim_bytes": checkpoints,
+        "foreign": {"notes.txt": 20},
+    }
     assert [row["stage"] for row in shown["stages"]] == ["prep", "convert", "sft", "eval", "export"]
     assert main(["plan", "pipeline=demo", *overrides]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -231,8 +272,14 @@ def test_gc_on_s3(capsys, s3_endpoint, base_overrides, assets, monkeypatch):
     at once and only runs and upstreams keep outputs."""
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
     monkeypatch.setitem(fsspec.config.conf, "s3", options)  # readers open s3:// URIs with fsspec's defaults
-    overrides = [*base_overrides, "store.root=s3://test/gcstore", f"+store.storage_options.client_kwargs.endpoint_url={s3_endpoint}",
-                 f"store.lease_ttl_s={TTL_S}", "store.retention.keep_runs=1", "store.retention.keep_days=0"]
+    overrides = [
+        *base_overrides,
+        "store.root=s3://test/gcstore",
+        f"+store.storage_options.client_kwargs.endpoint_url={s3_endpoint}",
+        f"store.lease_ttl_s={TTL_S}",
+        "store.retention.keep_runs=1",
+        "store.retention.keep_days=0",
+    ]
     store = Store("s3://test/gcstore", options)
     prep = fp("prep")
     commit(store, "prep", prep, assets["prep"], "prep", 0, {})
@@ -242,12 +289,18 @@ def test_gc_on_s3(capsys, s3_endpoint, base_overrides, assets, monkeypatch):
     time.sleep(TTL_S + 0.5)
     with store.lease("sft", LIVE, ttl_s=TTL_S, poll_s=0.1, log=lambda line: None) as lease:
         assert lease is not None
-        check_gc(capsys, store, overrides, {
-            "staging": {f"sft/_staging/{DEAD}", f"prep/_staging/{prep}"},
-            "leftovers": {f"sft/{HALF}"},
-            "checkpoints": {f"sft/{S}/checkpoints"},
-            "outputs": {f"prep/{P_OLD}", f"convert/{C_OLD}", f"sft/{S_OLD}"},
-        }, foreign={"notes.txt", "datasets", "cache", "sft/README.md", "_runs/notes.txt"})
+        check_gc(
+            capsys,
+            store,
+            overrides,
+            {
+                "staging": {f"sft/_staging/{DEAD}", f"prep/_staging/{prep}"},
+                "leftovers": {f"sft/{HALF}"},
+                "checkpoints": {f"sft/{S}/checkpoints"},
+                "outputs": {f"prep/{P_OLD}", f"convert/{C_OLD}", f"sft/{S_OLD}"},
+            },
+            foreign={"notes.txt", "datasets", "cache", "sft/README.md", "_runs/notes.txt"},
+        )
     assert Prepared(store.uri(store.output_path("prep", prep))).require("sft").num_rows > 0
     assert same_weights(store.uri(f"{store.output_path('sft', S)}/model"), f"{assets['model']}/model")
     assert store.read_manifest("convert", C) is not None and store.read_manifest("convert", C_OLD) is None

@@ -128,9 +128,21 @@ def test_ep2_ranks_with_different_prompts_generate_what_each_would_at_ep1():
     sampled, the EOS check every step and every 3): every completion is EP1's, tokens exactly,
     log-probs within 1e-6 (tests/generation_ranks.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
-                          str(Path(__file__).with_name("generation_ranks.py")), "qwen3_moe"],
-                         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env={**env, "PYTHONPATH": str(PROJECT_ROOT)})
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("torchrun")),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(Path(__file__).with_name("generation_ranks.py")),
+            "qwen3_moe",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PROJECT_ROOT,
+        env={**env, "PYTHONPATH": str(PROJECT_ROOT)},
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 * 2 * 3 * 2 and all(", 0 differ from EP1," in line for line in lines)  # ranks, samplings, sets, checks

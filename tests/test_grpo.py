@@ -19,11 +19,36 @@ from alignflow.job.stages import grpo, sft
 from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import (assert_hardware_use, convert_demo, job_args, job_env, metrics_lines, prep_demo, sft_cfg, stage_cfg,  # noqa: E402
-                         torchrun, weights)
+from train_ranks import (
+    assert_hardware_use,
+    convert_demo,
+    job_args,
+    job_env,
+    metrics_lines,
+    prep_demo,
+    sft_cfg,
+    stage_cfg,  # noqa: E402
+    torchrun,
+    weights,
+)
 
-STEP_METRICS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "reward_mean", "reward_std", "accuracy",
-                "response_length", "truncation_rate", "kl", "clip_fraction", "ratio", "generation_tokens_per_s"}
+STEP_METRICS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens",
+    "tokens_per_s",
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "response_length",
+    "truncation_rate",
+    "kl",
+    "clip_fraction",
+    "ratio",
+    "generation_tokens_per_s",
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +57,29 @@ def inputs(demo_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo-inputs")
     data = str(prep_demo(demo_dir, root / "data", prompts=True))
     base = str(convert_demo(demo_dir, root / "base"))
-    cfg = sft_cfg(demo_dir, micro_batch_size=8, global_batch_size=16, trainer={"max_steps": 60, "val_check_interval": 60},
-                  optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4}, checkpoint={"every_n_steps": 60})
+    cfg = sft_cfg(
+        demo_dir,
+        micro_batch_size=8,
+        global_batch_size=16,
+        trainer={"max_steps": 60, "val_check_interval": 60},
+        optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4},
+        checkpoint={"every_n_steps": 60},
+    )
     sft.run(typed(cfg), {"data": data, "model": base}, str(root / "sft"))
     return {"data": data, "model": str(root / "sft"), "ref_model": str(root / "sft")}
 
 
 def grpo_cfg(demo_dir, tp: int = 1, pp: int = 1, **section) -> dict:
-    defaults = {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "micro_batch_size": 8, "generation_batch_size": 16,
-                "max_new_tokens": 4, "environment": [{"name": "exact_match"}, {"name": "closeness"}],
-                "trainer": {"max_steps": 3}, "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0}}
+    defaults = {
+        "num_prompts_per_step": 4,
+        "num_generations_per_prompt": 4,
+        "micro_batch_size": 8,
+        "generation_batch_size": 16,
+        "max_new_tokens": 4,
+        "environment": [{"name": "exact_match"}, {"name": "closeness"}],
+        "trainer": {"max_steps": 3},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0},
+    }
     merged = OmegaConf.to_container(OmegaConf.merge(defaults, section))
     return stage_cfg("grpo", demo_dir, tp, pp, **merged)
 
@@ -102,8 +140,15 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_differ(demo_dir, inpu
     """DAPO's dynamic sampling with a reward that is 1 for one-digit answers: groups that all
     agree are dropped and further batches drawn, so every trained group teaches something:
     no step's advantages are all 0 (grad_norm > 0), and the draws are logged."""
-    cfg = grpo_cfg(demo_dir, use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=8, num_prompts_per_step=2,
-                   environment=[{"name": "test_grpo:single_digit"}], loss={"ref_policy_kl_penalty": 0.0}, trainer={"max_steps": 3})
+    cfg = grpo_cfg(
+        demo_dir,
+        use_dynamic_sampling=True,
+        dynamic_sampling_max_gen_batches=8,
+        num_prompts_per_step=2,
+        environment=[{"name": "test_grpo:single_digit"}],
+        loss={"ref_policy_kl_penalty": 0.0},
+        trainer={"max_steps": 3},
+    )
     run_grpo(cfg, inputs, tmp_path / "out")
     lines = metrics_lines(tmp_path / "out")
     assert all(line["grad_norm"] > 0 for line in lines)
@@ -111,8 +156,13 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_differ(demo_dir, inpu
 
 
 def test_dynamic_sampling_stops_naming_its_key_when_no_group_differs(demo_dir, inputs, tmp_path):
-    cfg = grpo_cfg(demo_dir, use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=2, environment=[{"name": "test_grpo:constant"}],
-                   trainer={"max_steps": 1})
+    cfg = grpo_cfg(
+        demo_dir,
+        use_dynamic_sampling=True,
+        dynamic_sampling_max_gen_batches=2,
+        environment=[{"name": "test_grpo:constant"}],
+        trainer={"max_steps": 1},
+    )
     with pytest.raises(ValueError, match=r"grpo.dynamic_sampling_max_gen_batches: 2 batches gave fewer than num_prompts_per_step = 4 groups"):
         run_grpo(cfg, inputs, tmp_path / "out")
 
@@ -126,8 +176,15 @@ def test_overlong_penalty_lowers_the_reward_of_long_completions(demo_dir, inputs
     assert line["reward_mean"] == pytest.approx(1 - line["response_length"] / 4)
 
 
-@pytest.mark.parametrize("loss", [{"loss_type": "dr_grpo", "kl_type": "k2"}, {"loss_type": "grpo", "importance_sampling_level": "sequence"},
-                                  {"loss_type": "bnpo", "kl_type": "none", "ratio_clip_max": 0.28}], ids=["dr_grpo-k2", "gspo", "bnpo-no-kl"])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {"loss_type": "dr_grpo", "kl_type": "k2"},
+        {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+        {"loss_type": "bnpo", "kl_type": "none", "ratio_clip_max": 0.28},
+    ],
+    ids=["dr_grpo-k2", "gspo", "bnpo-no-kl"],
+)
 def test_loss_variants_train_with_top_p_top_k_sampling(demo_dir, inputs, tmp_path, loss):
     """Each variant trains on filtered sampling; at step 1 the policy is the sampler, so the
     training log-probs (filtered) give ratio 1 and, with a KL, KL 0."""
@@ -138,8 +195,10 @@ def test_loss_variants_train_with_top_p_top_k_sampling(demo_dir, inputs, tmp_pat
 
 
 def test_rollouts_train_only_completion_tokens_of_kept_samples():
-    completions = [Completion([7, 2], [-0.4, -0.2], truncated=False, sampling_logps=[-0.5, -0.25]),  # drawn at a temperature
-                   Completion([9, 9, 9], [-1.0, -2.0, -3.0], truncated=True)]
+    completions = [
+        Completion([7, 2], [-0.4, -0.2], truncated=False, sampling_logps=[-0.5, -0.25]),  # drawn at a temperature
+        Completion([9, 9, 9], [-1.0, -2.0, -3.0], truncated=True),
+    ]
     rollouts = grpo.Rollouts([[1, 5, 6], [1, 5]], completions, torch.tensor([1.0, -1.0]), torch.tensor([True, False]), pad_id=0)
     batch = rollouts.collate([0, 1])
     assert batch["tokens"].tolist() == [[1, 5, 6, 7, 2], [1, 5, 9, 9, 9]]
@@ -158,8 +217,9 @@ def test_killed_grpo_job_resumes_to_the_uninterrupted_weights(demo_dir, inputs, 
 
     out = tmp_path / "killed"
     args = [*job_args(cfg, inputs, out), "--stage", "grpo", "--ref-model", inputs["ref_model"], "--pause-after-checkpoint", "60"]
-    job = subprocess.Popen([sys.executable, *args], cwd=PROJECT_ROOT, env=job_env(), start_new_session=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    job = subprocess.Popen(
+        [sys.executable, *args], cwd=PROJECT_ROOT, env=job_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     first = out / "checkpoints" / "step-00000002" / "complete"
     deadline = time.time() + 120
     while not first.exists() and job.poll() is None and time.time() < deadline:
@@ -201,9 +261,18 @@ def single_digit(prompt: str, completion: str, answer: str, **_) -> float:
 
 def test_grpo_learns_to_earn_its_reward(demo_dir, inputs, tmp_path):
     """The mean reward rises within 30 steps: the policy gradient points the right way."""
-    cfg = grpo_cfg(demo_dir, num_prompts_per_step=8, num_generations_per_prompt=8, micro_batch_size=64, generation_batch_size=64,
-                   generation_temperature=1.0, environment=[{"name": "test_grpo:single_digit"}], trainer={"max_steps": 30},
-                   loss={"ref_policy_kl_penalty": 0.0}, optim={"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0})
+    cfg = grpo_cfg(
+        demo_dir,
+        num_prompts_per_step=8,
+        num_generations_per_prompt=8,
+        micro_batch_size=64,
+        generation_batch_size=64,
+        generation_temperature=1.0,
+        environment=[{"name": "test_grpo:single_digit"}],
+        trainer={"max_steps": 30},
+        loss={"ref_policy_kl_penalty": 0.0},
+        optim={"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0},
+    )
     run_grpo(cfg, inputs, tmp_path / "out")
     rewards = [line["reward_mean"] for line in metrics_lines(tmp_path / "out")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -236,8 +305,13 @@ def test_a_moe_at_ep2_rolls_out_and_trains_as_at_ep1(demo_dir, tmp_path):
     runs = {}
     for ep in (1, 2):
         runs[ep] = tmp_path / f"ep{ep}"
-        cfg = grpo_cfg(demo_dir, generation_batch_size=4, resources={"tasks_per_node": 2}, parallel={"expert_model_parallel_size": ep},
-                       trainer={"max_steps": 2, "log_every_n_steps": 1})
+        cfg = grpo_cfg(
+            demo_dir,
+            generation_batch_size=4,
+            resources={"tasks_per_node": 2},
+            parallel={"expert_model_parallel_size": ep},
+            trainer={"max_steps": 2, "log_every_n_steps": 1},
+        )
         torchrun(2, cfg, moe, runs[ep], "--stage", "grpo", "--ref-model", model)
     for a, b in zip(metrics_lines(runs[1]), metrics_lines(runs[2]), strict=True):
         assert b["response_length"] == a["response_length"] and b["reward_mean"] == a["reward_mean"], (a, b)

@@ -74,8 +74,9 @@ def test_a_revision_picks_its_snapshot_and_an_unknown_one_is_refused(hf_home, ba
 
 
 def test_a_model_not_in_the_cache_is_refused_naming_the_id_and_the_cache(hf_home, base_overrides):
-    run = align("plan", "pipeline=convert", *base_overrides, "model.source=Qwen/Qwen3-8B", "model.tokenizer=Qwen/Qwen3-8B", hf_home=hf_home,
-                check=False)
+    run = align(
+        "plan", "pipeline=convert", *base_overrides, "model.source=Qwen/Qwen3-8B", "model.tokenizer=Qwen/Qwen3-8B", hf_home=hf_home, check=False
+    )
     assert run.returncode == 2
     said = " ".join(run.stdout.split())  # rich wraps long lines
     assert f"model.source: Qwen/Qwen3-8B is not in the local Hugging Face cache {hf_home / 'hub'} (HF_HUB_CACHE / HF_HOME)" in said
@@ -85,12 +86,19 @@ def test_a_model_not_in_the_cache_is_refused_naming_the_id_and_the_cache(hf_home
 def test_a_preset_s_numbers_must_agree_with_the_cached_checkpoint(hf_home, base_overrides):
     """Once a preset's checkpoint is in the cache its config.json sizes it, and a preset that
     describes another model is refused."""
-    run = align("plan", *base_overrides, "model=qwen3_8b", "model.source=tiny/llama", "launcher.gpu_memory_gib=null", hf_home=hf_home,
-                check=False)
+    run = align("plan", *base_overrides, "model=qwen3_8b", "model.source=tiny/llama", "launcher.gpu_memory_gib=null", hf_home=hf_home, check=False)
     said = " ".join(run.stdout.split())
     assert run.returncode == 2 and "model.architecture.hidden_size: 4096, but" in said and "says 64" in said
-    agreed = align("plan", "--json", *base_overrides, "model=qwen3_8b", "model.source=tiny/llama", "model.architecture=null",
-                   "launcher.gpu_memory_gib=null", hf_home=hf_home)
+    agreed = align(
+        "plan",
+        "--json",
+        *base_overrides,
+        "model=qwen3_8b",
+        "model.source=tiny/llama",
+        "model.architecture=null",
+        "launcher.gpu_memory_gib=null",
+        hf_home=hf_home,
+    )
     memory = json.loads(agreed.stdout)["memory"]
     assert memory["sft"]["shape_from"] == "config.json" and memory["sft"]["total"] < 1
 

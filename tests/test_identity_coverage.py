@@ -32,17 +32,25 @@ def near(prompt, completion, answer, api_key=None, **_):
     found = first_number(completion)
     return 0.0 if found is None else max(0.0, 1.0 - abs(found - float(answer)) / 10)
 '''
-HELPERS = '''import re
+HELPERS = """import re
 
 
 def first_number(text):
     found = re.search(r"-?\\d+", text)
     return None if found is None else float(found.group())
-'''
-FAST = ["sft.trainer.max_steps=${oc.env:STEPS}", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1",
-        "sft.trainer.limit_val_batches=1", "grpo.trainer.max_steps=1", "grpo.optim.warmup_steps=0", "grpo.num_prompts_per_step=4",
-        "grpo.micro_batch_size=16", "grpo.generation_batch_size=32",
-        "grpo.environment=[{name: 'my_rewards:near', kwargs: {api_key: '${oc.env:JUDGE_API_KEY}'}}]"]
+"""
+FAST = [
+    "sft.trainer.max_steps=${oc.env:STEPS}",
+    "sft.optim.warmup_steps=1",
+    "sft.trainer.val_check_interval=1",
+    "sft.trainer.limit_val_batches=1",
+    "grpo.trainer.max_steps=1",
+    "grpo.optim.warmup_steps=0",
+    "grpo.num_prompts_per_step=4",
+    "grpo.micro_batch_size=16",
+    "grpo.generation_batch_size=32",
+    "grpo.environment=[{name: 'my_rewards:near', kwargs: {api_key: '${oc.env:JUDGE_API_KEY}'}}]",
+]
 TRAINED = ("prep", "convert", "sft", "grpo")
 ENV = {"STEPS": "2", "JUDGE_API_KEY": "judge-7f3a9c1e5b", "WANDB_API_KEY": "wandb-c0ffee4242"}
 
@@ -112,7 +120,7 @@ def test_jobs_receive_resolved_values_and_secrets_as_their_env_text(committed):
     assert calls["sft"]["sft"]["trainer"]["max_steps"] == 2
     assert calls["sft"]["sft"]["precision"] == calls["grpo"]["grpo"]["precision"] == "fp32"  # auto, as hashed: no GPU declared
     assert calls["sft"]["logging"]["wandb"]["api_key"] == "${oc.env:WANDB_API_KEY,null}"
-    assert calls["grpo"]["grpo"]["environment"] == [{"name": "my_rewards:near", "kwargs": {"api_key": "${oc.env:JUDGE_API_KEY}"}}]
+    assert calls["grpo"]["grpo"]["environment"] == [{"name": "my_rewards:near", "kwargs": {"api_key": "${oc.env:JUDGE_API_KEY}"}, "weight": 1.0}]
     assert len(committed.files) > 50
     for path in committed.files:  # pickles, job logs, outputs, manifests
         data = path.read_bytes()
@@ -181,6 +189,8 @@ def test_a_job_refuses_package_versions_other_than_its_run_fingerprinted(base_ov
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
     message, staged = refused_job(build("demo", base_overrides)["prep"], {})
     torch = package_versions()["torch"]
-    assert f"this job runs under other package versions than its run fingerprinted (torch 9.9.9 here, {torch} in the run): install " \
-           "the run's versions in the job's environment (launcher.setup, launcher.container_image)" in message
+    assert (
+        f"this job runs under other package versions than its run fingerprinted (torch 9.9.9 here, {torch} in the run): install "
+        "the run's versions in the job's environment (launcher.setup, launcher.container_image)" in message
+    )
     assert staged == []

@@ -33,8 +33,9 @@ def kind_knowledge(root: Path) -> list[str]:
             continue
         names = kinds - set(DATASETS) if relative.parts[:3] == ("alignflow", "job", "data") else kinds
         tree = ast.parse(path.read_text())
-        tables = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
-                  for target in node.targets if isinstance(target, ast.Name)}
+        tables = {
+            target.id: node.value for node in tree.body if isinstance(node, ast.Assign) for target in node.targets if isinstance(target, ast.Name)
+        }
         for node in ast.walk(tree):
             if isinstance(node, ast.Compare):
                 operands = [node.left, *node.comparators]
@@ -72,9 +73,15 @@ def test_the_scan_finds_kind_knowledge(tmp_path):
         'if kind == "grpo" or kind in ("dpo",) or kind not in PAIRED:\n'
         '    raise ValueError("grpo needs sft first")\n'
         'CHECKS = {"sft": print}\n'
-        'section = cfg["dpo"]\n')
-    assert sorted(kind_knowledge(tmp_path)) == ["tasks/central.py:1: 'dpo'", "tasks/central.py:2: 'dpo'", "tasks/central.py:2: 'grpo'",
-                                                "tasks/central.py:4: 'sft'", "tasks/central.py:5: 'dpo'"]
+        'section = cfg["dpo"]\n'
+    )
+    assert sorted(kind_knowledge(tmp_path)) == [
+        "tasks/central.py:1: 'dpo'",
+        "tasks/central.py:2: 'dpo'",
+        "tasks/central.py:2: 'grpo'",
+        "tasks/central.py:4: 'sft'",
+        "tasks/central.py:5: 'dpo'",
+    ]
 
 
 def test_a_kind_must_say_what_a_default_would_get_wrong():
@@ -110,8 +117,11 @@ def test_evals_table_has_a_row_per_model():
 
     table = STAGES["eval"].table({"sft.accuracy": 0.5, "sft.val_loss": 1.25, "convert.accuracy": 0.125, "dpo_round1.val_loss": 2.0})
     assert (table.name, table.title) == ("models", "every metric of every model")
-    assert table.rows == [{"model": "sft", "accuracy": 0.5, "val_loss": 1.25}, {"model": "convert", "accuracy": 0.125},
-                          {"model": "dpo_round1", "val_loss": 2.0}]
+    assert table.rows == [
+        {"model": "sft", "accuracy": 0.5, "val_loss": 1.25},
+        {"model": "convert", "accuracy": 0.125},
+        {"model": "dpo_round1", "val_loss": 2.0},
+    ]
     assert all(STAGES[kind].table({"train_loss": 1.0}) is None for kind in STAGES if kind != "eval")
 
 

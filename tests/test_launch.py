@@ -12,8 +12,18 @@ import pytest
 from omegaconf import OmegaConf
 
 from alignflow.orchestrator.config.schema import LauncherConfig
-from alignflow.orchestrator.launch import (RENDEZVOUS_PORTS, Gpus, InfrastructureError, StageFailed, cpu_warning, job_record, local_gpus,
-                              make_executor, submit, wait)
+from alignflow.orchestrator.launch import (
+    RENDEZVOUS_PORTS,
+    Gpus,
+    InfrastructureError,
+    StageFailed,
+    cpu_warning,
+    job_record,
+    local_gpus,
+    make_executor,
+    submit,
+    wait,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job imports this file's functions by value
 
@@ -36,8 +46,13 @@ def all_reduce_rank() -> dict:
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
     print(f"hello from rank {rank}", flush=True)
-    return {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "sum": value.item(), "backend": dist.get_backend(),
-            "port": int(os.environ["MASTER_PORT"])}
+    return {
+        "rank": rank,
+        "world": int(os.environ["WORLD_SIZE"]),
+        "sum": value.item(),
+        "backend": dist.get_backend(),
+        "port": int(os.environ["MASTER_PORT"]),
+    }
 
 
 def raise_bad_row() -> None:
@@ -78,11 +93,31 @@ def test_killed_job_is_an_infrastructure_failure(tmp_path):
 def test_slurm_parameters_are_a_table(tmp_path):
     from alignflow.orchestrator.launch import _slurm_parameters
 
-    cfg = OmegaConf.merge(launcher(tmp_path), {"name": "slurm", "partition": "gpu", "account": "a1", "gpus_per_node": 8, "mem_gb": 64,
-                                              "container_image": "nvcr.io/x", "sbatch_extra": {"exclusive": True}})
+    cfg = OmegaConf.merge(
+        launcher(tmp_path),
+        {
+            "name": "slurm",
+            "partition": "gpu",
+            "account": "a1",
+            "gpus_per_node": 8,
+            "mem_gb": 64,
+            "container_image": "nvcr.io/x",
+            "sbatch_extra": {"exclusive": True},
+        },
+    )
     params = _slurm_parameters(cfg, section(tasks=8).resources, 30)
-    assert params == {"partition": "gpu", "account": "a1", "cpus_per_task": 1, "nodes": 1, "ntasks_per_node": 8, "gpus_per_node": 8,
-                      "mem": "64GB", "time": 30, "additional_parameters": {"exclusive": True}, "srun_args": ["--container-image=nvcr.io/x"]}
+    assert params == {
+        "partition": "gpu",
+        "account": "a1",
+        "cpus_per_task": 1,
+        "nodes": 1,
+        "ntasks_per_node": 8,
+        "gpus_per_node": 8,
+        "mem": "64GB",
+        "time": 30,
+        "additional_parameters": {"exclusive": True},
+        "srun_args": ["--container-image=nvcr.io/x"],
+    }
 
 
 def test_only_resumable_stages_are_requeued_and_at_most_max_requeues_times():
@@ -196,8 +231,14 @@ def test_a_job_killed_for_memory_is_reported_as_such(tmp_path):
         pytest.skip("cannot make a memory cgroup here (root and a memory controller are needed; CI has both)")
     try:
         enter = lambda: (group / "cgroup.procs").write_text("0")  # noqa: E731 - this child, before it execs
-        done = subprocess.run([sys.executable, "-c", HOG, str(tmp_path / "jobs")], preexec_fn=enter, capture_output=True, text=True,
-                              timeout=300, cwd=Path(__file__).parents[1])
+        done = subprocess.run(
+            [sys.executable, "-c", HOG, str(tmp_path / "jobs")],
+            preexec_fn=enter,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=Path(__file__).parents[1],
+        )
         outcome = json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         for process in (group / "cgroup.procs").read_text().split():
@@ -233,15 +274,20 @@ def nvidia_smi(tmp_path, monkeypatch, prints: str = NVIDIA_SMI_L, exit_code: int
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-@pytest.mark.parametrize("visible, ids", [
-    ("2,3", ("2", "3")),
-    (" 1, 0 ", ("1", "0")),
-    ("", ()),  # every GPU hidden
-    ("-1", ()),  # CUDA reads up to the first entry that names no device
-    ("1,-1,0", ("1",)),
-    ("GPU-1b0a9ef5-5d51-7e53-3a2e-3c3c1e7a0f10,MIG-5f4e3239-9195-b297-7e62-7070520e4354",
-     ("GPU-1b0a9ef5-5d51-7e53-3a2e-3c3c1e7a0f10", "MIG-5f4e3239-9195-b297-7e62-7070520e4354")),
-])
+@pytest.mark.parametrize(
+    "visible, ids",
+    [
+        ("2,3", ("2", "3")),
+        (" 1, 0 ", ("1", "0")),
+        ("", ()),  # every GPU hidden
+        ("-1", ()),  # CUDA reads up to the first entry that names no device
+        ("1,-1,0", ("1",)),
+        (
+            "GPU-1b0a9ef5-5d51-7e53-3a2e-3c3c1e7a0f10,MIG-5f4e3239-9195-b297-7e62-7070520e4354",
+            ("GPU-1b0a9ef5-5d51-7e53-3a2e-3c3c1e7a0f10", "MIG-5f4e3239-9195-b297-7e62-7070520e4354"),
+        ),
+    ],
+)
 def test_the_gpus_a_user_made_visible_are_those_local_jobs_get(tmp_path, monkeypatch, visible, ids):
     nvidia_smi(tmp_path, monkeypatch)  # it lists 4: CUDA_VISIBLE_DEVICES wins
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
@@ -269,11 +315,14 @@ def rank_devices() -> dict:
     return {"rank": rank, "local_rank": os.environ["LOCAL_RANK"], "visible": os.environ["CUDA_VISIBLE_DEVICES"]}
 
 
-@pytest.mark.parametrize("visible, settings, expected", [
-    (None, {"gpus_per_node": None}, "0,1"),  # nvidia-smi's first two of 4, by default
-    ("GPU-aa11,GPU-bb22,GPU-cc33", {"gpus_per_node": 2}, "GPU-aa11,GPU-bb22"),  # the user's, by UUID
-    (None, {"gpus_per_node": 0}, ""),  # the CPU, as asked
-])
+@pytest.mark.parametrize(
+    "visible, settings, expected",
+    [
+        (None, {"gpus_per_node": None}, "0,1"),  # nvidia-smi's first two of 4, by default
+        ("GPU-aa11,GPU-bb22,GPU-cc33", {"gpus_per_node": 2}, "GPU-aa11,GPU-bb22"),  # the user's, by UUID
+        (None, {"gpus_per_node": 0}, ""),  # the CPU, as asked
+    ],
+)
 def test_each_local_rank_sees_its_jobs_gpus_and_takes_the_one_of_its_local_rank(tmp_path, monkeypatch, visible, settings, expected):
     """A real local job of 2 ranks on a machine with 4 GPUs: submitit's local executor gives every
     job CUDA_VISIBLE_DEVICES="" unless told otherwise; each rank must see its job's 2 GPUs."""
@@ -297,7 +346,8 @@ def test_a_machine_whose_gpus_are_left_idle_is_warned_about(tmp_path, monkeypatc
 def test_a_slurm_job_asks_for_one_gpu_per_rank(tmp_path):
     from alignflow.orchestrator.launch import _slurm_parameters
 
-    params = lambda gpus, tasks: _slurm_parameters(OmegaConf.merge(launcher(tmp_path), {"name": "slurm", "gpus_per_node": gpus}),  # noqa: E731
-                                                   section(tasks=tasks).resources, 30)
+    def params(gpus, tasks):
+        return _slurm_parameters(OmegaConf.merge(launcher(tmp_path), {"name": "slurm", "gpus_per_node": gpus}), section(tasks=tasks).resources, 30)
+
     assert params(8, 2)["gpus_per_node"] == 2 and params(8, 2)["ntasks_per_node"] == 2
     assert "gpus_per_node" not in params(0, 2) and "gpus_per_node" not in params(None, 2)  # the CPU: no GPU asked

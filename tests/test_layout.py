@@ -19,7 +19,9 @@ def imported_after(statement: str, top: bool = True) -> set[str]:
     return {m.split(".")[0] if top else m for m in json.loads(out.stdout.strip().splitlines()[-1])}
 
 
-ORCHESTRATOR = "import flows.align, flows.cli, tasks.stage, alignflow.orchestrator.runner, alignflow.orchestrator.demo, alignflow.orchestrator.config.validate"
+ORCHESTRATOR = (
+    "import flows.align, flows.cli, tasks.stage, alignflow.orchestrator.runner, alignflow.orchestrator.demo, alignflow.orchestrator.config.validate"
+)
 
 
 def test_orchestrator_side_imports_no_worker_stack():
@@ -61,8 +63,13 @@ def test_a_skip_fails_in_ci_and_shows_its_reason_elsewhere(tmp_path):
 
     def pytest_in(env_ci: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "CI": env_ci}
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
-                              capture_output=True, text=True, env=env, cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
 
     ci = pytest_in("true")
     assert ci.returncode == 1 and "skipped in CI (CI=true), which must run it: Skipped: no service here" in ci.stdout
@@ -88,6 +95,8 @@ def test_the_orchestrator_side_takes_only_declarations_from_the_job_side():
     for folder in ("alignflow/orchestrator", "flows", "tasks"):
         for path in (PROJECT_ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names = (
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                )
                 for name in names:
                     assert not name.startswith("alignflow.job") or name in JOB_DECLARATIONS, f"{path} imports {name} from the job side"

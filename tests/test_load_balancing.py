@@ -68,7 +68,11 @@ def hf_inputs(rows: list) -> dict:
     padded = any(len(tokens) < LENGTH for tokens, _, _ in rows)
     if padded:
         assert all(len(cu) == 2 for _, _, cu in rows)  # HF packs documents only without a mask
-        return {"input_ids": ids, "labels": labels, "attention_mask": (torch.arange(LENGTH) < torch.tensor([len(t) for t, _, _ in rows])[:, None]).long()}
+        return {
+            "input_ids": ids,
+            "labels": labels,
+            "attention_mask": (torch.arange(LENGTH) < torch.tensor([len(t) for t, _, _ in rows])[:, None]).long(),
+        }
     return {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}  # a cache turns packing off
 
 
@@ -120,7 +124,9 @@ def test_dpo_adds_hfs_aux_loss_of_the_pairs(one_rank, converted, tmp_path):
     with torch.no_grad():
         terms = objective.loss(objective.forward(model, batch), batch)
         expected = plain.loss(plain.forward(model, batch), batch)
-        sequences = [(tokens[:c], c) for (tokens, _, _), (c, _) in zip(rows, pairs)] + [(tokens[c:], r) for (tokens, _, _), (c, r) in zip(rows, pairs)]
+        sequences = [(tokens[:c], c) for (tokens, _, _), (c, _) in zip(rows, pairs)] + [
+            (tokens[c:], r) for (tokens, _, _), (c, r) in zip(rows, pairs)
+        ]
         ids = torch.zeros(4, max(n for _, n in sequences), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, (tokens, n) in enumerate(sequences):

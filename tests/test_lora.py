@@ -18,34 +18,53 @@ from alignflow.job.convert import lora as targets
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import LAYOUT_TOLERANCE, assert_same_steps, convert_demo, metrics_lines, prep_demo, run_sft, sft_cfg, torchrun, weights  # noqa: E402
 
-LORA = {"finetuning_type": "lora", "lora": {"adapter_dim": 4, "alpha": 8, "adapter_dropout": 0.0,
-                                              "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}}
+LORA = {
+    "finetuning_type": "lora",
+    "lora": {"adapter_dim": 4, "alpha": 8, "adapter_dropout": 0.0, "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]},
+}
 
 
 # ------------------------------------------------------------------ targets, at compose time
 
 
-@pytest.mark.parametrize("patterns,expected", [
-    (["linear_qkv"], {(0, "self_attention.linear_qkv"): ("q_proj", "k_proj", "v_proj"), (1, "self_attention.linear_qkv"): ("q_proj", "k_proj", "v_proj")}),
-    (["*_proj"], {(0, "self_attention.linear_proj"): ("o_proj",), (1, "self_attention.linear_proj"): ("o_proj",)}),  # the Customizer's meaning
-    (["q_proj", "up_proj"], {(layer, path): parts for layer in (0, 1) for path, parts in
-                             (("self_attention.linear_qkv", ("q_proj",)), ("mlp.linear_fc1", ("up_proj",)))}),
-    (["*.layers.0.*.linear_qkv"], {(0, "self_attention.linear_qkv"): ("q_proj", "k_proj", "v_proj")}),
-    (["model.layers.1.mlp.gate_proj"], {(1, "mlp.linear_fc1"): ("gate_proj",)}),
-])
+@pytest.mark.parametrize(
+    "patterns,expected",
+    [
+        (
+            ["linear_qkv"],
+            {(0, "self_attention.linear_qkv"): ("q_proj", "k_proj", "v_proj"), (1, "self_attention.linear_qkv"): ("q_proj", "k_proj", "v_proj")},
+        ),
+        (["*_proj"], {(0, "self_attention.linear_proj"): ("o_proj",), (1, "self_attention.linear_proj"): ("o_proj",)}),  # the Customizer's meaning
+        (
+            ["q_proj", "up_proj"],
+            {
+                (layer, path): parts
+                for layer in (0, 1)
+                for path, parts in (("self_attention.linear_qkv", ("q_proj",)), ("mlp.linear_fc1", ("up_proj",)))
+            },
+        ),
+        (["*.layers.0.*.linear_qkv"], {(0, "self_attention.linear_qkv"): ("q_proj", "k_proj", "v_proj")}),
+        (["model.layers.1.mlp.gate_proj"], {(1, "mlp.linear_fc1"): ("gate_proj",)}),
+    ],
+)
 def test_target_modules_select_hf_projections(patterns, expected):
     assert targets.select(patterns, num_layers=2) == expected
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["sft.lora.target_modules=[linear_qkv,linear_qvk]"], r"sft\.lora\.target_modules\[1\]: 'linear_qvk' matches no adaptable module"),
-    (["sft.lora.target_modules=[*.layers.7.*.linear_qkv]"], r"sft\.lora\.target_modules\[0\]: '\*\.layers\.7\.\*\.linear_qkv' matches no"),
-    (["sft.lora.target_modules=[]"], r"sft\.lora\.target_modules: empty"),
-    (["sft.lora.adapter_dim=0"], r"sft\.lora\.adapter_dim: must be >= 1"),
-    (["sft.recompute_granularity=full"], r"sft\.recompute_granularity: full recompute with LoRA is not supported"),
-    (["sft.lora.target_modules=[*.layers.0.*]", "sft.parallel.pipeline_model_parallel_size=2", "sft.resources.tasks_per_node=2"],
-     r"sft\.lora\.target_modules: selects no module on pipeline stage 1"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["sft.lora.target_modules=[linear_qkv,linear_qvk]"], r"sft\.lora\.target_modules\[1\]: 'linear_qvk' matches no adaptable module"),
+        (["sft.lora.target_modules=[*.layers.7.*.linear_qkv]"], r"sft\.lora\.target_modules\[0\]: '\*\.layers\.7\.\*\.linear_qkv' matches no"),
+        (["sft.lora.target_modules=[]"], r"sft\.lora\.target_modules: empty"),
+        (["sft.lora.adapter_dim=0"], r"sft\.lora\.adapter_dim: must be >= 1"),
+        (["sft.recompute_granularity=full"], r"sft\.recompute_granularity: full recompute with LoRA is not supported"),
+        (
+            ["sft.lora.target_modules=[*.layers.0.*]", "sft.parallel.pipeline_model_parallel_size=2", "sft.resources.tasks_per_node=2"],
+            r"sft\.lora\.target_modules: selects no module on pipeline stage 1",
+        ),
+    ],
+)
 def test_bad_lora_settings_fail_at_compose_naming_the_key(base_overrides, overrides, message):
     with pytest.raises(ConfigError, match=message):
         compose("sft_dpo", [*base_overrides, "sft.finetuning_type=lora", *overrides])
@@ -74,8 +93,10 @@ def lora_cfg(demo_dir, finetuning_type="lora", **section) -> dict:
 def trained(demo_dir, inputs, tmp_path_factory):
     """The same 4 LoRA steps output as an adapter and as merged weights, and a full run's metrics."""
     root = tmp_path_factory.mktemp("lora-runs")
-    metrics = {name: run_sft(lora_cfg(demo_dir, kind, trainer={"max_steps": 4}), inputs, root / name)
-               for name, kind in (("lora", "lora"), ("merged", "lora_merged"))}
+    metrics = {
+        name: run_sft(lora_cfg(demo_dir, kind, trainer={"max_steps": 4}), inputs, root / name)
+        for name, kind in (("lora", "lora"), ("merged", "lora_merged"))
+    }
     metrics["full"] = run_sft(sft_cfg(demo_dir, trainer={"max_steps": 4}), inputs, root / "full")
     return root, metrics
 
@@ -87,8 +108,13 @@ def test_lora_output_is_the_base_by_reference_and_the_adapter(inputs, trained):
     spec = json.loads((out / "lora.json").read_text())
     assert spec["base"] == inputs["model"] and spec["adapter_dim"] == 4 and spec["alpha"] == 8
     adapter = weights(out / "adapter")
-    assert set(adapter) == {targets.adapter_key(layer, m.path, matrix, part) for layer in (0, 1) for m in targets.MODULES
-                            for part in m.parts for matrix in ("lora_A", "lora_B")}
+    assert set(adapter) == {
+        targets.adapter_key(layer, m.path, matrix, part)
+        for layer in (0, 1)
+        for m in targets.MODULES
+        for part in m.parts
+        for matrix in ("lora_A", "lora_B")
+    }
     assert any(t.abs().max() > 0 for k, t in adapter.items() if "lora_B" in k)  # B starts at zero and trained
     assert set(weights(root / "lora" / "checkpoints" / "step-00000004" / "model")) == set(adapter)  # checkpoints: adapters only
     merged, base = weights(root / "merged" / "model"), weights(Path(inputs["model"]) / "model")
@@ -104,8 +130,10 @@ def test_lora_optimizer_state_is_a_small_fraction_of_a_full_run(trained):
     lora, full = metrics["lora"], metrics["full"]
     # 2 layers x r 4 x (in + out) of q (64 -> 64), k and v (64 -> 32), o (64 -> 64), gate and up (64 -> 176), down (176 -> 64)
     expected = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 176) + (176 + 64))
-    print(f"trainable {lora['trainable_params']} of {full['trainable_params']}; optimizer state "
-          f"{lora['optimizer_state_bytes']} of {full['optimizer_state_bytes']} bytes")
+    print(
+        f"trainable {lora['trainable_params']} of {full['trainable_params']}; optimizer state "
+        f"{lora['optimizer_state_bytes']} of {full['optimizer_state_bytes']} bytes"
+    )
     assert lora["trainable_params"] == expected
     assert lora["optimizer_state_bytes"] == 2 * 4 * expected  # Adam's two fp32 moments
     assert lora["optimizer_state_bytes"] < 0.1 * full["optimizer_state_bytes"]
@@ -163,8 +191,10 @@ def test_peft_adapter_gives_our_logits_and_the_merged_exports(demo_dir, inputs, 
     base = _hf_logits(exports["lora"], ids)
     merged = _hf_logits(exports["merged"], ids)
     ours = _our_logits(root / "lora", inputs["model"], ids, peft.shape[-1])
-    print(f"max |peft - ours| {(peft - ours).abs().max():.2e}, |peft - merged| {(peft - merged).abs().max():.2e}, "
-          f"|peft - base| {(peft - base).abs().max():.2e}")
+    print(
+        f"max |peft - ours| {(peft - ours).abs().max():.2e}, |peft - merged| {(peft - merged).abs().max():.2e}, "
+        f"|peft - base| {(peft - base).abs().max():.2e}"
+    )
     assert (peft - base).abs().max() > 1e-2  # the adapter matters, so the comparisons below can fail
     torch.testing.assert_close(peft, ours, atol=1e-5, rtol=0)
     torch.testing.assert_close(peft, merged, atol=1e-5, rtol=0)
@@ -172,8 +202,10 @@ def test_peft_adapter_gives_our_logits_and_the_merged_exports(demo_dir, inputs, 
 
 def test_resumed_lora_run_ends_on_the_uninterrupted_adapters(demo_dir, inputs, tmp_path):
     """Checkpoints hold the adapters and their optimizer state; the frozen base comes back from the input model."""
-    cfg = lambda steps: lora_cfg(demo_dir, trainer={"max_steps": steps}, checkpoint={"every_n_steps": 2},  # noqa: E731
-                                 optim={"schedule": "constant", "warmup_steps": 0})
+
+    def cfg(steps):
+        return lora_cfg(demo_dir, trainer={"max_steps": steps}, checkpoint={"every_n_steps": 2}, optim={"schedule": "constant", "warmup_steps": 0})
+
     run_sft(cfg(4), inputs, tmp_path / "straight")
     run_sft(cfg(2), inputs, tmp_path / "resumed")
     run_sft(cfg(4), inputs, tmp_path / "resumed")  # resumes from step 2
@@ -190,8 +222,12 @@ def test_two_ranks_match_one_rank(demo_dir, inputs, tmp_path, tp, pp):
     reference = tmp_path / "tp1"
     run_sft(lora_cfg(demo_dir, trainer={"val_check_interval": 5}), inputs, reference)
     parallel = tmp_path / f"tp{tp}pp{pp}"
-    cfg = lora_cfg(demo_dir, trainer={"val_check_interval": 5}, resources={"tasks_per_node": tp * pp},
-                   parallel={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp})
+    cfg = lora_cfg(
+        demo_dir,
+        trainer={"val_check_interval": 5},
+        resources={"tasks_per_node": tp * pp},
+        parallel={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+    )
     torchrun(tp * pp, cfg, inputs, parallel)
     assert_same_steps(reference, parallel, LAYOUT_TOLERANCE["fp32"])
     ref_adapter, got_adapter = weights(reference / "adapter"), weights(parallel / "adapter")
@@ -212,8 +248,14 @@ def test_grpo_lora_refers_to_its_own_frozen_base(demo_dir, trained, inputs, tmp_
 
     root, _ = trained
     model = str(root / "lora")
-    cfg = grpo_cfg(demo_dir, **LORA, environment=[{"name": "test_lora:completion_length"}], optim={"lr": 2e-2, "warmup_steps": 0},
-                   generation_temperature=1.0, max_new_tokens=6)
+    cfg = grpo_cfg(
+        demo_dir,
+        **LORA,
+        environment=[{"name": "test_lora:completion_length"}],
+        optim={"lr": 2e-2, "warmup_steps": 0},
+        generation_temperature=1.0,
+        max_new_tokens=6,
+    )
     result = run_grpo(cfg, {"data": inputs["data"], "model": model, "ref_model": model}, tmp_path / "grpo")
     lines = metrics_lines(tmp_path / "grpo")
     assert result["steps"] == 3 and lines[0]["kl"] == 0.0 and lines[-1]["kl"] > 0

@@ -33,8 +33,17 @@ def trl_batch(demo_dir, tmp_path_factory):
     rows = [dict(row, chosen=row["chosen"] + " is the answer" * (i % 3)) for i, row in enumerate(rows)]  # unequal lengths
 
     def trainer(loss_type: list[str], beta: float, **args) -> DPOTrainer:
-        args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), beta=beta, loss_type=loss_type, use_cpu=True, report_to=[],
-                         per_device_train_batch_size=8, bf16=False, precompute_ref_log_probs=False, **args)
+        args = DPOConfig(
+            output_dir=str(tmp_path_factory.mktemp("trl")),
+            beta=beta,
+            loss_type=loss_type,
+            use_cpu=True,
+            report_to=[],
+            per_device_train_batch_size=8,
+            bf16=False,
+            precompute_ref_log_probs=False,
+            **args,
+        )
         return DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
 
     batch = next(iter(trainer(["sigmoid"], 0.1).get_train_dataloader()))
@@ -44,6 +53,7 @@ def trl_batch(demo_dir, tmp_path_factory):
 def pair_logps(policy, reference, batch) -> PairLogps:
     """Our loss's input from HF's forward: each completion's summed log-probs (the policy's in the
     autograd graph), chosen rows first, then rejected, as TRL's collator stacks them."""
+
     def sums(model):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         per_token = logits.log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
@@ -77,8 +87,23 @@ def assert_same_loss_and_gradient(trl_batch, ours_cfg: DPOLossConfig, trl_loss_t
 
 
 SMOOTHING = {"robust": 0.2, "exo_pair": 1e-3, "aot": 0.1, "aot_unpaired": 0.1}
-TRL_TYPES = ["sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-             "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft"]
+TRL_TYPES = [
+    "sigmoid",
+    "sigmoid_norm",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+]
 
 
 @pytest.mark.parametrize("loss_type", TRL_TYPES)
@@ -110,8 +135,9 @@ def test_cdpo_equals_trls_aot_on_one_pair(trl_batch, pair):
     """Conservative DPO: TRL 1.16 dropped it from `sigmoid`; its `aot` computes the same smoothed
     sigmoid after sorting the batch's margins, the identity on a batch of one pair."""
     rows = torch.tensor([pair, pair + 8])
-    assert_same_loss_and_gradient(trl_batch, DPOLossConfig(loss_type=["cdpo"], beta=0.3, label_smoothing=0.2), ["aot"], 0.3,
-                                  rows=rows, label_smoothing=0.2)
+    assert_same_loss_and_gradient(
+        trl_batch, DPOLossConfig(loss_type=["cdpo"], beta=0.3, label_smoothing=0.2), ["aot"], 0.3, rows=rows, label_smoothing=0.2
+    )
 
 
 def test_trls_sigmoid_ignores_label_smoothing(trl_batch):
@@ -127,8 +153,14 @@ def _trl_self(beta: float, **args) -> SimpleNamespace:
     return SimpleNamespace(**{"beta": beta, "label_smoothing": 0.0, "alpha": 0.0, "accelerator": SimpleNamespace(device=torch.device("cpu")), **args})
 
 
-@pytest.mark.parametrize("loss_type, trl_type, args", [("cpo", "sigmoid", {"label_smoothing": 0.1}), ("simpo", "simpo", {"simpo_gamma": 0.7}),
-                                                       ("simpo", "simpo", {"simpo_gamma": 0.5, "label_smoothing": 0.1})])
+@pytest.mark.parametrize(
+    "loss_type, trl_type, args",
+    [
+        ("cpo", "sigmoid", {"label_smoothing": 0.1}),
+        ("simpo", "simpo", {"simpo_gamma": 0.7}),
+        ("simpo", "simpo", {"simpo_gamma": 0.5, "label_smoothing": 0.1}),
+    ],
+)
 def test_reference_free_losses_equal_trls_cpo_loss(trl_batch, loss_type, trl_type, args):
     """CPO (sigmoid on summed log-probs) and SimPO (means, margin gamma) against CPOTrainer.cpo_loss on the same tensors."""
     from trl.experimental.cpo.cpo_trainer import CPOTrainer

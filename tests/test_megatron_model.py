@@ -25,8 +25,21 @@ from alignflow.job.train.data import packed_rows
 RANKS_SCRIPT = Path(__file__).with_name("megatron_ranks.py")
 # every family trait over TP and PP (OLMo 2's whole-projection q/k norms all-reduced over TP, Phi-4-mini's partial rotary, longrope,
 # and the two together: longrope's attention factor on the rotated dims only)
-TWO_RANK_CASES = ["llama", "qwen2", "qwen3_tied_bias", "llama_biases", "mistral_window", "llama3_rope_other", "gemma2", "gemma3",
-                  "olmo2_tied_bias", "phi4_partial_tied", "phi3_longrope", "phi4_mini_longrope", "qwen3_moe"]
+TWO_RANK_CASES = [
+    "llama",
+    "qwen2",
+    "qwen3_tied_bias",
+    "llama_biases",
+    "mistral_window",
+    "llama3_rope_other",
+    "gemma2",
+    "gemma3",
+    "olmo2_tied_bias",
+    "phi4_partial_tied",
+    "phi3_longrope",
+    "phi4_mini_longrope",
+    "qwen3_moe",
+]
 EP_CASES = ["mixtral", "qwen3_moe_unnormed"]  # the two routers, experts split over EP
 
 
@@ -187,7 +200,10 @@ def test_longrope_past_its_original_positions_is_refused(one_rank, case, tmp_pat
 
     hf_model, config = tiny_hf_model(case)
     model = converted_chunks(config, one_rank, saved_state(hf_model, tmp_path))[0]
-    with torch.no_grad(), pytest.raises(ValueError, match="a sequence of 33 positions passes the longrope model's original_max_position_embeddings=32"):
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match="a sequence of 33 positions passes the longrope model's original_max_position_embeddings=32"),
+    ):
         model(tokens(batch=1, seq=33), None, None)
     with pytest.raises(ValueError, match="original_max_position_embeddings=32"):
         generate(model, [list(range(1, 30))], Sampling(max_new_tokens=8, eos_id=-1, vocab_size=100), batch_size=1)
@@ -211,7 +227,11 @@ def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
         env.pop(key, None)  # torchrun sets them per rank
     run = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, *generate, *cases],
-        capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PROJECT_ROOT,
+        env=env,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     n = len(cases)
@@ -229,7 +249,7 @@ def test_gemma_norm_and_embedding_scale_round_as_hfs_in_bf16():
 
     hidden, generator = 3072, torch.Generator().manual_seed(0)
     hf_norm = Gemma2RMSNorm(hidden, eps=1e-6)
-    hf_embedding = Gemma2TextScaledWordEmbedding(10, hidden, 0, embed_scale=hidden ** 0.5)
+    hf_embedding = Gemma2TextScaledWordEmbedding(10, hidden, 0, embed_scale=hidden**0.5)
     ours = GemmaRMSNorm(SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False), hidden, eps=1e-6)
     with torch.no_grad():
         for weight in (hf_norm.weight, hf_embedding.weight):
@@ -251,7 +271,13 @@ def test_four_ranks_ep_times_tp_and_pp_logits_match_hf(layout):
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4", str(RANKS_SCRIPT), *layout, "mixtral"],
-                         capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT, env=env)
+    run = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "4", str(RANKS_SCRIPT), *layout, "mixtral"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PROJECT_ROOT,
+        env=env,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("max |logits - HF|") == (2 if "--pp" in layout else 4)  # each last-stage rank

@@ -23,8 +23,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import RANKS, convert_demo, job_env, sft_cfg  # noqa: E402
 
 PRESETS = sorted(p.stem for p in (PROJECT_ROOT / "conf" / "model").glob("*.yaml") if not p.stem.startswith("tiny_"))  # real sizes
-SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 MOE = {
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24)),
@@ -92,8 +100,10 @@ def test_a_layer_keeps_what_the_estimate_counts(one_rank, dtype):
     forward keeps one MLP copy fewer than Megatron's layer, which the estimate counts)."""
     config = {**SMALL, "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160, "vocab_size": 100}
     rows, seq = 2, 128
-    per_layer = (saved_activation_bytes({**config, "num_hidden_layers": 4}, dtype, rows, seq)
-                 - saved_activation_bytes({**config, "num_hidden_layers": 2}, dtype, rows, seq)) / 2
+    per_layer = (
+        saved_activation_bytes({**config, "num_hidden_layers": 4}, dtype, rows, seq)
+        - saved_activation_bytes({**config, "num_hidden_layers": 2}, dtype, rows, seq)
+    ) / 2
     estimated = layer_activation_bytes(Dimensions.of(config), Layout(world=1, bf16=dtype == torch.bfloat16, micro_batch=rows, seq_length=seq))
     assert per_layer == pytest.approx(estimated, rel=0.12)
 
@@ -116,9 +126,16 @@ def test_every_preset_plans_its_memory_and_fits_its_gpus(preset, base_overrides,
 
 def test_presets_cover_the_families_of_the_issue():
     sources = {preset: compose(None, [f"model={preset}"], check_paths=False).model.source for preset in PRESETS}
-    assert set(sources.values()) >= {"meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", "Qwen/Qwen3-8B", "Qwen/Qwen3-32B",
-                                     "Qwen/Qwen3-30B-A3B", "google/gemma-3-12b-pt", "google/gemma-3-27b-pt",
-                                     "mistralai/Mixtral-8x7B-v0.1"}
+    assert set(sources.values()) >= {
+        "meta-llama/Llama-3.1-8B",
+        "meta-llama/Llama-3.1-70B",
+        "Qwen/Qwen3-8B",
+        "Qwen/Qwen3-32B",
+        "Qwen/Qwen3-30B-A3B",
+        "google/gemma-3-12b-pt",
+        "google/gemma-3-27b-pt",
+        "mistralai/Mixtral-8x7B-v0.1",
+    }
 
 
 def test_a_layout_that_cannot_fit_is_refused_with_its_numbers(base_overrides, capsys):
@@ -133,12 +150,16 @@ def test_a_layout_that_cannot_fit_is_refused_with_its_numbers(base_overrides, ca
     assert "tensor 1 x pipeline 1 x expert 1 x data 8, micro_batch_size 1 x 4096 tokens, bf16, recompute none" in message
     assert "dpo:" not in message  # dpo keeps the preset's TP2
     # the same layout with full recompute fits
-    compose("sft_dpo", [*base_overrides, "model=llama3_1_8b", "sft.parallel.tensor_model_parallel_size=1", "sft.recompute_granularity=full"],
-            check_paths=False)
+    compose(
+        "sft_dpo",
+        [*base_overrides, "model=llama3_1_8b", "sft.parallel.tensor_model_parallel_size=1", "sft.recompute_granularity=full"],
+        check_paths=False,
+    )
 
 
 def test_the_estimate_shrinks_as_the_layout_says(base_overrides):
     """Directions a reader can check without the formula: TP, PP, the distributed optimizer and recompute each lower it."""
+
     def total(*overrides):
         return plan_memory([*base_overrides, "model=qwen3_8b", "launcher.gpu_memory_gib=null", *overrides])["sft"].footprint
 
@@ -152,6 +173,7 @@ def test_the_estimate_shrinks_as_the_layout_says(base_overrides):
 
 def test_grpo_counts_its_frozen_reward_model_as_one_more_model(base_overrides):
     """A reward_model input adds one frozen model's weights, as the reference does (against GRPO without a KL term)."""
+
     def weights(pipeline: str, *overrides: str) -> float:
         return plan_memory([*base_overrides, "model=qwen3_8b", "launcher.gpu_memory_gib=null", *overrides], pipeline)["grpo"].footprint.weights
 
@@ -165,10 +187,18 @@ SEQ = 512
 # name -> (HF overrides of the demo's tiny Llama, micro batch): one mostly weights and optimizer
 # state (22M parameters, 2 x 512 tokens), one mostly activations (6M parameters, 8 x 512 tokens).
 SHAPES = {
-    "weights": (dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
-                     head_dim=64, vocab_size=16000), 2),
-    "activations": (dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, vocab_size=4096), 8),
+    "weights": (
+        dict(
+            hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=64, vocab_size=16000
+        ),
+        2,
+    ),
+    "activations": (
+        dict(
+            hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096
+        ),
+        8,
+    ),
 }
 
 
@@ -177,27 +207,60 @@ def prep(demo_dir: Path, out: Path) -> Path:
     from alignflow.job.worker import typed
 
     data = demo_dir / "data"
-    spec = {"train": str(data / "sft_train.jsonl"), "val": str(data / "sft_val.jsonl"), "val_fraction": 0.0, "format": "auto",
-            "dev_choose_samples": None, "answer_key": "answer"}
-    prep_stage.run(typed({"prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-                          "data": {"sft": spec, "preference": None, "prompts": None, "seq_length": SEQ, "max_prompt_length": 32,
-                                   "truncation": "keep_start", "packing": True, "seed": 0},
-                          "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None}}), {}, str(out))
+    spec = {
+        "train": str(data / "sft_train.jsonl"),
+        "val": str(data / "sft_val.jsonl"),
+        "val_fraction": 0.0,
+        "format": "auto",
+        "dev_choose_samples": None,
+        "answer_key": "answer",
+    }
+    prep_stage.run(
+        typed(
+            {
+                "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+                "data": {
+                    "sft": spec,
+                    "preference": None,
+                    "prompts": None,
+                    "seq_length": SEQ,
+                    "max_prompt_length": 32,
+                    "truncation": "keep_start",
+                    "packing": True,
+                    "seed": 0,
+                },
+                "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
+            }
+        ),
+        {},
+        str(out),
+    )
     return out
 
 
 def measured_peak(demo_dir: Path, data: Path, model: Path, micro: int, out: Path) -> float:
     """Peak RSS of an SFT job of 2 steps (one micro batch each) in a process of its own, bytes."""
-    cfg = sft_cfg(demo_dir, micro_batch_size=micro, global_batch_size=micro, precision="fp32",
-                  trainer={"max_steps": 2, "val_check_interval": 100, "limit_val_batches": 1})
+    cfg = sft_cfg(
+        demo_dir,
+        micro_batch_size=micro,
+        global_batch_size=micro,
+        precision="fp32",
+        trainer={"max_steps": 2, "val_check_interval": 100, "limit_val_batches": 1},
+    )
     out.mkdir(parents=True)
     (cfg_file := out.with_suffix(".json")).write_text(json.dumps(cfg))
     # glibc's dynamic mmap threshold keeps the pages of freed activations on the heap (here ~100 MiB,
     # +-30 MiB run to run); a fixed one gives every large tensor its own mapping, returned when it is
     # freed, so the peak RSS is the tensors' (as torch.cuda.max_memory_allocated on a GPU).
     env = job_env() | {"MALLOC_MMAP_THRESHOLD_": "65536"}
-    run = subprocess.run([sys.executable, str(RANKS), str(cfg_file), str(data), str(model), str(out)], capture_output=True, text=True,
-                         timeout=600, cwd=RANKS.parents[1], env=env)
+    run = subprocess.run(
+        [sys.executable, str(RANKS), str(cfg_file), str(data), str(model), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=RANKS.parents[1],
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = json.loads((out / "result.json").read_text())
     assert metrics["peak_memory_of"] == "peak RSS"
@@ -217,9 +280,18 @@ def test_the_estimate_is_within_15_percent_of_the_measured_peak(demo_dir, base_o
         model = convert_demo(demo_dir, tmp_path / name, **hf) if hf else convert_demo(demo_dir, tmp_path / name)
         peaks[name] = measured_peak(demo_dir, data, model, micro, tmp_path / f"{name}-sft")
         source = tmp_path / f"{name}-hf" if hf else demo_dir / "tiny-llama"
-        estimates[name] = plan_memory([*base_overrides, f"model.source={source}", f"model.tokenizer={demo_dir}/tokenizer", f"data.seq_length={SEQ}",
-                                       f"sft.micro_batch_size={micro}", f"sft.global_batch_size={micro}", "sft.precision=fp32"],
-                                      check_paths=True)["sft"].footprint.total
+        estimates[name] = plan_memory(
+            [
+                *base_overrides,
+                f"model.source={source}",
+                f"model.tokenizer={demo_dir}/tokenizer",
+                f"data.seq_length={SEQ}",
+                f"sft.micro_batch_size={micro}",
+                f"sft.global_batch_size={micro}",
+                "sft.precision=fp32",
+            ],
+            check_paths=True,
+        )["sft"].footprint.total
     for name in SHAPES:
         measured, estimated = peaks[name] - peaks["tiny"], estimates[name] - estimates["tiny"]
         print(f"{name}: measured {measured / 2**20:.0f} MiB, estimated {estimated / 2**20:.0f} MiB")

@@ -36,8 +36,9 @@ def two_nodes(slurm_cluster):
 
 
 def launcher(tmp_path, name="slurm"):
-    return OmegaConf.merge(OmegaConf.structured(LauncherConfig),
-                           {"name": name, "partition": "debug", "folder": str(tmp_path / "jobs"), "time_min": 30})
+    return OmegaConf.merge(
+        OmegaConf.structured(LauncherConfig), {"name": name, "partition": "debug", "folder": str(tmp_path / "jobs"), "time_min": 30}
+    )
 
 
 def section(nodes: int, tasks: int):
@@ -56,8 +57,14 @@ def where_am_i() -> dict:
     rank = _setup_rank()
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
-    return {"rank": rank, "host": socket.gethostname(), "sum": value.item(), "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
-            "gloo": os.environ.get("GLOO_SOCKET_IFNAME"), "nodelist": os.environ["SLURM_JOB_NODELIST"]}
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "sum": value.item(),
+        "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
+        "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "nodelist": os.environ["SLURM_JOB_NODELIST"],
+    }
 
 
 def test_ranks_on_two_nodes_meet_at_the_first_node_over_the_nodes_network(tmp_path, two_nodes):
@@ -80,8 +87,16 @@ def inputs(demo_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("nodes-inputs")
     data, model = str(prep_demo(demo_dir, root / "data", preference=True)), str(convert_demo(demo_dir, root / "model"))
-    ref_logprobs.run(typed({"ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK, "precision": "fp32"},
-                            "model": {"make_vocab_size_divisible_by": 128}}), {"data": data, "model": model}, str(root / "ref"))
+    ref_logprobs.run(
+        typed(
+            {
+                "ref_logprobs": {"micro_batch_size": 8, "parallel": eval_stage.SINGLE_RANK, "precision": "fp32"},
+                "model": {"make_vocab_size_divisible_by": 128},
+            }
+        ),
+        {"data": data, "model": model},
+        str(root / "ref"),
+    )
     return {"data": data, "model": model, "ref_logprobs": str(root / "ref")}
 
 
@@ -93,8 +108,9 @@ def one_and_two_nodes(tmp_path, kind: str, cfg: dict, inputs: dict) -> tuple[Pat
     for where, nodes, tasks in (("local", 1, 2), ("slurm", 2, 1)):
         stage_cfg_ = {**cfg, kind: {**cfg[kind], "resources": {"nodes": nodes, "tasks_per_node": tasks}}}
         out = tmp_path / where
-        jobs[out] = submit(launcher(tmp_path, where), section(nodes, tasks), kind, run_stage_job, kind, stage_cfg_, inputs, str(out), {},
-                           shared=(str(tmp_path),))
+        jobs[out] = submit(
+            launcher(tmp_path, where), section(nodes, tasks), kind, run_stage_job, kind, stage_cfg_, inputs, str(out), {}, shared=(str(tmp_path),)
+        )
     lines = []
     for job in jobs.values():
         wait(job, lines.append)
@@ -120,12 +136,21 @@ def test_a_store_a_node_cannot_see_is_refused_at_job_start_and_nothing_is_commit
     tmpfs at that place): the job fails before any rank starts, naming the path and the node,
     and the stage's output is not committed (a rerun is no cache hit)."""
     store = NODE_LOCAL / f"test-{uuid.uuid4().hex[:8]}" / "store"
-    overrides = [*base_overrides, f"store.root={store}", "pipeline.stages={convert: {}}", "launcher=slurm", "launcher.partition=debug",
-                 f"convert.resources.nodes={nodes}"]
+    overrides = [
+        *base_overrides,
+        f"store.root={store}",
+        "pipeline.stages={convert: {}}",
+        "launcher=slurm",
+        "launcher.partition=debug",
+        f"convert.resources.nodes={nodes}",
+    ]
     try:
         convert = Pipeline.build(compose("demo", overrides))["convert"]
-        with pytest.raises(StageFailed, match=rf"job \d+: {store}/convert/\S+ is not visible from node (afnode1|afnode2): it must be on a "
-                                              "filesystem every node mounts"):
+        with pytest.raises(
+            StageFailed,
+            match=rf"job \d+: {store}/convert/\S+ is not visible from node (afnode1|afnode2): it must be on a "
+            "filesystem every node mounts",
+        ):
             run_stage(convert, {}, log=print)
         assert not list(store.rglob("_SUCCESS.json"))
         assert not list(store.rglob("*.safetensors")) and not list(store.rglob("*.distcp"))
@@ -166,8 +191,9 @@ def test_a_rank_killed_on_its_node_fails_the_job_for_a_retry_that_resumes_from_t
 
     from alignflow.orchestrator.launch import InfrastructureError
 
-    cfg = sft_cfg(demo_dir, resources={"nodes": 2, "tasks_per_node": 1}, trainer={"max_steps": 6, "val_check_interval": 3},
-                  checkpoint={"every_n_steps": 3})
+    cfg = sft_cfg(
+        demo_dir, resources={"nodes": 2, "tasks_per_node": 1}, trainer={"max_steps": 6, "val_check_interval": 3}, checkpoint={"every_n_steps": 3}
+    )
     out, pid_file, lines = tmp_path / "out", tmp_path / "rank1.pid", []
     args = (str(pid_file), "sft", cfg, inputs, str(out), {})
     job = submit(launcher(tmp_path), section(2, 1), "sft", pausing_rank_1_after_a_checkpoint, *args, resumable=True)

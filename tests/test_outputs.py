@@ -24,14 +24,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import weights  # noqa: E402
 
 pytestmark = pytest.mark.slow
-FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1",
-        "sft.checkpoint.every_n_steps=1", "dpo.trainer.max_steps=2", "dpo.optim.warmup_steps=1", "dpo.trainer.val_check_interval=1",
-        "dpo.trainer.limit_val_batches=1", "dpo.checkpoint.every_n_steps=1", "dpo.checkpoint.keep_optimizer=true",
-        "eval.num_generation_samples=4", "eval.limit_batches=1", "data.preference.dev_choose_samples=64",
-        # more consumers of the committed sft: a LoRA run on it (whose export merges its adapter into it) and a distillation teacher
-        "pipeline.stages.lora={kind: sft, inputs: {data: prep, model: sft}, finetuning_type: lora, trainer: {max_steps: 1}}",
-        "pipeline.stages.export_lora={kind: export, inputs: {model: lora}}",
-        "pipeline.stages.teacher={kind: teacher_logprobs, inputs: {data: prep, teacher: sft}}"]
+FAST = [
+    "sft.trainer.max_steps=2",
+    "sft.optim.warmup_steps=1",
+    "sft.trainer.val_check_interval=1",
+    "sft.trainer.limit_val_batches=1",
+    "sft.checkpoint.every_n_steps=1",
+    "dpo.trainer.max_steps=2",
+    "dpo.optim.warmup_steps=1",
+    "dpo.trainer.val_check_interval=1",
+    "dpo.trainer.limit_val_batches=1",
+    "dpo.checkpoint.every_n_steps=1",
+    "dpo.checkpoint.keep_optimizer=true",
+    "eval.num_generation_samples=4",
+    "eval.limit_batches=1",
+    "data.preference.dev_choose_samples=64",
+    # more consumers of the committed sft: a LoRA run on it (whose export merges its adapter into it) and a distillation teacher
+    "pipeline.stages.lora={kind: sft, inputs: {data: prep, model: sft}, finetuning_type: lora, trainer: {max_steps: 1}}",
+    "pipeline.stages.export_lora={kind: export, inputs: {model: lora}}",
+    "pipeline.stages.teacher={kind: teacher_logprobs, inputs: {data: prep, teacher: sft}}",
+]
 
 
 def files(root: Path) -> dict[str, int]:

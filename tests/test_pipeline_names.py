@@ -34,16 +34,22 @@ def test_align_run_refuses_an_instance_name_prefect_cannot_key(base_overrides, t
     assert "got 'Export2'" in out and nothing_written(tmp_path)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("pipeline.stages.export-2={kind: export, inputs: {model: sft}}", "pipeline.stages.export-2: an instance name must be"),
-    ("pipeline.stages._x={kind: export, inputs: {model: sft}}", "pipeline.stages._x: an instance name must be"),
-    (f"pipeline.stages.{'e' * 65}={{kind: export, inputs: {{model: sft}}}}", f"pipeline.stages.{'e' * 65}: an instance name must be"),
-    ("pipeline.name=demo/nightly", "pipeline.name: a pipeline name must be lowercase letters, digits and _, starting with a "
-                                   "letter, at most 64 characters (it names store folders, jobs and Prefect artifact keys), got "
-                                   "'demo/nightly'"),
-    ("pipeline.name='My Demo'", "pipeline.name: a pipeline name must be"),
-    ("force=[../sft]", "force: '../sft' is not a stage of pipeline 'demo'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("pipeline.stages.export-2={kind: export, inputs: {model: sft}}", "pipeline.stages.export-2: an instance name must be"),
+        ("pipeline.stages._x={kind: export, inputs: {model: sft}}", "pipeline.stages._x: an instance name must be"),
+        (f"pipeline.stages.{'e' * 65}={{kind: export, inputs: {{model: sft}}}}", f"pipeline.stages.{'e' * 65}: an instance name must be"),
+        (
+            "pipeline.name=demo/nightly",
+            "pipeline.name: a pipeline name must be lowercase letters, digits and _, starting with a "
+            "letter, at most 64 characters (it names store folders, jobs and Prefect artifact keys), got "
+            "'demo/nightly'",
+        ),
+        ("pipeline.name='My Demo'", "pipeline.name: a pipeline name must be"),
+        ("force=[../sft]", "force: '../sft' is not a stage of pipeline 'demo'"),
+    ],
+)
 def test_names_outside_the_charset_are_refused_by_key(base_overrides, tmp_path, override, message):
     assert message in refused(base_overrides, override) and nothing_written(tmp_path)
 
@@ -53,14 +59,17 @@ def test_a_pipeline_file_name_outside_the_charset_is_refused(base_overrides, tmp
     assert nothing_written(tmp_path)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("launcher.partition=${oc.env:AF_TEST_VALUE}", "launcher.partition"),  # would reach an sbatch line
-    ("store.root=${oc.env:AF_TEST_VALUE}", "store.root"),  # a path
-    ("launcher.setup=['module load cuda', '${oc.env:AF_TEST_VALUE}']", "launcher.setup[1]"),  # one entry, one shell line
-    ("force=[sft, '${oc.env:AF_TEST_VALUE}']", "force[1]"),
-    ("logging.wandb.project=${oc.env:AF_TEST_VALUE}", "logging.wandb.project"),
-    ("pipeline.stages.prep_b={kind: prep, data: {sft: {train: '${oc.env:AF_TEST_VALUE}'}}}", "pipeline.stages.prep_b.data.sft.train"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("launcher.partition=${oc.env:AF_TEST_VALUE}", "launcher.partition"),  # would reach an sbatch line
+        ("store.root=${oc.env:AF_TEST_VALUE}", "store.root"),  # a path
+        ("launcher.setup=['module load cuda', '${oc.env:AF_TEST_VALUE}']", "launcher.setup[1]"),  # one entry, one shell line
+        ("force=[sft, '${oc.env:AF_TEST_VALUE}']", "force[1]"),
+        ("logging.wandb.project=${oc.env:AF_TEST_VALUE}", "logging.wandb.project"),
+        ("pipeline.stages.prep_b={kind: prep, data: {sft: {train: '${oc.env:AF_TEST_VALUE}'}}}", "pipeline.stages.prep_b.data.sft.train"),
+    ],
+)
 @pytest.mark.parametrize("character", ["\n", "\r", "\x1b", "\x7f"])  # an environment holds no NUL: see the literal test
 def test_a_control_character_in_a_config_string_is_refused_by_key(base_overrides, tmp_path, monkeypatch, override, key, character):
     monkeypatch.setenv("AF_TEST_VALUE", f"gpu{character}#SBATCH --wrap=secret-looking-text")

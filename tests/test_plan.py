@@ -15,9 +15,19 @@ from alignflow import PROJECT_ROOT
 from flows.align import align
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
-FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1",
-        "dpo.trainer.max_steps=2", "dpo.optim.warmup_steps=1", "dpo.trainer.val_check_interval=1", "dpo.trainer.limit_val_batches=1",
-        "eval.num_generation_samples=4", "eval.limit_batches=1", "data.preference.dev_choose_samples=64"]
+FAST = [
+    "sft.trainer.max_steps=2",
+    "sft.optim.warmup_steps=1",
+    "sft.trainer.val_check_interval=1",
+    "sft.trainer.limit_val_batches=1",
+    "dpo.trainer.max_steps=2",
+    "dpo.optim.warmup_steps=1",
+    "dpo.trainer.val_check_interval=1",
+    "dpo.trainer.limit_val_batches=1",
+    "eval.num_generation_samples=4",
+    "eval.limit_batches=1",
+    "data.preference.dev_choose_samples=64",
+]
 IPO_TERM = "(h - 1 / (2 * cfg.beta)) ** 2"
 
 
@@ -38,8 +48,14 @@ def checkout_copy(tmp_path):
 
 
 def plan_in(checkout, overrides, env=None) -> dict[str, dict]:
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=sft_dpo", *overrides],
-                         cwd=checkout, capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=sft_dpo", *overrides],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return {row["stage"]: row for row in json.loads(out.stdout)["stages"]}
 
 
@@ -52,7 +68,8 @@ def edit(path, old, new):
 def test_an_edited_formula_reruns_its_stage_and_downstream_naming_the_module(committed, tmp_path):
     checkout = checkout_copy(tmp_path)
     assert {s: row["status"] for s, row in plan_in(checkout, committed).items()} == dict.fromkeys(
-        ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"], "committed")
+        ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"], "committed"
+    )
     edit(checkout / "alignflow" / "job" / "losses" / "preference.py", IPO_TERM, IPO_TERM.replace("2 *", "4 *"))
     planned = plan_in(checkout, committed)
     assert [s for s, row in planned.items() if row["status"] == "run"] == ["dpo", "eval", "export"]
@@ -65,8 +82,11 @@ def test_a_docstring_or_comment_edit_reruns_nothing(committed, tmp_path):
     losses = checkout / "alignflow" / "job" / "losses" / "preference.py"
     edit(losses, '"""DPO-family losses on per-sequence log-probs, with their metrics.', '"""The DPO family of losses, reworded.')
     edit(losses, IPO_TERM + ")\n", IPO_TERM + ")  # IPO's squared distance to 1/(2 beta)\n")
-    edit(checkout / "alignflow" / "job" / "train" / "engine.py", "def every(step: int, interval: int) -> bool:\n",
-         'def every(step: int, interval: int) -> bool:\n    """Whether an interval ends at this step."""\n')
+    edit(
+        checkout / "alignflow" / "job" / "train" / "engine.py",
+        "def every(step: int, interval: int) -> bool:\n",
+        'def every(step: int, interval: int) -> bool:\n    """Whether an interval ends at this step."""\n',
+    )
     assert {row["status"] for row in plan_in(checkout, committed).values()} == {"committed"}
 
 
@@ -94,12 +114,12 @@ def run(cfg, inputs, out):
         json.dump({"metrics": {"rows": rows * cfg.row_count.scale}}, f)
     return {"rows": rows * cfg.row_count.scale}
 '''
-NEW_KIND_SCHEMA = '''
+NEW_KIND_SCHEMA = """
 
 @dataclass
 class RowCountConfig(StageBase):
     scale: int = 1
-'''
+"""
 NEW_KIND_DECLARATION = '''"""The `row_count` kind: the rows of a prep output's SFT train split, times `scale`."""
 
 from alignflow.orchestrator.config import schema
@@ -107,14 +127,14 @@ from alignflow.orchestrator.kinds.spec import StageKind, one
 
 KIND = StageKind(schema=schema.RowCountConfig, output="eval", inputs={"data": one("prep")}, resumable=False, headline=("rows",))
 '''
-NEW_KIND_PIPELINE = '''# @package _global_
+NEW_KIND_PIPELINE = """# @package _global_
 # align run pipeline=count
 pipeline:
   name: count
   stages:
     prep: {}
     count: {kind: row_count, inputs: {data: prep}, scale: 3}
-'''
+"""
 RUN_PIPELINE = """
 import json, sys
 from alignflow.orchestrator.config.compose import build
@@ -137,9 +157,13 @@ def test_a_new_stage_kind_is_its_two_modules_its_schema_class_and_its_name(base_
     edit(checkout / "alignflow" / "orchestrator" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "row_count")')
     (checkout / "conf" / "pipeline" / "count.yaml").write_text(NEW_KIND_PIPELINE)
     overrides = [*base_overrides, "data.preference=null", "data.prompts=null"]
-    planned = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=count", *overrides], cwd=checkout,
-                             capture_output=True, text=True, check=True)
-    assert [(row["stage"], row["kind"], row["status"]) for row in json.loads(planned.stdout)["stages"]] == [("prep", "prep", "run"), ("count", "row_count", "run")]
+    planned = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=count", *overrides], cwd=checkout, capture_output=True, text=True, check=True
+    )
+    assert [(row["stage"], row["kind"], row["status"]) for row in json.loads(planned.stdout)["stages"]] == [
+        ("prep", "prep", "run"),
+        ("count", "row_count", "run"),
+    ]
     ran = subprocess.run([sys.executable, "-c", RUN_PIPELINE, *overrides], cwd=checkout, capture_output=True, text=True, check=True)
     counted = json.loads(ran.stdout.strip().splitlines()[-1])
     assert counted["count"] == {"rows": 3 * counted["packs"]} and counted["packs"] > 0

@@ -26,16 +26,20 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 # ----------------------------------------------------------------------------- NeMo-RL's numbers
 
-@pytest.mark.parametrize("rewards, valid, baseline, std", [
-    # test_calculate_baseline_and_std_per_prompt_basic (leave-one-out, the default)
-    ([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], None, [2.5, 2.0, 1.5, 5.5, 5.0, 4.5], [0.707107, 1.414214, 0.707107] * 2),
-    # ..._single_generation_per_prompt: baseline = reward, std 0
-    ([[2.5], [4.0]], None, [2.5, 4.0], [0.0, 0.0]),
-    # ..._identical_rewards
-    ([[3.0, 3.0, 3.0], [7.0, 7.0, 7.0]], None, [3.0, 3.0, 3.0, 7.0, 7.0, 7.0], [0.0] * 6),
-    # ..._nan_handling: the second sample is invalid (its 999 never enters a statistic)
-    ([[1.0, 999.0, 3.0], [4.0, 5.0, 6.0]], [[1, 0, 1], [1, 1, 1]], [3.0, 4.0, 1.0, 5.5, 5.0, 4.5], [0.0, 0.0, 0.0, 0.707107, 1.414214, 0.707107]),
-])
+
+@pytest.mark.parametrize(
+    "rewards, valid, baseline, std",
+    [
+        # test_calculate_baseline_and_std_per_prompt_basic (leave-one-out, the default)
+        ([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], None, [2.5, 2.0, 1.5, 5.5, 5.0, 4.5], [0.707107, 1.414214, 0.707107] * 2),
+        # ..._single_generation_per_prompt: baseline = reward, std 0
+        ([[2.5], [4.0]], None, [2.5, 4.0], [0.0, 0.0]),
+        # ..._identical_rewards
+        ([[3.0, 3.0, 3.0], [7.0, 7.0, 7.0]], None, [3.0, 3.0, 3.0, 7.0, 7.0, 7.0], [0.0] * 6),
+        # ..._nan_handling: the second sample is invalid (its 999 never enters a statistic)
+        ([[1.0, 999.0, 3.0], [4.0, 5.0, 6.0]], [[1, 0, 1], [1, 1, 1]], [3.0, 4.0, 1.0, 5.5, 5.0, 4.5], [0.0, 0.0, 0.0, 0.707107, 1.414214, 0.707107]),
+    ],
+)
 def test_baseline_and_std_are_nemo_rls(rewards, valid, baseline, std):
     got_baseline, got_std = group_baseline_and_std(torch.tensor(rewards), True, None if valid is None else torch.tensor(valid))
     assert got_baseline.flatten().tolist() == pytest.approx(baseline, rel=1e-5)
@@ -50,11 +54,14 @@ def test_advantages_use_the_sample_std_plus_epsilon():
     assert got[1] == pytest.approx(-(1 / 3) / (1 / math.sqrt(3) + 1e-6), abs=1e-12)  # std + 1e-6, not std
 
 
-@pytest.mark.parametrize("kl_type, unclamped, clamped", [  # test_calculate_kl
-    ("k1", [-1.0, 14.0, 29.0], [-1.0, 10.0, 10.0]),
-    ("k2", [0.5, 98.0, 420.5], [0.5, 10.0, 10.0]),
-    ("k3", [0.7183, 13.0, 28.0], [0.7183, 10.0, 10.0]),
-])
+@pytest.mark.parametrize(
+    "kl_type, unclamped, clamped",
+    [  # test_calculate_kl
+        ("k1", [-1.0, 14.0, 29.0], [-1.0, 10.0, 10.0]),
+        ("k2", [0.5, 98.0, 420.5], [0.5, 10.0, 10.0]),
+        ("k3", [0.7183, 13.0, 28.0], [0.7183, 10.0, 10.0]),
+    ],
+)
 def test_kl_estimators_and_clamps_are_nemo_rls(kl_type, unclamped, clamped):
     logp, ref = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-0.0, -15.0, -30.0]])
     free = GRPOLossConfig(kl_type=kl_type, kl_input_clamp_value=None, kl_output_clamp_value=None)
@@ -85,19 +92,33 @@ def test_output_clamp_applies_after_the_weight_and_blocks_its_gradient():
 def nemo_batch(curr, prev, advantages, ref=None, gen=None):
     """One sample of NeMo-RL's test tensors (the masked positions), all tokens trained."""
     t = lambda values: torch.tensor([values], dtype=torch.float64)  # noqa: E731
-    return dict(logp=t(curr).requires_grad_(True), old_logp=t(prev), ref_logp=t(ref if ref is not None else prev),
-                advantages=t(advantages), mask=torch.ones(1, len(curr)), generation_logp=None if gen is None else t(gen))
+    return dict(
+        logp=t(curr).requires_grad_(True),
+        old_logp=t(prev),
+        ref_logp=t(ref if ref is not None else prev),
+        advantages=t(advantages),
+        mask=torch.ones(1, len(curr)),
+        generation_logp=None if gen is None else t(gen),
+    )
 
 
-@pytest.mark.parametrize("cfg, curr, prev, advantages, expected", [
-    # test_clipped_pg_loss_ppo_clipping: ratios 0.5, 1, 1.5 -> max losses -0.5, 1, -2.4
-    (GRPOLossConfig(**NO_KL), [math.log(0.5) - 1, -1.0, math.log(1.5) - 1], [-1.0] * 3, [1.0, -1.0, 2.0], -0.6333),
-    # test_clipped_pg_loss_dual_clip: ratios 0.5, 1, 10, c = 3 -> -0.5, 1, 12
-    (GRPOLossConfig(ratio_clip_c=3.0, **NO_KL), [math.log(0.5) - 1, -1.0, math.log(10.0) - 3], [-1.0, -1.0, -3.0], [1.0, -1.0, -4.0], 4.1667),
-    # test_clipped_pg_loss_gspo: one ratio, exp(mean log-ratio) = 0.9086, sequence-level loss
-    (GRPOLossConfig(importance_sampling_level="sequence", loss_type="grpo", **NO_KL), [-1.69315, -1.0, -0.59453], [-1.0] * 3,
-     [1.0, -1.0, 2.0], -0.6057),
-])
+@pytest.mark.parametrize(
+    "cfg, curr, prev, advantages, expected",
+    [
+        # test_clipped_pg_loss_ppo_clipping: ratios 0.5, 1, 1.5 -> max losses -0.5, 1, -2.4
+        (GRPOLossConfig(**NO_KL), [math.log(0.5) - 1, -1.0, math.log(1.5) - 1], [-1.0] * 3, [1.0, -1.0, 2.0], -0.6333),
+        # test_clipped_pg_loss_dual_clip: ratios 0.5, 1, 10, c = 3 -> -0.5, 1, 12
+        (GRPOLossConfig(ratio_clip_c=3.0, **NO_KL), [math.log(0.5) - 1, -1.0, math.log(10.0) - 3], [-1.0, -1.0, -3.0], [1.0, -1.0, -4.0], 4.1667),
+        # test_clipped_pg_loss_gspo: one ratio, exp(mean log-ratio) = 0.9086, sequence-level loss
+        (
+            GRPOLossConfig(importance_sampling_level="sequence", loss_type="grpo", **NO_KL),
+            [-1.69315, -1.0, -0.59453],
+            [-1.0] * 3,
+            [1.0, -1.0, 2.0],
+            -0.6057,
+        ),
+    ],
+)
 def test_clipped_loss_is_nemo_rls(cfg, curr, prev, advantages, expected):
     b = nemo_batch(curr, prev, advantages)
     assert policy_loss(cfg, **b).loss.item() == pytest.approx(expected, rel=1e-3)
@@ -113,11 +134,13 @@ def test_kl_penalty_loss_is_nemo_rls():
 def test_kl_gradient_includes_the_sampling_term(on_policy, expected):
     """test_clipped_pg_loss_kl_gradient_includes_sampling_term (NeMo-RL v0.7.0, "fix: KL
     backward"): the KL part of the gradient, beta 0.3 over 2 tokens, its numbers evaluated."""
+
     def gradient(beta):
         b = nemo_batch([-1.2, -0.7], [-1.0, -0.8], [0.4, -0.2], ref=[-0.9, -1.1], gen=[-1.5, -0.4])
         cfg = GRPOLossConfig(ref_policy_kl_penalty=beta, use_on_policy_kl_approximation=on_policy)
         policy_loss(cfg, **b).loss.backward()
         return b["logp"].grad
+
     assert (gradient(0.3) - gradient(0.0)).flatten().tolist() == pytest.approx(expected, abs=1e-9)
 
 
@@ -130,30 +153,50 @@ def test_one_far_token_no_longer_blows_up_the_loss():
 
 # ----------------------------------------------------------------------------- TRL's code
 
-def trl_loss(loss_type, logp, old, ref, advantages, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, level="token",
-             max_completion_length=8):
+
+def trl_loss(loss_type, logp, old, ref, advantages, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, level="token", max_completion_length=8):
     """TRL 1.16's GRPOTrainer._compute_loss on these tensors: one process, one micro batch, no
     accumulation; `logp` stands for the model's per-token log-probs."""
     from trl.trainer.grpo_trainer import GRPOTrainer
+
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     one = SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x)
     vars(trainer).update(
-        loss_type=loss_type, importance_sampling_level=level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False, max_completion_length=max_completion_length,
-        current_gradient_accumulation_steps=1, aux_loss_enabled=False, _entropy_bonus_enabled=False, accelerator=one,
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1), model=SimpleNamespace(training=True),
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        beta=beta,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        max_completion_length=max_completion_length,
+        current_gradient_accumulation_steps=1,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        accelerator=one,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        model=SimpleNamespace(training=True),
         _metrics={"train": __import__("collections").defaultdict(list)},
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None))
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
+    )
     b, t = logp.shape
-    inputs = {"prompt_ids": torch.zeros(b, 1, dtype=torch.long), "prompt_mask": torch.ones(b, 1, dtype=torch.long),
-              "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask.long(), "advantages": advantages,
-              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    inputs = {
+        "prompt_ids": torch.zeros(b, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(b, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(b, t, dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
     return trainer._compute_loss(None, inputs)
 
 
 def random_batch(seed=0, samples=4, tokens=6):
     g = torch.Generator().manual_seed(seed)
-    logp = (-torch.rand(samples, tokens, generator=g, dtype=torch.float64) * 2)
+    logp = -torch.rand(samples, tokens, generator=g, dtype=torch.float64) * 2
     old = logp + 0.3 * torch.randn(samples, tokens, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
     ref = logp + 0.5 * torch.randn(samples, tokens, generator=g, dtype=torch.float64)
     mask = torch.ones(samples, tokens)
@@ -192,6 +235,7 @@ def test_kl_term_equals_trls_value_and_its_gradient_adds_nemo_rls_score_term():
 @pytest.mark.parametrize("lengths", [[10, 80, 81, 90, 99, 100]])
 def test_overlong_penalty_equals_trls_soft_punishment_and_nemo_rls_shaping(lengths):
     from trl.rewards import get_soft_overlong_punishment
+
     trl = get_soft_overlong_punishment(max_completion_len=100, soft_punish_cache=20)([[1] * n for n in lengths])
     ours = overlong_penalty(torch.tensor(lengths, dtype=torch.float64), 100, 20, 1.0)
     assert ours.tolist() == pytest.approx(trl, abs=1e-12)
@@ -202,14 +246,14 @@ def test_overlong_penalty_equals_trls_soft_punishment_and_nemo_rls_shaping(lengt
 
 # ----------------------------------------------------------------------------- the stage's objective
 
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
 def test_step_metrics_are_per_unit_of_the_loss(loss_type):
     """The objective sums metrics over its units as it sums the loss, so a step's ratio at the
     sampling policy is 1, whatever the number of tokens per sample."""
     objective = grpo_objective(GRPOLossConfig(loss_type=loss_type), Sampling(max_new_tokens=8, eos_id=0, vocab_size=100, temperature=1.0))
     nll = torch.full((2, 8), 0.7)
-    batch = {"loss_mask": torch.ones(2, 8), "advantages": torch.tensor([1.0, -1.0]), "generation_logp": -nll,
-             "old_logp": -nll, "ref_logp": -nll}
+    batch = {"loss_mask": torch.ones(2, 8), "advantages": torch.tensor([1.0, -1.0]), "generation_logp": -nll, "old_logp": -nll, "ref_logp": -nll}
     terms = objective.loss(nll, batch)
     assert terms.count.item() == {"dapo": 16, "grpo": 2, "bnpo": 1, "dr_grpo": 16}[loss_type]
     assert (terms.metrics["ratio"] / terms.count).item() == pytest.approx(1.0)
@@ -223,7 +267,12 @@ def test_two_processes_with_unequal_micro_batches_give_the_big_batchs_gradient()
     contract) gives TRL's gradient of the one big batch."""
     script = Path(__file__).with_name("policy_dp_ranks.py")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *LOSS_TYPES],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *LOSS_TYPES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert all(f"rank {r} {name} equal" in out.stdout for r in (0, 1) for name in LOSS_TYPES), out.stdout

@@ -20,11 +20,20 @@ from alignflow.job.stages import prep
 
 EOS = demo.EOS
 SCHEMAS = {
-    "sft": {"input_ids": "list<element: int32>", "loss_mask": "list<element: int8>",
-            "cu_seqlens": "list<element: int32>", "sample_ids": "list<element: int64>"},
-    "preference": {"sample_id": "int64", "prompt_length": "int32",
-                   "chosen_input_ids": "list<element: int32>", "chosen_loss_mask": "list<element: int8>",
-                   "rejected_input_ids": "list<element: int32>", "rejected_loss_mask": "list<element: int8>"},
+    "sft": {
+        "input_ids": "list<element: int32>",
+        "loss_mask": "list<element: int8>",
+        "cu_seqlens": "list<element: int32>",
+        "sample_ids": "list<element: int64>",
+    },
+    "preference": {
+        "sample_id": "int64",
+        "prompt_length": "int32",
+        "chosen_input_ids": "list<element: int32>",
+        "chosen_loss_mask": "list<element: int8>",
+        "rejected_input_ids": "list<element: int32>",
+        "rejected_loss_mask": "list<element: int8>",
+    },
     "prompts": {"sample_id": "int64", "prompt_ids": "list<element: int32>", "prompt": "string", "answer": "string"},
 }
 
@@ -43,20 +52,28 @@ def tok(assets):
 
 
 def spec(train, val=None, **kw):
-    return {"train": str(train), "val": None if val is None else str(val), "val_fraction": 0.0,
-            "format": "auto", "dev_choose_samples": None, "answer_key": "answer", **kw}
+    return {
+        "train": str(train),
+        "val": None if val is None else str(val),
+        "val_fraction": 0.0,
+        "format": "auto",
+        "dev_choose_samples": None,
+        "answer_key": "answer",
+        **kw,
+    }
 
 
 def make_cfg(assets, sft=None, preference=None, prompts=None, chat_template=None, prep_=None, **data):
     """The prep section typed by its schema, in chunks of 64 rows so that every test crosses
     chunk boundaries; prep_ overrides some of it."""
     specs = {"sft": sft, "preference": preference, "prompts": prompts}
-    return OmegaConf.create({
-        "prep": OmegaConf.merge(OmegaConf.structured(PrepConfig), {"chunk_rows": 64}, prep_ or {}),
-        "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True,
-                 "seed": 0, **data, **specs},
-        "model": {"tokenizer": str(assets / "tokenizer"), "chat_template": chat_template},
-    })
+    return OmegaConf.create(
+        {
+            "prep": OmegaConf.merge(OmegaConf.structured(PrepConfig), {"chunk_rows": 64}, prep_ or {}),
+            "data": {"seq_length": 128, "max_prompt_length": 64, "truncation": "keep_start", "packing": True, "seed": 0, **data, **specs},
+            "model": {"tokenizer": str(assets / "tokenizer"), "chat_template": chat_template},
+        }
+    )
 
 
 def read(out, kind, split="train"):
@@ -151,8 +168,7 @@ def test_preference_pairs(demo_run, tok):
         assert r["chosen_input_ids"][:p] == r["rejected_input_ids"][:p]
         assert tok.decode(r["chosen_input_ids"][:p]).endswith("<|assistant|>\n")
         assert not any(r["chosen_loss_mask"][:p]) and not any(r["rejected_loss_mask"][:p])
-        chosen, rejected = masked(tok, r["chosen_input_ids"], r["chosen_loss_mask"]), masked(
-            tok, r["rejected_input_ids"], r["rejected_loss_mask"])
+        chosen, rejected = masked(tok, r["chosen_input_ids"], r["chosen_loss_mask"]), masked(tok, r["rejected_input_ids"], r["rejected_loss_mask"])
         assert chosen.endswith(EOS) and rejected.endswith(EOS) and chosen != rejected
 
 
@@ -180,9 +196,13 @@ def test_unpacked_rows_hold_one_document_and_dev_choose_samples(assets, tmp_path
 
 
 def test_multi_turn_messages_train_every_assistant_turn(assets, tok, tmp_path):
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 1?"},
-            {"role": "assistant", "content": "2"}, {"role": "user", "content": "And 2 + 2?"},
-            {"role": "assistant", "content": "4"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+    ]
     f = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
     _, out = run_prep(make_cfg(assets, sft=spec(f, format="messages"), packing=False), tmp_path)
     (row,) = read(out, "sft")
@@ -192,8 +212,7 @@ def test_multi_turn_messages_train_every_assistant_turn(assets, tok, tmp_path):
 
 SFT_CASES = {
     "prompt_completion": {"prompt": "What is 3 + 4?", "completion": "7"},
-    "prompt_completion_lists": {"prompt": [{"role": "user", "content": "What is 3 + 4?"}],
-                                "completion": [{"role": "assistant", "content": "7"}]},
+    "prompt_completion_lists": {"prompt": [{"role": "user", "content": "What is 3 + 4?"}], "completion": [{"role": "assistant", "content": "7"}]},
     "input_output": {"input": "What is 3 + 4?", "output": "7"},
     "messages": {"messages": [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "7"}]},
 }
@@ -212,10 +231,11 @@ def test_sft_formats(assets, tok, tmp_path, case):
 
 PREFERENCE_CASES = {
     "preference": {"prompt": "What is 3 + 4?", "chosen": "7", "rejected": "8"},
-    "preference_lists": {"prompt": [{"role": "system", "content": "Be exact."},
-                                    {"role": "user", "content": "What is 3 + 4?"}],
-                         "chosen": [{"role": "assistant", "content": "7"}],
-                         "rejected": [{"role": "assistant", "content": "8"}]},
+    "preference_lists": {
+        "prompt": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 3 + 4?"}],
+        "chosen": [{"role": "assistant", "content": "7"}],
+        "rejected": [{"role": "assistant", "content": "8"}],
+    },
     "nemo_preference": {"prompt": "What is 3 + 4?", "chosen_response": "7", "rejected_response": "8"},
 }
 
@@ -234,8 +254,7 @@ def test_preference_formats(assets, tok, tmp_path, case):
 
 
 def test_prompt_answer_with_custom_answer_key(assets, tmp_path):
-    rows = [{"prompt": "What is 3 + 4?", "solution": 7},
-            {"prompt": [{"role": "user", "content": "What is 1 - 2?"}], "solution": "-1"}]
+    rows = [{"prompt": "What is 3 + 4?", "solution": 7}, {"prompt": [{"role": "user", "content": "What is 1 - 2?"}], "solution": "-1"}]
     f = write_jsonl(tmp_path / "q.jsonl", rows)
     _, out = run_prep(make_cfg(assets, prompts=spec(f, answer_key="solution")), tmp_path)
     rows = read(out, "prompts")
@@ -267,16 +286,14 @@ def test_hf_datasets_on_disk(assets, tmp_path):
     load_dataset cache) is read with pyarrow and gives the rows of the jsonl it came from."""
     from datasets import Dataset, DatasetDict, load_dataset
 
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}
-            for i in range(30)]
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]} for i in range(30)]
     src = write_jsonl(tmp_path / "src.jsonl", rows)
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), num_shards=3)
     DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dict"))
     load_dataset("json", data_files=str(src), cache_dir=str(tmp_path / "cache"), split="train")
     expected = read(run_prep(make_cfg(assets, sft=spec(src), packing=False, prep_={"chunk_rows": 4}), tmp_path, "jsonl")[1], "sft")
     assert [r["sample_ids"] for r in expected] == [[i] for i in range(30)]
-    for name, uri in (("saved", tmp_path / "saved"), ("split", tmp_path / "dict" / "train"),
-                      ("cache", f"{tmp_path}/cache/**/json-train*.arrow")):
+    for name, uri in (("saved", tmp_path / "saved"), ("split", tmp_path / "dict" / "train"), ("cache", f"{tmp_path}/cache/**/json-train*.arrow")):
         _, out = run_prep(make_cfg(assets, sft=spec(uri), packing=False, prep_={"chunk_rows": 4}), tmp_path, name)
         assert read(out, "sft") == expected, name
     with pytest.raises(ValueError, match="holds a DatasetDict .* name one of its splits"):
@@ -300,8 +317,10 @@ BAD_ROWS = {
     "wrong content type": ('{"messages": [{"role": "user", "content": 42}]}', "field 'messages[0].content': expected a string, got int 42"),
     "missing role": ('{"messages": [{"content": "hi"}]}', "field 'messages[0].role': expected a string, got nothing (missing or null)"),
     "not utf-8": (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not UTF-8: byte 0xe9 at column 47"),
-    "empty assistant": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}',
-                        "field 'messages': empty assistant content"),
+    "empty assistant": (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}',
+        "field 'messages': empty assistant content",
+    ),
     "no assistant": ('{"messages": [{"role": "user", "content": "hi"}]}', "field 'messages': no assistant turn"),
     "not an object": ("[1, 2]", "expected a JSON object"),
 }
@@ -319,8 +338,7 @@ def test_bad_row_raises_with_file_line_and_field(assets, tmp_path, case):
 
 def test_bad_parquet_row_names_its_row(assets, tmp_path):
     f = tmp_path / "p.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "chosen": "1", "rejected": "2"},
-                                         {"prompt": "b", "chosen": "", "rejected": "2"}]), f)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "chosen": "1", "rejected": "2"}, {"prompt": "b", "chosen": "", "rejected": "2"}]), f)
     good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "chosen": "1", "rejected": "2"}])
     with pytest.raises(ValueError, match=rf"^data\.preference\.val: {re.escape(str(f))} row 2: field 'chosen': empty"):
         run_prep(make_cfg(assets, preference=spec(good, val=f)), tmp_path)
@@ -343,8 +361,11 @@ def test_a_data_set_with_no_usable_row_fails_in_prep_and_commits_nothing(assets,
     """seq_length so short that no response token fits: the error names the key, the file and
     why, here and not later in sft (an empty output is never written)."""
     f = write_jsonl(tmp_path / "sft.jsonl", [GOOD] * 5)
-    with pytest.raises(ValueError, match=rf"^data\.sft\.train: no usable row in {re.escape(str(f))}: 5 read, 0 skipped as bad, "
-                                         r"5 with nothing left to train on within data\.seq_length=4"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^data\.sft\.train: no usable row in {re.escape(str(f))}: 5 read, 0 skipped as bad, "
+        r"5 with nothing left to train on within data\.seq_length=4",
+    ):
         run_prep(make_cfg(assets, sft=spec(f), seq_length=4, max_prompt_length=2), tmp_path)
     assert not (tmp_path / "out" / "metadata.json").exists()
 
@@ -362,8 +383,7 @@ def test_skip_bad_rows_counts_them(assets, tok, tmp_path):
 
 
 def long_chat():
-    return {"messages": [{"role": "user", "content": "What is " + "1 + " * 40 + "1?"},
-                         {"role": "assistant", "content": "41"}]}
+    return {"messages": [{"role": "user", "content": "What is " + "1 + " * 40 + "1?"}, {"role": "assistant", "content": "41"}]}
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
@@ -386,8 +406,9 @@ def test_prompt_truncation(assets, tok, tmp_path, mode):
     question = long_chat()["messages"][0]["content"]
     write_jsonl(tmp_path / "q.jsonl", [{"prompt": question, "answer": "41"}])
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": question, "chosen": "41", "rejected": "40"}])
-    cfg = make_cfg(assets, prompts=spec(tmp_path / "q.jsonl"), preference=spec(tmp_path / "p.jsonl"),
-                   max_prompt_length=16, seq_length=20, truncation=mode)
+    cfg = make_cfg(
+        assets, prompts=spec(tmp_path / "q.jsonl"), preference=spec(tmp_path / "p.jsonl"), max_prompt_length=16, seq_length=20, truncation=mode
+    )
     metrics, out = run_prep(cfg, tmp_path)
     assert metrics["prompts.train.truncated_rows"] == metrics["preference.train.truncated_rows"] == 1
     (q,), (p,) = read(out, "prompts"), read(out, "preference")
@@ -427,9 +448,11 @@ def test_shards(assets, tmp_path):
 
 
 def test_chat_template_override(assets, tok, tmp_path):
-    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
-                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
-                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
     f = write_jsonl(tmp_path / "s.jsonl", [SFT_CASES["messages"]])
     _, out = run_prep(make_cfg(assets, sft=spec(f), packing=False, chat_template=template), tmp_path)
     (row,) = read(out, "sft")
@@ -455,12 +478,19 @@ def test_render_equals_apply_chat_template(assets, template):
     """ChatEncoder renders through the compiled template directly: the text must be what
     transformers' own apply_chat_template gives."""
     tokenizer = load_tokenizer(str(assets / "tokenizer"), template)
-    chats = [[{"role": "user", "content": " What is 3 + 4? "}, {"role": "assistant", "content": " 7 "}],
-             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]]
+    chats = [
+        [{"role": "user", "content": " What is 3 + 4? "}, {"role": "assistant", "content": " 7 "}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
+    ]
     for generation_prompt in (False, True):
         assert ChatEncoder(tokenizer).render(chats, generation_prompt) == tokenizer.apply_chat_template(
-            chats, tokenize=False, add_generation_prompt=generation_prompt)
+            chats, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
 
 def test_config_errors(assets, tmp_path):
@@ -530,9 +560,14 @@ def test_chunk_size_changes_nothing(assets, tmp_path):
     d = assets / "data"
     outputs = []
     for chunk_rows in (10000, 3, 1):
-        cfg = make_cfg(assets, sft=spec(f, val_fraction=0.2), preference=spec(d / "preference_train.jsonl", dev_choose_samples=50),
-                       prompts=spec(d / "prompts_train.jsonl", d / "prompts_val.jsonl", dev_choose_samples=40), seq_length=48,
-                       prep_={"skip_bad_rows": True, "chunk_rows": chunk_rows, "rows_per_shard": 4})
+        cfg = make_cfg(
+            assets,
+            sft=spec(f, val_fraction=0.2),
+            preference=spec(d / "preference_train.jsonl", dev_choose_samples=50),
+            prompts=spec(d / "prompts_train.jsonl", d / "prompts_val.jsonl", dev_choose_samples=40),
+            seq_length=48,
+            prep_={"skip_bad_rows": True, "chunk_rows": chunk_rows, "rows_per_shard": 4},
+        )
         outputs.append(files_of(run_prep(cfg, tmp_path, f"c{chunk_rows}")[1]))
     assert outputs[0] == outputs[1] == outputs[2]
     assert len([p for p in outputs[0] if p.startswith("sft/train-")]) > 1 and not any(p.startswith("_prep") for p in outputs[0])
@@ -578,9 +613,20 @@ def test_two_ranks_write_the_bytes_one_rank_does_and_report_progress(base_overri
     data = [f"data.sft.train={f}", "data.sft.val=null", "data.sft.val_fraction=0.05", "prep.rows_per_shard=300"]
     one = run_stage(prep_stage([*base_overrides, *data]), {}, log=lambda line: None)
     lines = []
-    two = run_stage(prep_stage([*base_overrides, *data, f"store.root={tmp_path / 'store2'}", "prep.resources.tasks_per_node=2",
-                                "prep.chunk_rows=1500", "prep.progress_interval_s=0.5"]), {},
-                    log=lambda line: lines.append((time.monotonic(), line)))
+    two = run_stage(
+        prep_stage(
+            [
+                *base_overrides,
+                *data,
+                f"store.root={tmp_path / 'store2'}",
+                "prep.resources.tasks_per_node=2",
+                "prep.chunk_rows=1500",
+                "prep.progress_interval_s=0.5",
+            ]
+        ),
+        {},
+        log=lambda line: lines.append((time.monotonic(), line)),
+    )
     assert two.fingerprint == one.fingerprint and two.metrics == one.metrics
     out_one, out_two = (tmp_path / store / "prep" / one.fingerprint for store in ("store", "store2"))
     assert files_of(out_two) == files_of(out_one)
@@ -602,8 +648,9 @@ def test_a_bad_row_deep_in_a_large_file_on_another_rank_fails_the_stage_and_comm
     from alignflow.orchestrator.runner import run_stage
 
     f = write_chats(tmp_path / "big.jsonl", 20_000, bad=13_457)  # chunk 13 of 1000 rows: rank 1's
-    stage = prep_stage([*base_overrides, f"data.sft.train={f}", "data.sft.val=null", "prep.resources.tasks_per_node=2",
-                        "prep.chunk_rows=1000"])
-    with pytest.raises(StageFailed, match=rf"data\.sft\.train: {re.escape(str(f))} line 13457: field 'messages\[0\]\.content': expected a string, got int 7"):
+    stage = prep_stage([*base_overrides, f"data.sft.train={f}", "data.sft.val=null", "prep.resources.tasks_per_node=2", "prep.chunk_rows=1000"])
+    with pytest.raises(
+        StageFailed, match=rf"data\.sft\.train: {re.escape(str(f))} line 13457: field 'messages\[0\]\.content': expected a string, got int 7"
+    ):
         run_stage(stage, {}, log=lambda line: None)
     assert not list((tmp_path / "store" / "prep").glob("*/_SUCCESS.json"))

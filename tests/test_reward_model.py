@@ -68,8 +68,9 @@ def hf_batch(pairs: PreferencePairs, indices: list[int], pad_id: int) -> dict:
     """TRL's DataCollatorForPreference batch of the same pairs: chosen then rejected, right-padded."""
     from trl.trainer.reward_trainer import DataCollatorForPreference
 
-    return DataCollatorForPreference(pad_token_id=pad_id)([{f"{side}_ids": pairs.sequence(side, i)[0].tolist() for side in ("chosen", "rejected")}
-                                                           for i in indices])
+    return DataCollatorForPreference(pad_token_id=pad_id)(
+        [{f"{side}_ids": pairs.sequence(side, i)[0].tolist() for side in ("chosen", "rejected")} for i in indices]
+    )
 
 
 def test_an_hf_reward_model_converts_and_exports_back_bit_identical(demo_dir, tmp_path):
@@ -83,10 +84,18 @@ def test_an_hf_reward_model_converts_and_exports_back_bit_identical(demo_dir, tm
     config = AutoConfig.from_pretrained(demo_dir / "tiny-qwen3", num_labels=1, pad_token_id=0, architectures=["Qwen3ForSequenceClassification"])
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "hf")
-    cfg = OmegaConf.create({"model": {"source": str(tmp_path / "hf"), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
-                                      "make_vocab_size_divisible_by": 128},
-                            "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
-                            "export": {"dtype": "float32", "max_shard_size": "2GB", "destination": None}})
+    cfg = OmegaConf.create(
+        {
+            "model": {
+                "source": str(tmp_path / "hf"),
+                "hf_config": None,
+                "tokenizer": str(demo_dir / "tokenizer"),
+                "make_vocab_size_divisible_by": 128,
+            },
+            "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+            "export": {"dtype": "float32", "max_shard_size": "2GB", "destination": None},
+        }
+    )
     convert.run(cfg, {}, str(tmp_path / "ckpt"))
     assert weights(tmp_path / "ckpt" / "model")["rm_head.weight"].shape == (1, 64)
     export.run(cfg, {"model": str(tmp_path / "ckpt")}, str(tmp_path / "back"))
@@ -110,8 +119,9 @@ def test_the_export_loads_as_hf_sequence_classification_with_our_scores(inputs, 
     assert theirs.std() > 1e-3  # scores that differ from pair to pair
 
 
-@pytest.mark.parametrize("loss_cfg", [RewardModelLossConfig(), RewardModelLossConfig(margin=0.5, center_rewards_coefficient=0.01)],
-                         ids=["plain", "margin+centered"])
+@pytest.mark.parametrize(
+    "loss_cfg", [RewardModelLossConfig(), RewardModelLossConfig(margin=0.5, center_rewards_coefficient=0.01)], ids=["plain", "margin+centered"]
+)
 def test_loss_and_metrics_equal_trls_reward_trainer(inputs, trained, tmp_path, loss_cfg):
     """TRL 1.16's RewardTrainer.compute_loss on the same pairs (one micro batch) with the same
     weights in HF's LlamaForSequenceClassification: loss, accuracy and margin (reward gap) to 1e-5."""
@@ -183,9 +193,19 @@ def test_a_pipeline_trains_and_exports_a_reward_model_in_real_jobs(base_override
     from alignflow.orchestrator.config.compose import build
     from alignflow.orchestrator.runner import run_stage
 
-    pipeline = build("convert", [*base_overrides, "pipeline.stages.prep={}", "pipeline.stages.rm={kind: reward_model, inputs: "
-                                 "{data: prep, model: convert}}", "pipeline.stages.export.inputs.model=rm", "reward_model.trainer.max_steps=2",
-                              "reward_model.trainer.val_check_interval=2", "reward_model.micro_batch_size=4", "reward_model.global_batch_size=8"])
+    pipeline = build(
+        "convert",
+        [
+            *base_overrides,
+            "pipeline.stages.prep={}",
+            "pipeline.stages.rm={kind: reward_model, inputs: {data: prep, model: convert}}",
+            "pipeline.stages.export.inputs.model=rm",
+            "reward_model.trainer.max_steps=2",
+            "reward_model.trainer.val_check_interval=2",
+            "reward_model.micro_batch_size=4",
+            "reward_model.global_batch_size=8",
+        ],
+    )
     results = {}
     for stage in pipeline:
         results[stage.name] = run_stage(stage, {up: results[up] for up in stage.upstream()}, log=print)
@@ -207,8 +227,9 @@ def test_grpos_score_reward_equals_hf_sequence_classification_of_prompt_and_comp
         theirs = torch.tensor([hf(input_ids=torch.tensor([row])).logits[0, 0].item() for row in rows], dtype=torch.float64)
     runtime.init_parallel(eval_stage.SINGLE_RANK)
     try:
-        chunks = frozen_chunks(local_model(str(trained / "rm"), Path("/tmp")), OmegaConf.create(eval_stage.SINGLE_RANK), 128, Path("/tmp"),
-                               torch.float32)
+        chunks = frozen_chunks(
+            local_model(str(trained / "rm"), Path("/tmp")), OmegaConf.create(eval_stage.SINGLE_RANK), 128, Path("/tmp"), torch.float32
+        )
         ours = model_scores(chunks, rows, data.pad_id, micro_batch_size=2)
     finally:
         runtime.teardown()
@@ -225,12 +246,23 @@ def test_grpo_sums_a_reward_model_and_rule_rewards_by_weight_as_trl(demo_dir, in
     `score` x 3 + constant 1.0 x 0.5 rewards each sample 3 x its score + 0.5, TRL's
     `(rewards_per_func * reward_weights).nansum(dim=1)` (grpo_trainer.py, 1.16): the mean reward moves
     from the score-only run's r to exactly 3r + 0.5."""
-    cfg = stage_cfg("grpo", demo_dir, num_prompts_per_step=4, num_generations_per_prompt=4, micro_batch_size=8, generation_batch_size=16,
-                    max_new_tokens=4, trainer={"max_steps": 1}, optim={"lr": 1e-3, "warmup_steps": 0})
+    cfg = stage_cfg(
+        "grpo",
+        demo_dir,
+        num_prompts_per_step=4,
+        num_generations_per_prompt=4,
+        micro_batch_size=8,
+        generation_batch_size=16,
+        max_new_tokens=4,
+        trainer={"max_steps": 1},
+        optim={"lr": 1e-3, "warmup_steps": 0},
+    )
     grpo_inputs = {**inputs, "ref_model": inputs["model"], "reward_model": str(trained / "rm")}
     means = {}
-    for name, environment in {"score": [{"name": "score"}],
-                              "mixed": [{"name": "score", "weight": 3.0}, {"name": "test_reward_model:constant", "weight": 0.5}]}.items():
+    for name, environment in {
+        "score": [{"name": "score"}],
+        "mixed": [{"name": "score", "weight": 3.0}, {"name": "test_reward_model:constant", "weight": 0.5}],
+    }.items():
         grpo.run(typed({**cfg, "grpo": {**cfg["grpo"], "environment": environment}}), grpo_inputs, str(tmp_path / name))
         means[name] = metrics_lines(tmp_path / name)[0]["reward_mean"]
     assert means["score"] != 0 and means["mixed"] == pytest.approx(3 * means["score"] + 0.5, abs=1e-9), means
@@ -245,19 +277,33 @@ def test_eval_reports_reward_model_scores_and_win_rates_against_the_first_baseli
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "x").symlink_to(inputs["model"])
     n, new_tokens = 6, 5
-    cfg = typed({"model": {"make_vocab_size_divisible_by": 128},
-                 "eval": {"limit_batches": 1, "num_generation_samples": n, "max_new_tokens": new_tokens, "num_examples_shown": 1,
-                          "micro_batch_size": 4}})
-    metrics = eval_stage.run(cfg, {"data": inputs["data"], "model": inputs["model"], "baselines": [str(tmp_path / "twin" / "x")],
-                                   "reward_model": str(trained / "rm")}, str(tmp_path / "out"))
+    cfg = typed(
+        {
+            "model": {"make_vocab_size_divisible_by": 128},
+            "eval": {"limit_batches": 1, "num_generation_samples": n, "max_new_tokens": new_tokens, "num_examples_shown": 1, "micro_batch_size": 4},
+        }
+    )
+    metrics = eval_stage.run(
+        cfg,
+        {"data": inputs["data"], "model": inputs["model"], "baselines": [str(tmp_path / "twin" / "x")], "reward_model": str(trained / "rm")},
+        str(tmp_path / "out"),
+    )
     model = eval_stage._stage_name(inputs["model"])
     assert metrics[f"{model}.rm_win_rate"] == 0.5 and "twin.rm_win_rate" not in metrics
     data = Prepared(inputs["data"])
     prompts, policy = Prompts(data, "val"), AutoModelForCausalLM.from_pretrained(demo_dir / "tiny-llama", dtype=torch.float32).eval()
     rm = AutoModelForSequenceClassification.from_pretrained(trained / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
-        rows = [policy.generate(torch.tensor([prompts.tokens(i)]), do_sample=False, max_new_tokens=new_tokens,
-                                eos_token_id=data.tokenizer["eos_token_id"], pad_token_id=data.pad_id)[0] for i in range(n)]
+        rows = [
+            policy.generate(
+                torch.tensor([prompts.tokens(i)]),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                eos_token_id=data.tokenizer["eos_token_id"],
+                pad_token_id=data.pad_id,
+            )[0]
+            for i in range(n)
+        ]
         theirs = [rm(input_ids=row[None]).logits[0, 0].item() for row in rows]
     assert metrics[f"{model}.rm_score"] == pytest.approx(sum(theirs) / n, abs=1e-5) and metrics["twin.rm_score"] == metrics[f"{model}.rm_score"]
 

@@ -7,8 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from alignflow.job.rewards import (closeness, exact_match, extract_answer, format_reward, gold_answer, majority_answer, pass_at_k, resolve,
-                               same_answer)
+from alignflow.job.rewards import closeness, exact_match, extract_answer, format_reward, gold_answer, majority_answer, pass_at_k, resolve, same_answer
 
 
 @pytest.mark.parametrize("completion, score", [("42", 1.0), (" 42.0", 1.0), ("42 is it", 1.0), ("41", 0.0), ("", 0.0), ("-42", 0.0)])
@@ -39,11 +38,24 @@ def test_resolve_builtin_and_import_path():
 # math-verify's own regression cases (huggingface/Math-Verify tests/test_all.py at cf14bc4,
 # `compare_strings(gold, pred)`), the gold written as a dataset holds it (no $...$)
 MATH_VERIFY_CASES = [
-    ("-5", "-5", 1.0), ("7425000", "7,425,000", 1.0), ("1000", "1000.0", 1.0), ("0.4", ".4", 1.0), ("2", "AZYUK2A", 0.0),
-    ("10/9", "\\frac{10}{9}", 1.0), ("-10/9", "-\\frac{10}{9}", 1.0),
-    ("9", "Answer \\[ 9 \\]", 1.0), ("10", "Answer \\( (9+1) \\)", 1.0), ("1/3", "$\\frac13 $", 1.0), ("\\sqrt{3}", "$\\sqrt3 $", 1.0),
-    ("1/3", "$k = \\frac{1}{3}$", 1.0), ("1/3", "$\\boxed{\\frac{1}{3}}$", 1.0), ("[0,9)", "$[0,1)$", 0.0), ("(0,9)", "$[0,9)$", 0.0),
-    ("28\\%", "28 percent", 1.0), ("0.28", "28", 0.0), ("28", "28/100", 0.0),
+    ("-5", "-5", 1.0),
+    ("7425000", "7,425,000", 1.0),
+    ("1000", "1000.0", 1.0),
+    ("0.4", ".4", 1.0),
+    ("2", "AZYUK2A", 0.0),
+    ("10/9", "\\frac{10}{9}", 1.0),
+    ("-10/9", "-\\frac{10}{9}", 1.0),
+    ("9", "Answer \\[ 9 \\]", 1.0),
+    ("10", "Answer \\( (9+1) \\)", 1.0),
+    ("1/3", "$\\frac13 $", 1.0),
+    ("\\sqrt{3}", "$\\sqrt3 $", 1.0),
+    ("1/3", "$k = \\frac{1}{3}$", 1.0),
+    ("1/3", "$\\boxed{\\frac{1}{3}}$", 1.0),
+    ("[0,9)", "$[0,1)$", 0.0),
+    ("(0,9)", "$[0,9)$", 0.0),
+    ("28\\%", "28 percent", 1.0),
+    ("0.28", "28", 0.0),
+    ("28", "28/100", 0.0),
     ("\\frac{14}{3}", r"$f(-2)+f(-1)+f(0)=\frac{-8}{-4}+\frac{-5}{-3}+\frac{-2}{-2}=2+\frac{5}{3}+1=\boxed{\frac{14}{3}}$", 1.0),
     ("2-2p", "Since $x<2$, it follows that $|x-2|=2-x$. If $2-x=p$, then $x=2-p$. Thus $x-p=\\boxed{2-2p}$.", 1.0),
 ]
@@ -54,13 +66,19 @@ def test_exact_match_decides_as_math_verify_does(gold, completion, score):
     assert exact_match("", completion, gold) == score
 
 
-@pytest.mark.parametrize("gold, completion, score", [
-    ("72", "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May.\n#### 72", 1.0),  # GSM8K train[0]
-    ("72", "She sold 48 in April and 24 in May, 72 in all. The answer is 72", 1.0),
-    ("72", "48 + 24 = 73", 0.0),  # the answer is the last expression's value, not the first number
-    ("\\frac{1}{2}", "So the probability is \\boxed{\\frac{2}{4}}.", 1.0), ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
-    ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0.0), ("2\\sqrt{2}", "The distance is $\\sqrt{8}$.", 1.0), ("3\\pi", "$\\boxed{3\\pi}$", 1.0),
-])
+@pytest.mark.parametrize(
+    "gold, completion, score",
+    [
+        ("72", "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May.\n#### 72", 1.0),  # GSM8K train[0]
+        ("72", "She sold 48 in April and 24 in May, 72 in all. The answer is 72", 1.0),
+        ("72", "48 + 24 = 73", 0.0),  # the answer is the last expression's value, not the first number
+        ("\\frac{1}{2}", "So the probability is \\boxed{\\frac{2}{4}}.", 1.0),
+        ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
+        ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0.0),
+        ("2\\sqrt{2}", "The distance is $\\sqrt{8}$.", 1.0),
+        ("3\\pi", "$\\boxed{3\\pi}$", 1.0),
+    ],
+)
 def test_gsm8k_and_math_style_answers(gold, completion, score):
     assert exact_match("", completion, gold) == score
 
@@ -80,8 +98,10 @@ def test_majority_answer_groups_equal_answers():
     assert majority_answer([extract_answer("no idea")]) == []
 
 
-@pytest.mark.parametrize("n, c, k, expected", [(1, 1, 1, 1.0), (1, 0, 1, 0.0), (10, 3, 1, 0.3), (5, 2, 2, 0.7), (4, 1, 4, 1.0), (4, 0, 4, 0.0),
-                                               (10, 1, 5, 0.5), (6, 3, 2, 0.8)])
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [(1, 1, 1, 1.0), (1, 0, 1, 0.0), (10, 3, 1, 0.3), (5, 2, 2, 0.7), (4, 1, 4, 1.0), (4, 0, 4, 0.0), (10, 1, 5, 0.5), (6, 3, 2, 0.8)],
+)
 def test_pass_at_k_worked_numbers(n, c, k, expected):
     """By hand: 1 - C(n-c, k)/C(n, k); e.g. n=5, c=2, k=2: 1 - 3/10; n=6, c=3, k=2: 1 - 3/15."""
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)

@@ -39,7 +39,10 @@ def jobs_submitted(tmp_path) -> int:
 
 @pytest.mark.slow
 def test_two_concurrent_runs_of_one_fingerprint_submit_one_job(base_overrides, tmp_path):
-    runs = [subprocess.Popen([sys.executable, "-c", RUN_PREP, *base_overrides, "store.poll_interval_s=0.2"], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [
+        subprocess.Popen([sys.executable, "-c", RUN_PREP, *base_overrides, "store.poll_interval_s=0.2"], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     results = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in runs]
     assert all(p.returncode == 0 for p in runs)
     assert sorted(r["cached"] for r in results) == [False, True]
@@ -81,7 +84,7 @@ def run(cfg, inputs, out):
     return {"rows": 0}
 ''',
     "alignflow/orchestrator/kinds/forgetful.py": "from alignflow.orchestrator.config import schema\nfrom alignflow.orchestrator.kinds.spec import StageKind\n\n"
-                                    'KIND = StageKind(schema=schema.ForgetfulConfig, output="eval", inputs={}, resumable=False)\n',
+    'KIND = StageKind(schema=schema.ForgetfulConfig, output="eval", inputs={}, resumable=False)\n',
     "conf/pipeline/forgetful.yaml": "# @package _global_\n# align run pipeline=forgetful\npipeline:\n  name: forgetful\n  stages:\n    forgetful: {}\n",
 }
 RUN_FORGETFUL = """

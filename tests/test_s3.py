@@ -42,7 +42,11 @@ def test_an_input_model_is_downloaded_once_per_commit(s3_endpoint, tmp_path, mon
     fs.pipe(f"{root}/_SUCCESS.json", b'{"committed_at": 1}')
     first = Path(local_model(f"s3://{root}", cache).uri)
     assert first.parent == cache / "inputs" / "s3" / root
-    assert sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file()) == ["hf/config.json", "model/.metadata", "tokenizer/tokenizer.json"]
+    assert sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file()) == [
+        "hf/config.json",
+        "model/.metadata",
+        "tokenizer/tokenizer.json",
+    ]
     fs.pipe(f"{root}/model/.metadata", b"v2")
     assert Path(local_model(f"s3://{root}", cache).uri) == first and (first / "model" / ".metadata").read_bytes() == b"v1"
     fs.pipe(f"{root}/_SUCCESS.json", b'{"committed_at": 2}')  # e.g. a forced re-run committed again
@@ -106,8 +110,16 @@ def test_convert_and_export_through_s3(s3_endpoint, demo_dir, base_overrides):
         assert fs.exists(f"{root}/config.json") and fs.exists(f"{root}/tokenizer.json")
 
 
-FAST = ["sft.trainer.max_steps=2", "sft.optim.warmup_steps=1", "sft.trainer.val_check_interval=1", "sft.trainer.limit_val_batches=1",
-        "sft.checkpoint.every_n_steps=1", "sft.checkpoint.save_top_k=0", "eval.num_generation_samples=4", "eval.limit_batches=1"]
+FAST = [
+    "sft.trainer.max_steps=2",
+    "sft.optim.warmup_steps=1",
+    "sft.trainer.val_check_interval=1",
+    "sft.trainer.limit_val_batches=1",
+    "sft.checkpoint.every_n_steps=1",
+    "sft.checkpoint.save_top_k=0",
+    "eval.num_generation_samples=4",
+    "eval.limit_batches=1",
+]
 
 
 @pytest.mark.slow
@@ -121,7 +133,8 @@ def test_demo_pipeline_with_everything_on_s3(s3_endpoint, demo_dir, base_overrid
     fs = fsspec.filesystem("s3", **options)
     fs.put(f"{demo_dir}/", "test/demo/", recursive=True)
     overrides = [
-        *base_overrides, *FAST,
+        *base_overrides,
+        *FAST,
         "paths.demo=s3://test/demo",
         "data.preference=null",  # the demo pipeline does not train on it; eval would score it (slow)
         "store.root=s3://test/store3",
@@ -195,9 +208,13 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
     for role, path in local.items():
         fs.put(f"{path}/", f"test/resume/{role}/", recursive=True)
     inputs = {role: f"s3://test/resume/{role}" for role in local}
-    cfg = sft_cfg(demo_dir, hidden_dropout=0.1, attention_dropout=0.1,
-                  trainer={"max_steps": 8, "val_check_interval": 2, "log_every_n_steps": 1},
-                  checkpoint={"every_n_steps": 3, "save_top_k": 1})
+    cfg = sft_cfg(
+        demo_dir,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        trainer={"max_steps": 8, "val_check_interval": 2, "log_every_n_steps": 1},
+        checkpoint={"every_n_steps": 3, "save_top_k": 1},
+    )
     reference = tmp_path / "uninterrupted"
     sft.run(typed(cfg), local, str(reference))
 
@@ -206,11 +223,24 @@ def test_killed_job_resumes_from_the_s3_checkpoint_on_another_node(s3_endpoint, 
     script.write_text(JOB)
 
     def job(node: str, pause: float) -> subprocess.Popen:
-        spec = {"kind": "sft", "cfg": cfg | {"store": {"cache_dir": str(tmp_path / node)}}, "inputs": inputs, "out": out,
-                "storage_options": options, "pause": pause}
+        spec = {
+            "kind": "sft",
+            "cfg": cfg | {"store": {"cache_dir": str(tmp_path / node)}},
+            "inputs": inputs,
+            "out": out,
+            "storage_options": options,
+            "pause": pause,
+        }
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        return subprocess.Popen([sys.executable, str(script), json.dumps(spec)], cwd=PROJECT_ROOT, env=env | {"PYTHONPATH": str(PROJECT_ROOT)},
-                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, str(script), json.dumps(spec)],
+            cwd=PROJECT_ROOT,
+            env=env | {"PYTHONPATH": str(PROJECT_ROOT)},
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     first = job("node-a", pause=60)
     marker, deadline = f"{staging}/checkpoints/step-00000003/complete", time.time() + 180

@@ -30,8 +30,7 @@ def test_bf16_tracks_fp32_for_20_steps(demo_dir, inputs, tmp_path):
     the loss goes down, and the checkpoint holds bf16 weights."""
     runs = {}
     for precision in ("fp32", "bf16"):
-        cfg = sft_cfg(demo_dir, precision=precision, trainer={"max_steps": 20, "val_check_interval": 20},
-                      optim={"lr": 3e-3, "warmup_steps": 2})
+        cfg = sft_cfg(demo_dir, precision=precision, trainer={"max_steps": 20, "val_check_interval": 20}, optim={"lr": 3e-3, "warmup_steps": 2})
         run_sft(cfg, inputs, tmp_path / precision)
         runs[precision] = losses(tmp_path / precision)
     deltas = [abs(b - a) / a for a, b in zip(runs["fp32"], runs["bf16"])]
@@ -44,13 +43,18 @@ def test_bf16_tracks_fp32_for_20_steps(demo_dir, inputs, tmp_path):
 def test_activation_recompute_gives_the_same_steps(demo_dir, inputs, tmp_path, monkeypatch):
     """Selective and full (uniform, block) recompute re-run the forward in the backward pass with the
     RNG states of the first run (dropout on, and it matters): the same losses and weights as none."""
-    settings = {"none": {}, "selective": {"recompute_granularity": "selective"},
-                "full-uniform": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-                "full-block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}}
+    settings = {
+        "none": {},
+        "selective": {"recompute_granularity": "selective"},
+        "full-uniform": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        "full-block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    }
     recomputed = {}
     for name, knobs in settings.items():
         calls = []
-        monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *args, checkpoint=tensor_parallel.checkpoint, calls=calls: calls.append(1) or checkpoint(*args))
+        monkeypatch.setattr(
+            tensor_parallel, "checkpoint", lambda *args, checkpoint=tensor_parallel.checkpoint, calls=calls: calls.append(1) or checkpoint(*args)
+        )
         cfg = sft_cfg(demo_dir, precision="bf16", hidden_dropout=0.1, attention_dropout=0.1, trainer={"max_steps": 3}, **knobs)
         run_sft(cfg, inputs, tmp_path / name)
         monkeypatch.undo()
@@ -74,10 +78,17 @@ def test_distributed_optimizer_at_dp2_matches_plain_dp2(demo_dir, inputs, tmp_pa
     bits differ), and a clipped step scales by it, so whether a bf16 weight's rounding flips
     would be luck."""
     runs = {}
-    for name, parallel in (("plain", {}), ("distributed", {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
-                                                             "overlap_param_gather": True})):
-        cfg = sft_cfg(demo_dir, precision="bf16", resources={"tasks_per_node": 2}, parallel=parallel,
-                      trainer={"max_steps": 5, "val_check_interval": 5, "gradient_clip_val": 0.0})
+    for name, parallel in (
+        ("plain", {}),
+        ("distributed", {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True}),
+    ):
+        cfg = sft_cfg(
+            demo_dir,
+            precision="bf16",
+            resources={"tasks_per_node": 2},
+            parallel=parallel,
+            trainer={"max_steps": 5, "val_check_interval": 5, "gradient_clip_val": 0.0},
+        )
         torchrun(2, cfg, inputs, tmp_path / name)
         runs[name] = metrics_lines(tmp_path / name)
     plain, distributed = weights(tmp_path / "plain" / "model"), weights(tmp_path / "distributed" / "model")
@@ -96,8 +107,12 @@ def test_a_run_checkpointed_at_dp2_resumes_at_another_layout(demo_dir, inputs, t
     states not needed: no dropout): steps 4-6 continue the DP2 run's losses within bf16's
     layout tolerance (as a bf16 run at TP2 tracks one at TP1); resumed at DP2 again they and
     the final weights are bit-exact."""
-    base = dict(precision="bf16", parallel={"use_distributed_optimizer": True},
-                trainer={"max_steps": 6, "val_check_interval": 6}, checkpoint={"every_n_steps": 3, "save_top_k": -1})
+    base = dict(
+        precision="bf16",
+        parallel={"use_distributed_optimizer": True},
+        trainer={"max_steps": 6, "val_check_interval": 6},
+        checkpoint={"every_n_steps": 3, "save_top_k": -1},
+    )
     first = tmp_path / "dp2"
     torchrun(2, sft_cfg(demo_dir, resources={"tasks_per_node": 2}, **base), inputs, first)
     expected = losses(first)

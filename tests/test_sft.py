@@ -17,8 +17,21 @@ from omegaconf import OmegaConf
 from alignflow import PROJECT_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import (LAYOUT_TOLERANCE, SEQ_LENGTH, assert_hardware_use, assert_same_steps, convert_demo, job_args,  # noqa: E402
-                         job_env, metrics_lines, prep_demo, run_sft, sft_cfg, torchrun, weights)
+from train_ranks import (
+    LAYOUT_TOLERANCE,
+    SEQ_LENGTH,
+    assert_hardware_use,
+    assert_same_steps,
+    convert_demo,
+    job_args,  # noqa: E402
+    job_env,
+    metrics_lines,
+    prep_demo,
+    run_sft,
+    sft_cfg,
+    torchrun,
+    weights,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +69,20 @@ def test_sft_writes_the_model_layout_and_metrics(demo_dir, inputs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,dp,vp,model,precision", [
-    (2, 1, 1, None, None, "fp32"), (1, 2, 1, None, None, "fp32"), (1, 1, 2, None, None, "fp32"), (1, 2, 1, 2, "4-layers", "fp32"),
-    (1, 2, 1, None, "tied", "fp32"), (2, 1, 1, None, None, "bf16"), (1, 2, 1, None, None, "bf16"), (1, 1, 2, None, None, "bf16"),
-], ids=["tp2", "pp2", "dp2", "pp2-vp2", "pp2-tied", "tp2-bf16", "pp2-bf16", "dp2-bf16"])
+@pytest.mark.parametrize(
+    "tp,pp,dp,vp,model,precision",
+    [
+        (2, 1, 1, None, None, "fp32"),
+        (1, 2, 1, None, None, "fp32"),
+        (1, 1, 2, None, None, "fp32"),
+        (1, 2, 1, 2, "4-layers", "fp32"),
+        (1, 2, 1, None, "tied", "fp32"),
+        (2, 1, 1, None, None, "bf16"),
+        (1, 2, 1, None, None, "bf16"),
+        (1, 1, 2, None, None, "bf16"),
+    ],
+    ids=["tp2", "pp2", "dp2", "pp2-vp2", "pp2-tied", "tp2-bf16", "pp2-bf16", "dp2-bf16"],
+)
 def test_two_ranks_match_one_rank(demo_dir, inputs, other_models, tmp_path, tp, pp, dp, vp, model, precision):
     """Same losses, grad norms and val loss over 5 steps as TP1 at the same precision, within
     LAYOUT_TOLERANCE (4 micro batches of 2 rows per step: PP2 pipelines them, interleaved with
@@ -69,8 +92,15 @@ def test_two_ranks_match_one_rank(demo_dir, inputs, other_models, tmp_path, tp, 
     reference = tmp_path / "tp1"
     run_sft(sft_cfg(demo_dir, precision=precision, trainer={"val_check_interval": 5}), inputs, reference)
     parallel = tmp_path / f"tp{tp}pp{pp}dp{dp}"
-    cfg = sft_cfg(demo_dir, tp=tp, pp=pp, precision=precision, resources={"tasks_per_node": tp * pp * dp},
-                  trainer={"val_check_interval": 5}, parallel={"virtual_pipeline_model_parallel_size": vp})
+    cfg = sft_cfg(
+        demo_dir,
+        tp=tp,
+        pp=pp,
+        precision=precision,
+        resources={"tasks_per_node": tp * pp * dp},
+        trainer={"val_check_interval": 5},
+        parallel={"virtual_pipeline_model_parallel_size": vp},
+    )
     torchrun(tp * pp * dp, cfg, inputs, parallel)
     assert_same_steps(reference, parallel, LAYOUT_TOLERANCE[precision])
     assert json.loads((parallel / "result.json").read_text())["steps"] == 5
@@ -88,8 +118,12 @@ def test_moe_at_ep2_matches_ep1(demo_dir, inputs, tmp_path):
     runs = {}
     for ep in (1, 2):
         runs[ep] = tmp_path / f"ep{ep}"
-        torchrun(2, sft_cfg(demo_dir, resources={"tasks_per_node": 2}, trainer={"val_check_interval": 5},
-                            parallel={"expert_model_parallel_size": ep}), moe, runs[ep])
+        torchrun(
+            2,
+            sft_cfg(demo_dir, resources={"tasks_per_node": 2}, trainer={"val_check_interval": 5}, parallel={"expert_model_parallel_size": ep}),
+            moe,
+            runs[ep],
+        )
     assert_same_steps(runs[1], runs[2], 1e-5, keys=("loss", "aux_loss", "grad_norm", "val_loss", "val_aux_loss"))
     assert min(line["aux_loss"] for line in metrics_lines(runs[1])) > 1.0  # top 2 of 4: at least 2 (HF's), x 0.5 in the loss
     assert weights(runs[2] / "model").keys() == weights(Path(moe["model"]) / "model").keys()
@@ -100,15 +134,25 @@ def test_killed_job_resumes_to_the_uninterrupted_weights(demo_dir, inputs, tmp_p
     """SIGKILL after the first checkpoint, a half-written later checkpoint left behind, and the
     retry on the same `out` ends with bit-identical weights and the same metrics (dropout on,
     so the RNG states must be restored too)."""
-    cfg = sft_cfg(demo_dir, hidden_dropout=0.1, attention_dropout=0.1,
-                  trainer={"max_steps": 8, "val_check_interval": 2, "log_every_n_steps": 1},
-                  checkpoint={"every_n_steps": 3, "save_top_k": 1})
+    cfg = sft_cfg(
+        demo_dir,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        trainer={"max_steps": 8, "val_check_interval": 2, "log_every_n_steps": 1},
+        checkpoint={"every_n_steps": 3, "save_top_k": 1},
+    )
     reference = tmp_path / "uninterrupted"
     run_sft(cfg, inputs, reference)
 
     out = tmp_path / "killed"
-    job = subprocess.Popen([sys.executable, *job_args(cfg, inputs, out), "--pause-after-checkpoint", "60"],
-                           cwd=PROJECT_ROOT, env=job_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    job = subprocess.Popen(
+        [sys.executable, *job_args(cfg, inputs, out), "--pause-after-checkpoint", "60"],
+        cwd=PROJECT_ROOT,
+        env=job_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     first = out / "checkpoints" / "step-00000003" / "complete"
     deadline = time.time() + 120
     while not first.exists() and job.poll() is None and time.time() < deadline:
@@ -150,24 +194,32 @@ def test_a_checkpoint_written_on_gpu_resumes_on_cpu(demo_dir, inputs, tmp_path, 
     """With dropout on (attention dropout draws from Megatron's tracker), a CPU job resumes the
     checkpoint a GPU job wrote, re-seeding the device's RNG states and saying so; it used to
     crash at the first forward ("Expected a CPUGeneratorImplState of size 5056 ... 16")."""
-    cfg = sft_cfg(demo_dir, hidden_dropout=0.1, attention_dropout=0.1, trainer={"max_steps": 2, "val_check_interval": 2},
-                  checkpoint={"every_n_steps": 2})
+    cfg = sft_cfg(
+        demo_dir, hidden_dropout=0.1, attention_dropout=0.1, trainer={"max_steps": 2, "val_check_interval": 2}, checkpoint={"every_n_steps": 2}
+    )
     out = tmp_path / "out"
     run_sft(cfg, inputs, out)
     as_a_gpu_job_writes_it(out / "checkpoints" / "step-00000002" / "rank-00000.pt")
     cfg["sft"]["trainer"]["max_steps"] = 4
     with caplog.at_level(logging.INFO, logger="alignflow"):
         assert run_sft(cfg, inputs, out)["steps"] == 4
-    assert (f"{out / 'checkpoints' / 'step-00000002'} was written on cuda, this job runs on cpu: RNG states tracker, cuda "
-            "re-seeded (as this job's start seeded them from trainer.seed), python, numpy and torch restored") in caplog.text
+    assert (
+        f"{out / 'checkpoints' / 'step-00000002'} was written on cuda, this job runs on cpu: RNG states tracker, cuda "
+        "re-seeded (as this job's start seeded them from trainer.seed), python, numpy and torch restored"
+    ) in caplog.text
     assert [line["step"] for line in metrics_lines(out)] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
 def test_sft_lowers_the_val_loss_on_the_demo_task(demo_dir, inputs, tmp_path):
-    cfg = sft_cfg(demo_dir, micro_batch_size=4, global_batch_size=16,
-                  trainer={"max_steps": 80, "val_check_interval": 10, "limit_val_batches": 4, "log_every_n_steps": 10},
-                  optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4}, checkpoint={"every_n_steps": 40, "save_top_k": 1})
+    cfg = sft_cfg(
+        demo_dir,
+        micro_batch_size=4,
+        global_batch_size=16,
+        trainer={"max_steps": 80, "val_check_interval": 10, "limit_val_batches": 4, "log_every_n_steps": 10},
+        optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4},
+        checkpoint={"every_n_steps": 40, "save_top_k": 1},
+    )
     started = time.time()
     metrics = run_sft(cfg, inputs, tmp_path / "out")
     val = [line["val_loss"] for line in metrics_lines(tmp_path / "out") if "val_loss" in line]
@@ -177,9 +229,16 @@ def test_sft_lowers_the_val_loss_on_the_demo_task(demo_dir, inputs, tmp_path):
 
 
 def test_early_stopping_ends_the_run_and_a_retry_does_not_continue_it(demo_dir, inputs, tmp_path):
-    cfg = sft_cfg(demo_dir, trainer={"max_steps": 20, "val_check_interval": 2, "early_stopping_patience": 1,
-                                     "early_stopping_min_delta": 100.0},  # no validation can improve by that much
-                  checkpoint={"every_n_steps": 10})
+    cfg = sft_cfg(
+        demo_dir,
+        trainer={
+            "max_steps": 20,
+            "val_check_interval": 2,
+            "early_stopping_patience": 1,
+            "early_stopping_min_delta": 100.0,
+        },  # no validation can improve by that much
+        checkpoint={"every_n_steps": 10},
+    )
     first = run_sft(cfg, inputs, tmp_path / "out")
     assert first["stopped_early"] and first["steps"] == 4  # validations at 2 (best) and 4 (no improvement)
     again = run_sft(cfg, inputs, tmp_path / "out")
@@ -199,10 +258,14 @@ def test_wandb_offline_run_continues_after_a_retry(demo_dir, inputs, tmp_path):
     assert (out / "checkpoints" / "wandb-run-id").read_text() == run_id
 
 
-@pytest.mark.parametrize("sft_override,message", [
-    ({"parallel": {"context_parallel_size": 2}}, "context_parallel_size > 1"),
-    ({"parallel": {"sequence_parallel": True}}, "sequence_parallel needs Transformer Engine"),
-], ids=["cp", "sp"])
+@pytest.mark.parametrize(
+    "sft_override,message",
+    [
+        ({"parallel": {"context_parallel_size": 2}}, "context_parallel_size > 1"),
+        ({"parallel": {"sequence_parallel": True}}, "sequence_parallel needs Transformer Engine"),
+    ],
+    ids=["cp", "sp"],
+)
 def test_unsupported_settings_fail_before_training(demo_dir, inputs, tmp_path, sft_override, message):
     with pytest.raises(NotImplementedError, match=message):
         run_sft(sft_cfg(demo_dir, **sft_override), inputs, tmp_path / "out")

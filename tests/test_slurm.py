@@ -32,8 +32,9 @@ pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 
 def slurm(tmp_path):
-    return OmegaConf.merge(OmegaConf.structured(LauncherConfig),
-                           {"name": "slurm", "partition": "debug", "folder": str(tmp_path / "jobs"), "time_min": 30})
+    return OmegaConf.merge(
+        OmegaConf.structured(LauncherConfig), {"name": "slurm", "partition": "debug", "folder": str(tmp_path / "jobs"), "time_min": 30}
+    )
 
 
 def section(tasks: int, timeout_min: int = 10):
@@ -111,8 +112,13 @@ def test_a_preempted_training_job_is_requeued_and_resumes_to_the_uninterrupted_w
 
     from alignflow.job.worker import run_stage_job
 
-    cfg = sft_cfg(demo_dir, hidden_dropout=0.1, resources={"tasks_per_node": 2},
-                  trainer={"max_steps": 6, "val_check_interval": 3, "log_every_n_steps": 1}, checkpoint={"every_n_steps": 3})
+    cfg = sft_cfg(
+        demo_dir,
+        hidden_dropout=0.1,
+        resources={"tasks_per_node": 2},
+        trainer={"max_steps": 6, "val_check_interval": 3, "log_every_n_steps": 1},
+        checkpoint={"every_n_steps": 3},
+    )
     stage = OmegaConf.create({**cfg["sft"], "timeout_min": 30})  # > 10 min: submitit counts a USR2 as a preemption
     started = time.time()
     local = OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs")})
@@ -137,7 +143,7 @@ def test_a_preempted_training_job_is_requeued_and_resumes_to_the_uninterrupted_w
     text = "\n".join(lines)
     assert "this job is preempted" in text and f"Requeued job {job.job_id}" in text
     assert f"resumed from {out / 'checkpoints' / 'step-00000003'} (step 3 of 6)" in text, text[-4000:]
-    assert "REQUEUED" in states or "PENDING" in states[states.index("RUNNING"):], states
+    assert "REQUEUED" in states or "PENDING" in states[states.index("RUNNING") :], states
     assert states[-1] == "COMPLETED" == record.state, states
     expected, got = weights(tmp_path / "uninterrupted" / "model"), weights(out / "model")
     assert expected.keys() == got.keys() and all(expected[k].equal(got[k]) for k in expected)
@@ -169,8 +175,14 @@ def test_a_cancelled_flow_run_leaves_no_slurm_job(prefect_server, base_overrides
 
     overrides = [*base_overrides, "launcher=slurm", "launcher.partition=debug", "launcher.setup=['sleep 300']"]
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(PROJECT_ROOT)}
-    flow = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "pipeline=demo", *overrides], cwd=PROJECT_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    flow = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", "pipeline=demo", *overrides],
+        cwd=PROJECT_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 180
     while not (submitted := list((tmp_path / "jobs").glob("prep-*/*/*_submission.sh"))) and flow.poll() is None and time.time() < deadline:
         time.sleep(0.5)

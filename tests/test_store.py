@@ -106,8 +106,7 @@ def test_a_holder_on_another_machine_is_taken_over_after_its_lease_stood_still_f
     stopped beating: only its standstill on this host's clock tells it is dead."""
     path = tmp_path / "prep" / "_leases" / "f1.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"owner": "node7:4242:0123456789ab", "beat": 0, "host": "node7", "boot": "b-7", "pid": 4242,
-                                "started": 1.0}))
+    path.write_text(json.dumps({"owner": "node7:4242:0123456789ab", "beat": 0, "host": "node7", "boot": "b-7", "pid": 4242, "started": 1.0}))
     started = time.monotonic()
     with Store(str(tmp_path), {}).lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
         waited = time.monotonic() - started
@@ -122,8 +121,9 @@ def test_staleness_does_not_read_the_holders_clock(tmp_path):
     path = tmp_path / "prep" / "_leases" / "f1.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "heartbeat": time.time() - 3600}))
     got = []
-    contender = threading.Thread(target=lambda: got.append(Store(str(tmp_path), {}).lease(
-        "prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None).__enter__()))
+    contender = threading.Thread(
+        target=lambda: got.append(Store(str(tmp_path), {}).lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None).__enter__())
+    )
     contender.start()
     contender.join(timeout=3.0)
     assert contender.is_alive() and not got  # three ttls: the beats keep the lease, whatever the record says
@@ -152,6 +152,7 @@ def test_heartbeat_keeps_a_long_run_alive(tmp_path):
     store = Store(str(tmp_path), {})
     got = []
     with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None):
+
         def contender():
             with store.lease("prep", "f1", ttl_s=1.0, poll_s=0.05, log=lambda _: None) as lease:
                 got.append((time.time(), lease is not None))
@@ -221,8 +222,12 @@ def truncate(path: Path, keep: int = -100) -> None:
 
 BROKEN = {  # (format, how the staged copy of the real output is broken, the file the error must name, why)
     "an empty staging folder": ("prep", lambda out: shutil.rmtree(out) or out.mkdir(), "", "is empty or absent"),
-    "a truncated Parquet shard": ("prep", lambda out: truncate(out / "sft" / "train-00000.parquet"), "sft/train-00000.parquet",
-                                  "unreadable: ArrowInvalid"),
+    "a truncated Parquet shard": (
+        "prep",
+        lambda out: truncate(out / "sft" / "train-00000.parquet"),
+        "sft/train-00000.parquet",
+        "unreadable: ArrowInvalid",
+    ),
     "a missing metadata.json": ("prep", lambda out: (out / "metadata.json").unlink(), "metadata.json", "missing"),
     "no Parquet shard at all": ("prep", lambda out: shutil.rmtree(out / "sft"), "*/*.parquet", "missing"),
     "a truncated safetensors file": ("hf", lambda out: truncate(out / "model.safetensors"), "model.safetensors", "truncated: "),
@@ -277,8 +282,11 @@ def test_an_s3_commit_is_verified_too(s3_endpoint, real_outputs):
     fs.put(f"{real_outputs['prep']}/", store.staging_path("prep", "f1") + "/", recursive=True)
     shard = f"{store.staging_path('prep', 'f1')}/sft/train-00000.parquet"
     fs.pipe(shard, fs.cat_file(shard)[:-100])
-    with pytest.raises(IncompleteOutput, match=r"prep f1: not committed: the output staged at s3://test/verified/prep/_staging/f1 is "
-                                               r"incomplete: sft/train-00000.parquet: unreadable"):
+    with pytest.raises(
+        IncompleteOutput,
+        match=r"prep f1: not committed: the output staged at s3://test/verified/prep/_staging/f1 is "
+        r"incomplete: sft/train-00000.parquet: unreadable",
+    ):
         store.commit("prep", "f1", {}, OUTPUTS["prep"])
     assert not fs.exists(store.output_path("prep", "f1"))
     fs.rm(store.staging_path("prep", "f1"), recursive=True)
@@ -314,7 +322,7 @@ def staged_training_output(model: Path, dest: Path) -> None:
 
 def files_under(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, int]:
     fs.invalidate_cache()
-    return {p[len(root) + 1:]: info["size"] for p, info in fs.find(root, detail=True).items()}
+    return {p[len(root) + 1 :]: info["size"] for p, info in fs.find(root, detail=True).items()}
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["weights-only", "keep-optimizer"])
@@ -322,15 +330,21 @@ def files_under(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, int]:
 def test_a_training_commit_leaves_its_checkpoints_out_or_keeps_only_the_final_one(keep, where, real_outputs, tmp_path, request):
     local = tmp_path / "staged"
     staged_training_output(real_outputs["model"], local)
-    store = Store(str(tmp_path / "store"), {}) if where == "local" else Store(
-        f"s3://test/training-{keep}", {"client_kwargs": {"endpoint_url": request.getfixturevalue("s3_endpoint")}})
+    store = (
+        Store(str(tmp_path / "store"), {})
+        if where == "local"
+        else Store(f"s3://test/training-{keep}", {"client_kwargs": {"endpoint_url": request.getfixturevalue("s3_endpoint")}})
+    )
     store.fs.put(f"{local}/", f"{store.staging_path('sft', 'f1')}/", recursive=True)
     staged = store.staged_files("sft", "f1")
 
     kept, leave_out = store.committed_checkpoint("sft", "f1", keep_latest=keep)
     assert kept == ("checkpoints/step-00000002" if keep else None)
-    assert leave_out == (("checkpoints/.tmp-step-00000004", "checkpoints/step-00000001", "checkpoints/step-00000003",
-                          "checkpoints/wandb-run-id") if keep else ("checkpoints",))
+    assert leave_out == (
+        ("checkpoints/.tmp-step-00000004", "checkpoints/step-00000001", "checkpoints/step-00000003", "checkpoints/wandb-run-id")
+        if keep
+        else ("checkpoints",)
+    )
     manifest = {"files": store.staged_files("sft", "f1", leave_out)}
     store.commit("sft", "f1", manifest, OUTPUTS["model"], leave_out)
 
@@ -366,6 +380,11 @@ def test_keeping_the_final_checkpoint_of_an_output_without_one_is_refused(real_o
     assert store.committed_checkpoint("sft", "f1", keep_latest=False) == (None, ())  # nothing to leave out
     (staging / "checkpoints" / "step-00000002").mkdir(parents=True)
     (staging / "checkpoints" / "step-00000002" / "trainer.json").write_text("{}")  # renamed, never marked complete
-    with pytest.raises(IncompleteOutput, match=re.escape(f"sft f1: not committed: its checkpoint.keep_optimizer asks to keep its final "
-                                                         f"training checkpoint, but none is complete at {staging}/checkpoints")):
+    with pytest.raises(
+        IncompleteOutput,
+        match=re.escape(
+            f"sft f1: not committed: its checkpoint.keep_optimizer asks to keep its final "
+            f"training checkpoint, but none is complete at {staging}/checkpoints"
+        ),
+    ):
         store.committed_checkpoint("sft", "f1", keep_latest=True)

@@ -48,19 +48,28 @@ def test_only_alignflow_records_reach_the_flow_log_at_their_level():
         return formatter.format(logging.LogRecord(name, level, __file__, 1, message, None, None))
 
     class Capture(list):
-        def info(self, message): self.append((logging.INFO, message))
-        def log(self, level, message): self.append((level, message))
+        def info(self, message):
+            self.append((logging.INFO, message))
+
+        def log(self, level, message):
+            self.append((level, message))
 
     seen = Capture()
     watcher = JobLogWatcher("sft", seen)
-    for line in ("submitit INFO (2026-11-23 10:00:00,000) - Starting with JobEnvironment(job_id=1, hostname=a, local_rank=0(1))",
-                 "/x/torch/distributed/checkpoint/default_planner.py:503: FutureWarning: Please use DTensor instead",
-                 "    and md.size != obj.size()", "hello from a print",
-                 record("alignflow.sft", logging.WARNING, "validation set has 3 rows"),
-                 record("megatron.core.models", logging.INFO, "building the model"),
-                 record("alignflow.job.train.engine", logging.DEBUG, "checkpoint /x/checkpoints/step-00000100"),
-                 record("alignflow.job.worker", logging.ERROR, "stopping: the run is gone")):
+    for line in (
+        "submitit INFO (2026-11-23 10:00:00,000) - Starting with JobEnvironment(job_id=1, hostname=a, local_rank=0(1))",
+        "/x/torch/distributed/checkpoint/default_planner.py:503: FutureWarning: Please use DTensor instead",
+        "    and md.size != obj.size()",
+        "hello from a print",
+        record("alignflow.sft", logging.WARNING, "validation set has 3 rows"),
+        record("megatron.core.models", logging.INFO, "building the model"),
+        record("alignflow.job.train.engine", logging.DEBUG, "checkpoint /x/checkpoints/step-00000100"),
+        record("alignflow.job.worker", logging.ERROR, "stopping: the run is gone"),
+    ):
         watcher.job_output(line)
     watcher("sft ab12: submitted local job 1, log /x/1_0_log.out")
-    assert seen == [(logging.WARNING, "sft: validation set has 3 rows"), (logging.ERROR, "sft: stopping: the run is gone"),
-                    (logging.INFO, "sft ab12: submitted local job 1, log /x/1_0_log.out")]
+    assert seen == [
+        (logging.WARNING, "sft: validation set has 3 rows"),
+        (logging.ERROR, "sft: stopping: the run is gone"),
+        (logging.INFO, "sft ab12: submitted local job 1, log /x/1_0_log.out"),
+    ]

@@ -134,8 +134,12 @@ def test_rng_states_of_the_other_device_type_are_re_seeded_and_the_hosts_restore
     from megatron.core import tensor_parallel
 
     seed_host(1)
-    states = {"python": random.getstate(), "numpy": checkpointing._plain_numpy_state(np.random.get_state()), "torch": torch.get_rng_state(),
-              "tracker": {"model-parallel-rng": torch.Generator().manual_seed(4).get_state()}}
+    states = {
+        "python": random.getstate(),
+        "numpy": checkpointing._plain_numpy_state(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+        "tracker": {"model-parallel-rng": torch.Generator().manual_seed(4).get_state()},
+    }
     if drawn_on == "cuda":
         states |= {"tracker": {"model-parallel-rng": philox(4)}, "cuda": philox(3)}
     expected = (random.random(), np.random.rand(), torch.rand(1))
@@ -214,7 +218,12 @@ def test_the_ranks_of_an_expert_group_run_as_many_micro_batches(tmp_path):
     script = tmp_path / "even_out.py"
     script.write_text(EVEN_OUT)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(script)],
-                         capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": str(Path(__file__).parents[1])})
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "rank 0: [[0], [1], [2], [3, 4]]" in run.stdout and "rank 1: [[5, 6], [7], [8, 9], [10]]" in run.stdout, run.stdout

@@ -153,8 +153,9 @@ def test_a_tokenizer_that_needs_its_own_code_is_refused(demo_dir, tmp_path):
 
     marker, tokenizer = tmp_path / "code-ran", tmp_path / "tokenizer"
     shutil.copytree(demo_dir / "tokenizer", tokenizer)
-    (tokenizer / "custom.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
-                                         "from transformers import PreTrainedTokenizerFast as CustomTokenizer\n")
+    (tokenizer / "custom.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nfrom transformers import PreTrainedTokenizerFast as CustomTokenizer\n"
+    )
     config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     config |= {"tokenizer_class": "CustomTokenizer", "auto_map": {"AutoTokenizer": [None, "custom.CustomTokenizer"]}}
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
@@ -238,11 +239,21 @@ def test_a_megatron_written_nemo_style_checkpoint_converts_exactly(one_rank, dem
         restricted = MetadataUnpickler(f, str(nemo / ".metadata")).load()
     assert vars(restricted) == vars(plain) and "BytesStorageMetadata" in {type(v).__name__ for v in plain.state_dict_metadata.values()}
     out = tmp_path / "from-nemo"
-    convert.run(OmegaConf.create({
-        "model": {"source": str(nemo), "hf_config": str(converted / HF_DIR), "tokenizer": str(demo_dir / "tokenizer"),
-                  "make_vocab_size_divisible_by": 128},
-        "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
-    }), {}, str(out))
+    convert.run(
+        OmegaConf.create(
+            {
+                "model": {
+                    "source": str(nemo),
+                    "hf_config": str(converted / HF_DIR),
+                    "tokenizer": str(demo_dir / "tokenizer"),
+                    "make_vocab_size_divisible_by": 128,
+                },
+                "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+            }
+        ),
+        {},
+        str(out),
+    )
     expected, got = tensors(converted / MODEL_DIR), tensors(out / MODEL_DIR)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 

@@ -8,10 +8,26 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from alignflow.orchestrator.report import stage_report
 from alignflow.job.train.utilization import FORWARD, LORA_TRAINING, TRAINING, ModelShape, figures, model_flops, peak_tflops
 
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=64, vocab_size=128256, tie_word_embeddings=True)
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            vocab_size=128, tie_word_embeddings=False)
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    tie_word_embeddings=False,
+)
 
 
 def counted(model, lengths: list[int], mode: str) -> tuple[int, int]:
@@ -68,8 +84,14 @@ def test_the_peak_table_knows_the_lent_devices_and_no_other():
 
 
 def test_report_shows_the_hardware_use():
-    page = stage_report("ref", {"kind": "ref_logprobs", "metrics": {"train.pairs": 4, "tokens_per_s": 812.5, "tflops": 0.0123,
-                                                                    "mfu": None, "peak_memory_gib": 1.5, "peak_memory_of": "peak RSS"}}, [])
+    page = stage_report(
+        "ref",
+        {
+            "kind": "ref_logprobs",
+            "metrics": {"train.pairs": 4, "tokens_per_s": 812.5, "tflops": 0.0123, "mfu": None, "peak_memory_gib": 1.5, "peak_memory_of": "peak RSS"},
+        },
+        [],
+    )
     hardware = page.split("<h2>hardware use</h2>")[1].split("<h2>")[0]
     assert all(cell in hardware for cell in ("812.5", "0.0123", "n/a", "1.5", "peak RSS")) and "train.pairs" not in hardware
 
@@ -81,9 +103,11 @@ def test_a_jobs_peak_memory_is_its_own_not_the_process_that_started_it():
     import sys
 
     held = bytearray(600 * 2**20)
-    held[:: 4096] = b"\1" * len(held[:: 4096])  # resident, page by page
-    child = "import resource; from alignflow.job.train.utilization import peak_rss_bytes; " \
-            "print(peak_rss_bytes() >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)"
+    held[::4096] = b"\1" * len(held[::4096])  # resident, page by page
+    child = (
+        "import resource; from alignflow.job.train.utilization import peak_rss_bytes; "
+        "print(peak_rss_bytes() >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)"
+    )
     ours, inherited = map(int, subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.split())
     del held
     assert inherited >= 600 > 200 > ours, (ours, inherited)  # ru_maxrss: the parent's; ours: the child's

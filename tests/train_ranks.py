@@ -38,15 +38,37 @@ def prep_demo(demo_dir: Path, out: Path, prompts: bool = False, preference: bool
     from alignflow.job.stages import prep
 
     data = demo_dir / "data"
-    spec = {kind: {"train": str(data / f"{kind}_train.jsonl"), "val": str(data / f"{kind}_val.jsonl"), "val_fraction": 0.0,
-                   "format": "auto", "dev_choose_samples": None, "answer_key": "answer"} for kind in ("sft", "prompts", "preference")}
-    prep.run(typed({
-        "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
-        "data": {"sft": spec["sft"], "preference": spec["preference"] if preference else None, "prompts": spec["prompts"] if prompts else None,
-                 "seq_length": SEQ_LENGTH, "max_prompt_length": 32,
-                 "truncation": "keep_start", "packing": True, "seed": 0},
-        "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
-    }), {}, str(out))
+    spec = {
+        kind: {
+            "train": str(data / f"{kind}_train.jsonl"),
+            "val": str(data / f"{kind}_val.jsonl"),
+            "val_fraction": 0.0,
+            "format": "auto",
+            "dev_choose_samples": None,
+            "answer_key": "answer",
+        }
+        for kind in ("sft", "prompts", "preference")
+    }
+    prep.run(
+        typed(
+            {
+                "prep": {"skip_bad_rows": False, "rows_per_shard": 10000},
+                "data": {
+                    "sft": spec["sft"],
+                    "preference": spec["preference"] if preference else None,
+                    "prompts": spec["prompts"] if prompts else None,
+                    "seq_length": SEQ_LENGTH,
+                    "max_prompt_length": 32,
+                    "truncation": "keep_start",
+                    "packing": True,
+                    "seed": 0,
+                },
+                "model": {"tokenizer": str(demo_dir / "tokenizer"), "chat_template": None},
+            }
+        ),
+        {},
+        str(out),
+    )
     return out
 
 
@@ -75,11 +97,16 @@ def convert_hf(demo_dir: Path, source: Path, out: Path) -> Path:
     """An HF folder over the demo tokenizer converted (TP1) as a model stage output at `out`."""
     from alignflow.job.stages import convert
 
-    convert.run(typed({
-        "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"),
-                  "make_vocab_size_divisible_by": 128},
-        "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
-    }), {}, str(out))
+    convert.run(
+        typed(
+            {
+                "model": {"source": str(source), "hf_config": None, "tokenizer": str(demo_dir / "tokenizer"), "make_vocab_size_divisible_by": 128},
+                "convert": {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}},
+            }
+        ),
+        {},
+        str(out),
+    )
     return out
 
 
@@ -101,15 +128,25 @@ def sft_cfg(demo_dir: Path, tp: int = 1, pp: int = 1, **sft) -> dict:
 
 def stage_cfg(stage: str, demo_dir: Path, tp: int = 1, pp: int = 1, **section) -> dict:
     """The schema's defaults of a training stage (sft, dpo) as plain data, `section` merged over them."""
-    from alignflow.orchestrator.config.schema import DistillationConfig, DPOConfig, GRPOConfig, LoggingConfig, ModelConfig, RewardModelConfig, SFTConfig
+    from alignflow.orchestrator.config.schema import (
+        DistillationConfig,
+        DPOConfig,
+        GRPOConfig,
+        LoggingConfig,
+        ModelConfig,
+        RewardModelConfig,
+        SFTConfig,
+    )
 
-    base = OmegaConf.structured({"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "distillation": DistillationConfig,
-                                 "reward_model": RewardModelConfig}[stage])
+    base = OmegaConf.structured(
+        {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "distillation": DistillationConfig, "reward_model": RewardModelConfig}[stage]
+    )
     base.optim.min_lr = 1e-4  # the default is an interpolation of the composed config
     overrides = {
         "resources": {"tasks_per_node": tp * pp},
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
-        "micro_batch_size": 2, "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
         "trainer": {"max_steps": 5, "log_every_n_steps": 1, "val_check_interval": 5, "limit_val_batches": 2},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
     }
@@ -148,8 +185,14 @@ def job_args(cfg: dict, inputs: dict, out: Path) -> list[str]:
 def torchrun(nproc: int, cfg: dict, inputs: dict, out: Path, *extra: str) -> None:
     """This file's job on `nproc` ranks (the stage's metrics in OUT/result.json)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), *job_args(cfg, inputs, out), *extra],
-                         capture_output=True, text=True, timeout=300, cwd=RANKS.parents[1], env=job_env())
+    run = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), *job_args(cfg, inputs, out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=RANKS.parents[1],
+        env=job_env(),
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
@@ -209,7 +252,9 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--pause-after-checkpoint", type=float, default=0.0)
-    parser.add_argument("--stage", default="sft", choices=["sft", "dpo", "grpo", "eval", "ref_logprobs", "teacher_logprobs", "distillation", "reward_model"])
+    parser.add_argument(
+        "--stage", default="sft", choices=["sft", "dpo", "grpo", "eval", "ref_logprobs", "teacher_logprobs", "distillation", "reward_model"]
+    )
     parser.add_argument("--ref-logprobs", default=None)
     parser.add_argument("--ref-model", default=None)
     parser.add_argument("--teacher-logprobs", default=None)
@@ -229,12 +274,23 @@ def main() -> int:
 
         checkpointing.save = slow_save
     inputs = {"data": args.data, "model": args.model}
-    inputs |= {role: path for role, path in (("ref_logprobs", args.ref_logprobs), ("ref_model", args.ref_model),
-                                             ("teacher_logprobs", args.teacher_logprobs)) if path}
+    inputs |= {
+        role: path
+        for role, path in (("ref_logprobs", args.ref_logprobs), ("ref_model", args.ref_model), ("teacher_logprobs", args.teacher_logprobs))
+        if path
+    }
     inputs |= {"baselines": []} if args.stage == "eval" else {}
     inputs |= {"teacher": inputs.pop("model")} if args.stage == "teacher_logprobs" else {}
-    stage = {"sft": sft, "dpo": dpo, "grpo": grpo, "eval": eval_stage, "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs,
-             "distillation": distillation, "reward_model": reward_model}[args.stage]
+    stage = {
+        "sft": sft,
+        "dpo": dpo,
+        "grpo": grpo,
+        "eval": eval_stage,
+        "ref_logprobs": ref_logprobs,
+        "teacher_logprobs": teacher_logprobs,
+        "distillation": distillation,
+        "reward_model": reward_model,
+    }[args.stage]
     metrics = stage.run(typed(json.loads(Path(args.cfg).read_text())), inputs, args.out)
     if int(os.environ.get("RANK", 0)) == 0:
         (Path(args.out) / "result.json").write_text(json.dumps(metrics))

@@ -92,8 +92,10 @@ def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_
     `alignflow.job.train.engine.gather_weights` first."""
     if isinstance(model, list):
         if len(model) > 1:
-            raise NotImplementedError("generation with virtual pipeline parallelism (several model chunks per rank) is not supported; "
-                                      "set parallel.virtual_pipeline_model_parallel_size: null")
+            raise NotImplementedError(
+                "generation with virtual pipeline parallelism (several model chunks per rank) is not supported; "
+                "set parallel.virtual_pipeline_model_parallel_size: null"
+            )
         model = model[0]
     generator = torch.Generator(device="cpu").manual_seed(seed)  # draws on the host: the same samples on every device type
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -106,8 +108,9 @@ def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_
     return [completions[i] for i in range(len(prompts))]
 
 
-def _generate_batch(model, prompts: list[Sequence[int]], sampling: Sampling, generator: torch.Generator,
-                    group: Optional[dist.ProcessGroup]) -> list[Completion]:
+def _generate_batch(
+    model, prompts: list[Sequence[int]], sampling: Sampling, generator: torch.Generator, group: Optional[dist.ProcessGroup]
+) -> list[Completion]:
     """One batch's completions. Under EP (`group`) the batch stops when every rank's has ended:
     a rank whose rows have all ended (or with no prompts: a stand-in row, EOS alone) keeps
     decoding, drawing nothing, its results dropped."""
@@ -216,8 +219,7 @@ def _from_last_stage(drawn: Optional[torch.Tensor], b: int) -> torch.Tensor:
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         if drawn is None:
             drawn = torch.empty(3, b, dtype=torch.float64, device=device())
-        dist.broadcast(drawn, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
+        dist.broadcast(drawn, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=parallel_state.get_pipeline_model_parallel_group())
     return drawn
 
 

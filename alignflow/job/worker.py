@@ -47,8 +47,9 @@ EXPECTED_WARNINGS = (
 )
 
 
-def run_stage_job(kind: str, cfg: dict, inputs: dict, out: str, storage_options: dict, fence: dict | None = None,
-                  identity: dict | None = None) -> dict:
+def run_stage_job(
+    kind: str, cfg: dict, inputs: dict, out: str, storage_options: dict, fence: dict | None = None, identity: dict | None = None
+) -> dict:
     """Run `alignflow.job.stages.<kind>.run` on this rank; every rank returns its metrics.
 
     `fence` is the lease of the run that submitted the job: the job starts only while that run
@@ -134,12 +135,17 @@ def _check_code(stage: str, section: DictConfig, planned: dict) -> None:
     """The code this job imports, alignflow's and the user code its config names, must be the
     code its run fingerprinted."""
     here = code_identity(worker_module(stage), user_imports(stage, section))
-    changed = [f"{path}: {_CODE_CHANGE[path in planned, path in here]}" for path in sorted(planned.keys() | here.keys())
-               if planned.get(path) != here.get(path)]
+    changed = [
+        f"{path}: {_CODE_CHANGE[path in planned, path in here]}"
+        for path in sorted(planned.keys() | here.keys())
+        if planned.get(path) != here.get(path)
+    ]
     if changed:
-        raise RuntimeError(f"the code of stage {stage} changed since its run fingerprinted it ({'; '.join(changed)}): run the "
-                           "pipeline again so its fingerprint covers the code that runs (a job imports user code from its own "
-                           "Python path: PYTHONPATH, launcher.setup)")
+        raise RuntimeError(
+            f"the code of stage {stage} changed since its run fingerprinted it ({'; '.join(changed)}): run the "
+            "pipeline again so its fingerprint covers the code that runs (a job imports user code from its own "
+            "Python path: PYTHONPATH, launcher.setup)"
+        )
 
 
 _CODE_CHANGE = {(True, True): "changed", (True, False): "not found here", (False, True): "new here"}
@@ -148,12 +154,17 @@ _CODE_CHANGE = {(True, True): "changed", (True, False): "not found here", (False
 def _check_packages(planned: dict) -> None:
     """The numeric packages here must be the versions its run fingerprinted."""
     here = package_versions(NUMERIC_PACKAGES)
-    differ = [f"{name} {here.get(name)} here, {planned.get(name)} in the run" for name in sorted(planned.keys() | here.keys())
-              if here.get(name) != planned.get(name)]
+    differ = [
+        f"{name} {here.get(name)} here, {planned.get(name)} in the run"
+        for name in sorted(planned.keys() | here.keys())
+        if here.get(name) != planned.get(name)
+    ]
     if differ:
-        raise RuntimeError(f"this job runs under other package versions than its run fingerprinted ({'; '.join(differ)}): install "
-                           "the run's versions in the job's environment (launcher.setup, launcher.container_image) or run the "
-                           "pipeline from an environment with the job's versions, so that the fingerprint names what computes the output")
+        raise RuntimeError(
+            f"this job runs under other package versions than its run fingerprinted ({'; '.join(differ)}): install "
+            "the run's versions in the job's environment (launcher.setup, launcher.container_image) or run the "
+            "pipeline from an environment with the job's versions, so that the fingerprint names what computes the output"
+        )
 
 
 def _check_fence(fence: dict) -> None:
@@ -200,8 +211,7 @@ class JobRecords(logging.Formatter):
         self.rank = rank
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {"rank": self.rank, "time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-                "message": record.getMessage()}
+        line = {"rank": self.rank, "time": self.formatTime(record), "level": record.levelname, "logger": record.name, "message": record.getMessage()}
         return json.dumps(line | ({"event": record.event} if hasattr(record, "event") else {}))
 
 

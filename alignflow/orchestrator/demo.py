@@ -76,8 +76,17 @@ STUDENT_CONFIG = {**MODEL_CONFIG, "hidden_size": 48, "intermediate_size": 128}
 QWEN3_CONFIG = {**MODEL_CONFIG, "head_dim": 32, "tie_word_embeddings": True}
 # The mixture-of-experts demo: Qwen3-MoE of the demo Llama's attention (with q/k norms), every
 # layer 4 experts of width 48, top 2 renormalized, as Qwen3-30B-A3B's router (norm_topk_prob).
-MOE_CONFIG = {**MODEL_CONFIG, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
-              "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False, "router_aux_loss_coef": 0.001}
+MOE_CONFIG = {
+    **MODEL_CONFIG,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
 
 # Folder -> (architecture, HF model_type, shape): the demo's models, all on the one tokenizer.
 MODELS = {
@@ -200,9 +209,7 @@ def train_tokenizer() -> Tokenizer:
     )
     tok.train_from_iterator(training_corpus(), trainer=trainer)
     bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
     return tok
 
 

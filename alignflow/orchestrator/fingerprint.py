@@ -156,8 +156,7 @@ def _user_root(top: str) -> Path | None:
 @lru_cache(maxsize=1)
 def _installed_folders() -> tuple[Path, ...]:
     """Where the standard library and installed packages live."""
-    folders = {*site.getsitepackages(), site.getusersitepackages(),
-               *(sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
+    folders = {*site.getsitepackages(), site.getusersitepackages(), *(sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
     return tuple(Path(folder).resolve() for folder in folders if folder)
 
 
@@ -201,8 +200,13 @@ def _source_digest(path: Path, mtime_ns: int, size: int) -> str:
     tree = _parse(path)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             node.body = body[1:] or [ast.Pass()]
     return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()
 

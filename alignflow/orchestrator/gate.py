@@ -54,8 +54,14 @@ class Verdict:
 
     def message(self) -> str:
         """One line for the flow run's state (the table follows where there is one), what made it fail first."""
-        typo = [f"gate.thresholds: {', '.join(self.unmatched)} matches no metric of this run "
-                "(its metrics are `{stage}.{metric}`, as its record and `align compare` show them)"] if self.unmatched else []
+        typo = (
+            [
+                f"gate.thresholds: {', '.join(self.unmatched)} matches no metric of this run "
+                "(its metrics are `{stage}.{metric}`, as its record and `align compare` show them)"
+            ]
+            if self.unmatched
+            else []
+        )
         return "; ".join([self._compared(), *typo] if self.regressed else [*typo, self._compared()])
 
     def _compared(self) -> str:
@@ -68,8 +74,11 @@ class Verdict:
 
     def markdown(self) -> str:
         rows = ["| metric | baseline | this run | drop | threshold | stderr of the drop | verdict |", "|---|---|---|---|---|---|---|"]
-        rows += [f"| {c.metric} | {c.baseline:.4g} | {c.value:.4g} | {c.drop:+.4g} | {c.threshold:.4g} | "
-                 f"{'-' if c.stderr is None else f'{c.stderr:.4g}'} | {_verdict(c)} |" for c in self.checks]
+        rows += [
+            f"| {c.metric} | {c.baseline:.4g} | {c.value:.4g} | {c.drop:+.4g} | {c.threshold:.4g} | "
+            f"{'-' if c.stderr is None else f'{c.stderr:.4g}'} | {_verdict(c)} |"
+            for c in self.checks
+        ]
         return "\n".join([self.message(), "", *rows])
 
     def as_dict(self) -> dict:
@@ -84,8 +93,12 @@ def _verdict(check: Check) -> str:
 
 def metrics_of(record: dict) -> dict[str, float]:
     """A run record's numeric stage metrics as `{stage}.{metric}`."""
-    return {f"{s['name']}.{k}": v for s in record["stages"] for k, v in s.get("metrics", {}).items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        f"{s['name']}.{k}": v
+        for s in record["stages"]
+        for k, v in s.get("metrics", {}).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def gated(patterns, metrics: dict) -> dict[str, str]:
@@ -115,8 +128,7 @@ def _check(name: str, before: dict, now: dict, threshold: float, sigmas: float) 
     drop = sign * (before[name] - now[name])
     errors = [side[name + STDERR] for side in (before, now) if name + STDERR in side]
     stderr = math.sqrt(sum(e * e for e in errors)) if errors else None
-    return Check(name, before[name], now[name], drop, threshold, stderr,
-                 drop > threshold and (stderr is None or drop > sigmas * stderr))
+    return Check(name, before[name], now[name], drop, threshold, stderr, drop > threshold and (stderr is None or drop > sigmas * stderr))
 
 
 def series(store: Store, record: dict) -> list[dict]:

@@ -85,8 +85,10 @@ class Survey:
         """One line for `align plan`."""
         reclaim = f"align gc would reclaim {decimal(self.reclaim_bytes)}" if self.reclaim else "nothing for align gc to reclaim"
         foreign = f"; {_many(len(self.foreign), 'path')} not alignflow's ({decimal(sum(self.foreign.values()))})" if self.foreign else ""
-        return (f"store {self.root}: {decimal(self.bytes)} in {_many(self.outputs, 'output')} ({decimal(self.output_bytes)}) and "
-                f"{_many(self.staging, 'staging folder')} ({decimal(self.staging_bytes)}){foreign}; {reclaim}")
+        return (
+            f"store {self.root}: {decimal(self.bytes)} in {_many(self.outputs, 'output')} ({decimal(self.output_bytes)}) and "
+            f"{_many(self.staging, 'staging folder')} ({decimal(self.staging_bytes)}){foreign}; {reclaim}"
+        )
 
     def as_dict(self, items: bool = True) -> dict:
         """As JSON data; without `items`, only the totals per category (`align plan --json`)."""
@@ -94,10 +96,21 @@ class Survey:
         for category in CATEGORIES:
             chosen = [i for i in self.reclaim if i.category == category]
             categories[category] = {"count": len(chosen), "bytes": sum(i.bytes for i in chosen)} | (
-                {"items": [asdict(i) for i in chosen]} if items else {})
-        return {"root": self.root, "bytes": self.bytes, "outputs": self.outputs, "output_bytes": self.output_bytes,
-                "staging": self.staging, "staging_bytes": self.staging_bytes, "reclaim_bytes": self.reclaim_bytes,
-                "reclaim": categories, "kept": self.kept, "foreign": self.foreign, "line": self.line()}
+                {"items": [asdict(i) for i in chosen]} if items else {}
+            )
+        return {
+            "root": self.root,
+            "bytes": self.bytes,
+            "outputs": self.outputs,
+            "output_bytes": self.output_bytes,
+            "staging": self.staging,
+            "staging_bytes": self.staging_bytes,
+            "reclaim_bytes": self.reclaim_bytes,
+            "reclaim": categories,
+            "kept": self.kept,
+            "foreign": self.foreign,
+            "line": self.line(),
+        }
 
 
 def _many(count: int, noun: str) -> str:
@@ -134,8 +147,16 @@ def survey(store: Store, cfg: DictConfig) -> Survey:
         if (stage, fp) not in kept:
             found.reclaim.append(Item("outputs", path, unit.bytes, "no kept run names it, nor any kept output as an upstream", stage, fp))
         elif unit.checkpoints and not retention.keep_checkpoints and (stage, fp) not in live and not asked:
-            found.reclaim.append(Item("checkpoints", f"{path}/{CHECKPOINTS}", unit.checkpoint_bytes,
-                                      "training checkpoints of a committed output (nothing reads them)", stage, fp))
+            found.reclaim.append(
+                Item(
+                    "checkpoints",
+                    f"{path}/{CHECKPOINTS}",
+                    unit.checkpoint_bytes,
+                    "training checkpoints of a committed output (nothing reads them)",
+                    stage,
+                    fp,
+                )
+            )
     whys = list(kept.values())
     for (stage, fp), unit in staging.items():
         why = _staging_reclaimed((stage, fp), unit, committed, live, retention.keep_days, now)
@@ -188,8 +209,11 @@ def _units(store: Store) -> tuple[dict[tuple, _Unit], dict[str, int]]:
 
 _IN_INSTANCE = ("instance", "layout", "output", "staging", "lease", "stale", "replaced")
 
-_LEFTOVER = {"stale": "a lease renamed by an interrupted takeover", "replaced": "an old output an interrupted forced commit set aside",
-             "output": "an output folder without a manifest (an interrupted commit or deletion)"}
+_LEFTOVER = {
+    "stale": "a lease renamed by an interrupted takeover",
+    "replaced": "an old output an interrupted forced commit set aside",
+    "output": "an output folder without a manifest (an interrupted commit or deletion)",
+}
 
 
 def _place(parts: list[str], is_file: bool) -> tuple | None:

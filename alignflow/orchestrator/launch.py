@@ -143,8 +143,9 @@ def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str, 
     limit = time_limit(launcher, section)
     if launcher.name == LauncherName.local:
         executor = submitit.LocalExecutor(folder=folder, max_num_timeout=launcher.max_requeues)
-        executor.update_parameters(nodes=1, tasks_per_node=section.resources.tasks_per_node,
-                                   timeout_min=limit if limit is not None else NO_TIME_LIMIT_MIN)
+        executor.update_parameters(
+            nodes=1, tasks_per_node=section.resources.tasks_per_node, timeout_min=limit if limit is not None else NO_TIME_LIMIT_MIN
+        )
     else:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher.max_requeues)
         params = _slurm_parameters(launcher, section.resources, limit)
@@ -320,8 +321,9 @@ def _begin_stop(scope: _Scope, signum: int) -> None:
     threading.Thread(target=stop, name="stop", daemon=True).start()
 
 
-def submit(launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Callable, *args: Any,
-           resumable: bool = False, shared: tuple[str, ...] = ()) -> submitit.Job:
+def submit(
+    launcher: LauncherConfig, section: DictConfig, job_name: str, fn: Callable, *args: Any, resumable: bool = False, shared: tuple[str, ...] = ()
+) -> submitit.Job:
     """Submit `fn(*args)` as `section`'s job; requeued on preemption/timeout only if `resumable`.
     `shared`: local paths every node of a Slurm job must see (`make_executor`).
     Local jobs end with this process, however it ends (`alignflow.orchestrator.orphans`)."""
@@ -411,8 +413,10 @@ def cpu_warning(launcher: LauncherConfig) -> str | None:
     found = local_gpus()
     if not found.ids:
         return None
-    return (f"launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has {len(found.ids)} "
-            f"GPU(s) ({found.source}); leave it unset (null) to give each rank one of them")
+    return (
+        f"launcher.gpus_per_node is 0: every stage's ranks run on the CPU, though this machine has {len(found.ids)} "
+        f"GPU(s) ({found.source}); leave it unset (null) to give each rank one of them"
+    )
 
 
 def slurm_rendezvous_port(job_id: str) -> int:
@@ -440,9 +444,18 @@ def job_record(job: submitit.Job, time_limit_min: float | None = None) -> JobRec
     launcher = LauncherName.slurm if isinstance(job, submitit.SlurmJob) else LauncherName.local
     local = launcher == LauncherName.local
     process = [*this_process()[:2], int(job.job_id), psutil.Process(int(job.job_id)).create_time()] if local else None
-    return JobRecord(str(job.job_id), launcher.value, str(job.paths.stdout), str(job.paths.stderr), folder=str(job.paths.folder),
-                     tasks=job.num_tasks, process=process, time_limit_min=time_limit_min, submitted=time.time(),
-                     oom_kills=oom_kills() if local else None)
+    return JobRecord(
+        str(job.job_id),
+        launcher.value,
+        str(job.paths.stdout),
+        str(job.paths.stderr),
+        folder=str(job.paths.folder),
+        tasks=job.num_tasks,
+        process=process,
+        time_limit_min=time_limit_min,
+        submitted=time.time(),
+        oom_kills=oom_kills() if local else None,
+    )
 
 
 def time_limit(launcher: LauncherConfig, section: DictConfig) -> float | None:
@@ -536,8 +549,14 @@ class _Controller:
 # ----------------------------------------------------------------------------- waiting
 
 
-def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, record: JobRecord | None = None,
-         output: Callable[[str], None] | None = None, from_start: bool = True) -> Any:
+def wait(
+    job: submitit.Job,
+    log: Callable[[str], None],
+    poll_s: float = 1.0,
+    record: JobRecord | None = None,
+    output: Callable[[str], None] | None = None,
+    from_start: bool = True,
+) -> Any:
     """Block until the job ends, forwarding its state changes (kept in `record.state`) to `log`
     and rank 0's output to `output` (default: `log` too; an adopted job's from where it is now,
     `from_start=False`); returns rank 0's result.
@@ -567,8 +586,11 @@ def wait(job: submitit.Job, log: Callable[[str], None], poll_s: float = 1.0, rec
     except submitit.core.utils.FailedJobError as err:
         state.set("FAILED")
         if lost := _ranks_without_result(job):  # rank 0 raised because a peer was gone: retry, resuming from the checkpoint
-            raise InfrastructureError(f"job {job.job_id} lost rank(s) {', '.join(map(str, lost))} (killed, or their node failed), then "
-                                      f"rank 0 failed: {_cause(str(err))}\n{_last_lines(str(err))}", asdict(record)) from None
+            raise InfrastructureError(
+                f"job {job.job_id} lost rank(s) {', '.join(map(str, lost))} (killed, or their node failed), then "
+                f"rank 0 failed: {_cause(str(err))}\n{_last_lines(str(err))}",
+                asdict(record),
+            ) from None
         error = InfrastructureError if NOT_REQUEUED in str(err) else StageFailed
         raise error(f"job {job.job_id} failed: {_cause(str(err))}\n{_last_lines(str(err))}", asdict(record)) from None
     except submitit.core.utils.UncompletedJobError as err:
@@ -664,15 +686,14 @@ class _State:
 
     def ending(self) -> str:
         """How the job ended, in words, with what to do where there is something to do."""
-        return _ENDINGS.get(self.record.state, "ended without a result ({state})").format(
-            state=self.record.state, limit=self.record.time_limit_min)
+        return _ENDINGS.get(self.record.state, "ended without a result ({state})").format(state=self.record.state, limit=self.record.time_limit_min)
 
 
 _ENDINGS = {  # a job's end without a result (Slurm's states; for local jobs, as judged by _State)
     "TIMEOUT": "was killed by its time limit ({limit} min): resumable stages resume from their last checkpoint on retry; "
-               "give the stage more time (<stage>.timeout_min, launcher.time_min) or checkpoint more often",
+    "give the stage more time (<stage>.timeout_min, launcher.time_min) or checkpoint more often",
     "OUT_OF_MEMORY": "was killed for running out of memory (OUT_OF_MEMORY): give it more (launcher.mem_gb) or need less "
-                     "(a smaller micro_batch_size, activation recompute, more ranks)",
+    "(a smaller micro_batch_size, activation recompute, more ranks)",
     "NODE_FAIL": "lost its node (NODE_FAIL)",
     "PREEMPTED": "was preempted and not requeued (PREEMPTED)",
     "BOOT_FAIL": "could not start on its node (BOOT_FAIL)",
@@ -711,7 +732,7 @@ def _cause(text: str) -> str:
     to head the message: Prefect shows a failed task's first line."""
     lines = text.strip().splitlines()
     rules = [i for i, line in enumerate(lines) if line and set(line) == {"-"}]
-    trace = lines[rules[0] + 1:rules[1]] if len(rules) >= 2 else lines
+    trace = lines[rules[0] + 1 : rules[1]] if len(rules) >= 2 else lines
     return next((line for line in reversed(trace) if line.strip() and not line.startswith(" ")), "").strip()
 
 

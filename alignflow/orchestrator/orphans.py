@@ -38,7 +38,9 @@ def reap_on_exit() -> None:
             return
         _started[os.getpid()] = subprocess.Popen(
             [sys.executable, "-m", "alignflow.orchestrator.orphans", str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to the parent's group must not end the watcher first
         )
 

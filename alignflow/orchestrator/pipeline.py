@@ -114,8 +114,7 @@ def _instance(cfg: DictConfig, name: str, entry: dict, on_gpu: bool, problems: l
     problems += name_problems(key, name, "an instance")
     kind = entry.get("kind", name)
     if kind not in STAGES:
-        problems.append(f"{key}: unknown stage kind '{kind}' (known: {', '.join(STAGES)}); an instance named otherwise "
-                        "says its kind with `kind:`")
+        problems.append(f"{key}: unknown stage kind '{kind}' (known: {', '.join(STAGES)}); an instance named otherwise says its kind with `kind:`")
         return None
     spec, inputs = STAGES[kind], entry.get("inputs") or {}
     if not isinstance(inputs, dict):
@@ -127,8 +126,10 @@ def _instance(cfg: DictConfig, name: str, entry: dict, on_gpu: bool, problems: l
     read_roots = {path.split(".")[0] for path in spec.reads}
     for setting in overrides:
         if setting not in section_keys and setting not in read_roots:
-            problems.append(f"{key}.{setting}: not a setting of stage kind {kind} (the `{kind}` section) "
-                            f"nor of what it reads ({', '.join(sorted(read_roots)) or 'nothing'})")
+            problems.append(
+                f"{key}.{setting}: not a setting of stage kind {kind} (the `{kind}` section) "
+                f"nor of what it reads ({', '.join(sorted(read_roots)) or 'nothing'})"
+            )
     section = {k: v for k, v in overrides.items() if k in section_keys}
     merged = {kind: section | _resolved(cfg, kind, section, on_gpu), **{k: v for k, v in overrides.items() if k in read_roots}}
     try:
@@ -180,8 +181,9 @@ def _check_wiring(stages: dict[str, Stage], names: list[str]) -> list[str]:
                 elif up == stage.name:
                     problems.append(f"{key}: a stage cannot be its own input")
                 elif expected is not None and up in stages and stages[up].spec.output not in expected.outputs:
-                    problems.append(f"{key}: expects a {' or '.join(expected.outputs)} output; '{up}' ({stages[up].kind}) gives a "
-                                    f"{stages[up].spec.output} output")
+                    problems.append(
+                        f"{key}: expects a {' or '.join(expected.outputs)} output; '{up}' ({stages[up].kind}) gives a {stages[up].spec.output} output"
+                    )
     return problems
 
 
@@ -205,6 +207,6 @@ def _cycle(stages: dict[str, Stage], placed: set[str]) -> str:
     while True:
         nxt = next(u for u in stages[path[-1]].upstream() if u not in placed)
         if nxt in path:
-            cycle = path[path.index(nxt):] + [nxt]
+            cycle = path[path.index(nxt) :] + [nxt]
             return " -> ".join(reversed(cycle))
         path.append(nxt)

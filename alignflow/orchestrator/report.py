@@ -31,6 +31,7 @@ def read_metrics(output: str, storage_options: dict | None = None) -> list[dict]
     except FileNotFoundError:
         return []
 
+
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_POINTS = 40
 CURVES = ("loss", "val_loss", "reward_mean", "accuracy", "reward_accuracy", "val_reward_accuracy", "kl", "grad_norm", "lr")
@@ -54,8 +55,12 @@ def sparkline(values: list[float], width: int = SPARK_POINTS) -> str:
 
 
 def curves_markdown(stage: str, records: list[dict]) -> str:
-    rows = [f"# {stage}: curves over {records[-1]['step'] if records else 0} steps", "",
-            "| metric | first | last | min | max | curve |", "|---|---|---|---|---|---|"]
+    rows = [
+        f"# {stage}: curves over {records[-1]['step'] if records else 0} steps",
+        "",
+        "| metric | first | last | min | max | curve |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, (_, values) in series(records).items():
         rows.append(f"| {name} | {values[0]:.4g} | {values[-1]:.4g} | {min(values):.4g} | {max(values):.4g} | `{sparkline(values)}` |")
     return "\n".join(rows)
@@ -67,30 +72,33 @@ def svg_chart(name: str, steps: list[int], values: list[float], width: int = 420
     x = lambda s: pad + (s - steps[0]) / step_span * (width - 2 * pad)  # noqa: E731
     y = lambda v: height - pad - (v - low) / span * (height - 2 * pad)  # noqa: E731
     points = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in zip(steps, values))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="{name}">'
-            f'<rect width="100%" height="100%" fill="#fff" stroke="#ddd"/>'
-            f'<text x="{pad}" y="16" font-size="13" font-family="sans-serif">{html.escape(name)}</text>'
-            f'<text x="4" y="{pad}" font-size="10" font-family="sans-serif">{high:.4g}</text>'
-            f'<text x="4" y="{height - pad}" font-size="10" font-family="sans-serif">{low:.4g}</text>'
-            f'<text x="{pad}" y="{height - 8}" font-size="10" font-family="sans-serif">{x_label} {steps[0]}</text>'
-            f'<text x="{width - pad - 50}" y="{height - 8}" font-size="10" font-family="sans-serif">{x_label} {steps[-1]}</text>'
-            f'<polyline fill="none" stroke="#2563eb" stroke-width="2" points="{points}"/></svg>')
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="{name}">'
+        f'<rect width="100%" height="100%" fill="#fff" stroke="#ddd"/>'
+        f'<text x="{pad}" y="16" font-size="13" font-family="sans-serif">{html.escape(name)}</text>'
+        f'<text x="4" y="{pad}" font-size="10" font-family="sans-serif">{high:.4g}</text>'
+        f'<text x="4" y="{height - pad}" font-size="10" font-family="sans-serif">{low:.4g}</text>'
+        f'<text x="{pad}" y="{height - 8}" font-size="10" font-family="sans-serif">{x_label} {steps[0]}</text>'
+        f'<text x="{width - pad - 50}" y="{height - 8}" font-size="10" font-family="sans-serif">{x_label} {steps[-1]}</text>'
+        f'<polyline fill="none" stroke="#2563eb" stroke-width="2" points="{points}"/></svg>'
+    )
 
 
 def stage_report(stage: str, manifest: dict, records: list[dict]) -> str:
     charts = "".join(svg_chart(name, steps, values) for name, (steps, values) in series(records).items())
     metrics = manifest.get("metrics", {})
-    return _page(f"{stage} {manifest.get('fingerprint', '')}",
-                 f"<h1>{html.escape(stage)} <small>{html.escape(manifest.get('kind', ''))} {manifest.get('fingerprint', '')}</small></h1>"
-                 f"<div class='charts'>{charts or '<p>no curves: the stage logs no steps</p>'}</div>"
-                 f"{hardware_table(metrics)}<h2>metrics</h2>{_table(metrics)}"
-                 f"<h2>config</h2><pre>{html.escape(json.dumps(manifest.get('config', {}), indent=2))}</pre>")
+    return _page(
+        f"{stage} {manifest.get('fingerprint', '')}",
+        f"<h1>{html.escape(stage)} <small>{html.escape(manifest.get('kind', ''))} {manifest.get('fingerprint', '')}</small></h1>"
+        f"<div class='charts'>{charts or '<p>no curves: the stage logs no steps</p>'}</div>"
+        f"{hardware_table(metrics)}<h2>metrics</h2>{_table(metrics)}"
+        f"<h2>config</h2><pre>{html.escape(json.dumps(manifest.get('config', {}), indent=2))}</pre>",
+    )
 
 
 def hardware_table(metrics: dict) -> str:
     """How well the stage used its hardware, from the metrics that say it (training and forward stages)."""
-    shown = {k: ("n/a (no known peak: CPU or an unlisted device)" if metrics[k] is None else metrics[k])
-             for k in HARDWARE_METRICS if k in metrics}
+    shown = {k: ("n/a (no known peak: CPU or an unlisted device)" if metrics[k] is None else metrics[k]) for k in HARDWARE_METRICS if k in metrics}
     return f"<h2>hardware use</h2>{_table(shown)}<p>MFU against the {PEAK_SOURCE}.</p>" if shown else ""
 
 
@@ -104,10 +112,15 @@ def pipeline_report(title: str, stages: list[dict], trend: list[tuple[str, dict]
     rows = "".join(
         f"<tr><td>{_link(s['name'], s['uri'])}</td><td>{html.escape(s['kind'])}</td>"
         f"<td>{html.escape(s['state'])}</td><td><code>{s['fingerprint']}</code></td>"
-        f"<td>{html.escape(', '.join(f'{k}={_fmt(v)}' for k, v in list(s['metrics'].items())[:4]))}</td></tr>" for s in stages)
-    return _page(title, f"<h1>{html.escape(title)}</h1><table><tr><th>stage</th><th>kind</th><th>state</th><th>fingerprint</th>"
-                        f"<th>headline metrics</th></tr>{rows}</table>{f'<p>{html.escape(gate)}</p>' if gate else ''}"
-                        f"{trend_html(trend or [])}")
+        f"<td>{html.escape(', '.join(f'{k}={_fmt(v)}' for k, v in list(s['metrics'].items())[:4]))}</td></tr>"
+        for s in stages
+    )
+    return _page(
+        title,
+        f"<h1>{html.escape(title)}</h1><table><tr><th>stage</th><th>kind</th><th>state</th><th>fingerprint</th>"
+        f"<th>headline metrics</th></tr>{rows}</table>{f'<p>{html.escape(gate)}</p>' if gate else ''}"
+        f"{trend_html(trend or [])}",
+    )
 
 
 def _trend_series(trend: list[tuple[str, dict]]) -> dict[str, tuple[list[int], list[float]]]:
@@ -140,9 +153,13 @@ def _link(name: str, uri: str) -> str:
 
 
 def _page(title: str, body: str) -> str:
-    style = ("body{font-family:sans-serif;margin:2em;max-width:1400px}.charts{display:flex;flex-wrap:wrap;gap:12px}"
-             "td,th{padding:2px 10px;text-align:left;border-bottom:1px solid #eee}pre{background:#f6f6f6;padding:1em}")
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>{body}</body></html>"
+    style = (
+        "body{font-family:sans-serif;margin:2em;max-width:1400px}.charts{display:flex;flex-wrap:wrap;gap:12px}"
+        "td,th{padding:2px 10px;text-align:left;border-bottom:1px solid #eee}pre{background:#f6f6f6;padding:1em}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>{body}</body></html>"
+    )
 
 
 def _fmt(value) -> str:

@@ -98,8 +98,9 @@ def _why_not_committed(store: Store, name: str, ident: dict) -> str:
     return f"since {previous['fingerprint']}: " + "; ".join(changes or ["(no difference recorded)"])
 
 
-def run_stage(stage: Stage, upstream: dict[str, StageResult], log: Callable[[str], None] = _log.info,
-              output: Callable[[str], None] | None = None) -> StageResult:
+def run_stage(
+    stage: Stage, upstream: dict[str, StageResult], log: Callable[[str], None] = _log.info, output: Callable[[str], None] | None = None
+) -> StageResult:
     """Produce `stage`'s output, or return the committed one (a cache hit submits no job).
     `log` gets what the runner does, `output` the job's output (default: `log`)."""
     store, cfg, name = store_of(stage.cfg), stage.cfg, stage.name
@@ -118,8 +119,9 @@ def run_stage(stage: Stage, upstream: dict[str, StageResult], log: Callable[[str
         return _execute(stage, store, ident, upstream, lease, log, output or log)
 
 
-def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageResult], lease: Lease,
-             log: Callable[[str], None], output: Callable[[str], None]) -> StageResult:
+def _execute(
+    stage: Stage, store: Store, ident: dict, upstream: dict[str, StageResult], lease: Lease, log: Callable[[str], None], output: Callable[[str], None]
+) -> StageResult:
     spec, cfg, name, started, fp = stage.spec, stage.cfg, stage.name, time.time(), fingerprint(ident)
     inputs = _by_role(stage, {up: r.uri for up, r in upstream.items()})
     staging = store.uri(store.staging_path(name, fp))
@@ -133,8 +135,7 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
         lease.abandon()
         log(f"{name} {fp}: stopped waiting for job {record.job_id}, which runs on: a rerun of the pipeline carries on with it")
         raise
-    summary = {"stage": name, "kind": stage.kind, "fingerprint": fp, "metrics": headline_first(metrics, spec.headline),
-               "config": masked(cfg, paths)}
+    summary = {"stage": name, "kind": stage.kind, "fingerprint": fp, "metrics": headline_first(metrics, spec.headline), "config": masked(cfg, paths)}
     records = read_metrics(staging, options_for(staging, cfg))  # a training stage's curves
     if records or any(k in metrics for k in HARDWARE_METRICS):  # training and forward stages: a report beside the output
         store.fs.pipe(f"{store.staging_path(name, fp)}/{REPORT}", stage_report(name, summary, records).encode())
@@ -156,8 +157,9 @@ def _execute(stage: Stage, store: Store, ident: dict, upstream: dict[str, StageR
     return _result(store, name, fp, manifest, cached=False)
 
 
-def _start_or_adopt(stage: Stage, store: Store, ident: dict, inputs: dict, paths: tuple, lease: Lease,
-                    log: Callable[[str], None]) -> tuple[submitit.Job, JobRecord, bool]:
+def _start_or_adopt(
+    stage: Stage, store: Store, ident: dict, inputs: dict, paths: tuple, lease: Lease, log: Callable[[str], None]
+) -> tuple[submitit.Job, JobRecord, bool]:
     """The stage's job: the one a dead run left running (adopted with its lease), or a new one,
     recorded beside the lease so that a rerun can adopt it in turn. A dead run's job that is
     not adopted is stopped first: two jobs never share a staging folder."""
@@ -172,9 +174,21 @@ def _start_or_adopt(stage: Stage, store: Store, ident: dict, inputs: dict, paths
         store.clear_staging(name, fp)
     store.fs.makedirs(store.staging_path(name, fp), exist_ok=True)
     storage_options = for_job(cfg, ("store.storage_options",))["store"]["storage_options"]
-    job = submit(cfg.launcher, stage.section, f"{name}-{fp}", run_stage_job, stage.kind, for_job(cfg, paths), inputs,
-                 store.uri(store.staging_path(name, fp)), storage_options, lease.fence(), ident, resumable=stage.spec.resumable,
-                 shared=(store.staging_path(name, fp),) if isinstance(store.fs, LocalFileSystem) else ())
+    job = submit(
+        cfg.launcher,
+        stage.section,
+        f"{name}-{fp}",
+        run_stage_job,
+        stage.kind,
+        for_job(cfg, paths),
+        inputs,
+        store.uri(store.staging_path(name, fp)),
+        storage_options,
+        lease.fence(),
+        ident,
+        resumable=stage.spec.resumable,
+        shared=(store.staging_path(name, fp),) if isinstance(store.fs, LocalFileSystem) else (),
+    )
     record = job_record(job, time_limit(cfg.launcher, stage.section))
     lease.record_job(asdict(record))
     log(f"{name} {fp}: submitted {record.launcher} job {record.job_id}, log {record.stdout}")

@@ -69,9 +69,17 @@ def compare(store: Store, a: dict, b: dict) -> list[StageComparison]:
         sa, sb = stages_a.get(name, {}), stages_b.get(name, {})
         fa, fb = sa.get("fingerprint", ""), sb.get("fingerprint", "")
         keys = [*sa.get("metrics", {}), *(k for k in sb.get("metrics", {}) if k not in sa.get("metrics", {}))][:4]
-        rows.append(StageComparison(name, sa.get("kind") or sb.get("kind", ""), fa, fb, bool(fa) and fa == fb,
-                                    [] if fa and fa == fb else _why(store, name, sa, sb),
-                                    {k: (sa.get("metrics", {}).get(k), sb.get("metrics", {}).get(k)) for k in keys}))
+        rows.append(
+            StageComparison(
+                name,
+                sa.get("kind") or sb.get("kind", ""),
+                fa,
+                fb,
+                bool(fa) and fa == fb,
+                [] if fa and fa == fb else _why(store, name, sa, sb),
+                {k: (sa.get("metrics", {}).get(k), sb.get("metrics", {}).get(k)) for k in keys},
+            )
+        )
     return rows
 
 

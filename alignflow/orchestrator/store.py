@@ -108,8 +108,10 @@ class Store:
         entries = sorted({p.split("/")[1] for p in paths if p.startswith(f"{CHECKPOINTS}/")})
         complete = [e for e in entries if f"{CHECKPOINTS}/{e}/{COMPLETE}" in paths]  # step-%08d: in step order
         if keep_latest and not complete:
-            raise IncompleteOutput(f"{stage} {fp}: not committed: its checkpoint.keep_optimizer asks to keep its final training "
-                                   f"checkpoint, but none is complete at {self.uri(self.staging_path(stage, fp))}/{CHECKPOINTS}")
+            raise IncompleteOutput(
+                f"{stage} {fp}: not committed: its checkpoint.keep_optimizer asks to keep its final training "
+                f"checkpoint, but none is complete at {self.uri(self.staging_path(stage, fp))}/{CHECKPOINTS}"
+            )
         if not entries:
             return None, ()
         if not keep_latest:
@@ -125,8 +127,7 @@ class Store:
         staged = self.staged_files(stage, fp, leave_out)
         problems = holds.problems(self.fs, staging, leave_out) if staged else ["the folder is empty or absent"]
         if problems:
-            raise IncompleteOutput(f"{stage} {fp}: not committed: the output staged at {self.uri(staging)} is incomplete: "
-                                   + "; ".join(problems))
+            raise IncompleteOutput(f"{stage} {fp}: not committed: the output staged at {self.uri(staging)} is incomplete: " + "; ".join(problems))
         body = json.dumps(manifest, indent=2)  # insertion order: a stage lists its headline metrics first
         if isinstance(self.fs, LocalFileSystem):
             self._commit_local(staging, output, body, leave_out)
@@ -172,7 +173,10 @@ class Store:
         gone = [f for f in manifest.get("files", []) if f["path"].startswith(f"{CHECKPOINTS}/")]
         manifest["files"] = [f for f in manifest.get("files", []) if f not in gone]
         manifest.setdefault("reclaimed", {})[f"{CHECKPOINTS}/"] = {
-            "files": len(gone), "bytes": sum(f["size"] for f in gone), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "files": len(gone),
+            "bytes": sum(f["size"] for f in gone),
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         path = f"{self.output_path(stage, fp)}/{MANIFEST}"
         if isinstance(self.fs, LocalFileSystem):
             _write_atomic(path, json.dumps(manifest, indent=2))
@@ -185,7 +189,13 @@ class Store:
 
     @contextmanager
     def lease(
-        self, stage: str, fp: str, ttl_s: float, poll_s: float, log: Callable[[str], None], take_committed: bool = True,
+        self,
+        stage: str,
+        fp: str,
+        ttl_s: float,
+        poll_s: float,
+        log: Callable[[str], None],
+        take_committed: bool = True,
         adopt: Callable[[dict], bool] | None = None,
     ) -> Iterator[Lease | None]:
         """Hold the right to produce `fp` (`alignflow.orchestrator.lease`). Yields None when it is committed

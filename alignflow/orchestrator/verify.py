@@ -64,7 +64,7 @@ def _need_problems(fs: fsspec.AbstractFileSystem, root: str, need: Need, leave_o
     matches = sorted(m for m in fs.glob(f"{root}/{need.pattern}") if not under(m[len(root) + 1 :], leave_out))
     if not matches:
         return [f"{need.pattern}: missing"] if need.required else []
-    return [f"{path[len(root) + 1:]}: {why}" for path in matches if (why := why_not(need.check, fs, path))]
+    return [f"{path[len(root) + 1 :]}: {why}" for path in matches if (why := why_not(need.check, fs, path))]
 
 
 def why_not(check: Check, fs: fsspec.AbstractFileSystem, path: str) -> str | None:

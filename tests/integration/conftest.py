@@ -75,8 +75,7 @@ class PrefectStack:
 
     def prefect(self, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
         """Run the `prefect` CLI from the repo root against this server."""
-        return subprocess.run([PREFECT, *args], cwd=REPO, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run([PREFECT, *args], cwd=REPO, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
     def run_deployment(self, name: str, params: dict, timeout: int = 600) -> "DeploymentRun":
         """`prefect deployment run NAME --param k=<json> ... --watch`, as a user types it."""
@@ -94,8 +93,14 @@ class PrefectStack:
     def screenshot(self, path: str, out: Path) -> tuple[Path, str]:
         """The UI page at `path` (e.g. /runs/flow-run/ID) as a 1400x1000 PNG and its rendered DOM."""
         png, dom = out / f"{path.strip('/').replace('/', '-')}.png", out / f"{path.strip('/').replace('/', '-')}.html"
-        shot = subprocess.run([str(REPO / "infra" / "chromium.sh"), "shot", f"{self.ui}{path}", str(png), str(dom)], cwd=REPO,
-                              capture_output=True, text=True, timeout=600, env={**os.environ, "ALIGNFLOW_INFRA_DIR": str(self.state)})
+        shot = subprocess.run(
+            [str(REPO / "infra" / "chromium.sh"), "shot", f"{self.ui}{path}", str(png), str(dom)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "ALIGNFLOW_INFRA_DIR": str(self.state)},
+        )
         assert shot.returncode == 0 and png.exists(), shot.stdout + shot.stderr
         print(f"\nscreenshot of {self.ui}{path}: {png}")
         return png, dom.read_text(errors="replace")
@@ -188,9 +193,19 @@ def store(s3_endpoint) -> S3Store:
 def run_overrides(demo_dir, workdir, store, slurm_cluster):
     """Every stage a Slurm job, every output on S3 (local copies of inputs and the training
     scratch in `workdir/cache`, job pickles and logs in `workdir/jobs`)."""
-    return [f"paths.demo={demo_dir}", "launcher=slurm", "launcher.partition=debug", f"launcher.folder={workdir / 'jobs'}",
-            f"store.root={store.root}", f"+store.storage_options.client_kwargs.endpoint_url={store.endpoint}",
-            f"store.cache_dir={workdir / 'cache'}", *FAST_DATA, *FAST_SFT, *FAST_DPO, *FAST_EVAL]
+    return [
+        f"paths.demo={demo_dir}",
+        "launcher=slurm",
+        "launcher.partition=debug",
+        f"launcher.folder={workdir / 'jobs'}",
+        f"store.root={store.root}",
+        f"+store.storage_options.client_kwargs.endpoint_url={store.endpoint}",
+        f"store.cache_dir={workdir / 'cache'}",
+        *FAST_DATA,
+        *FAST_SFT,
+        *FAST_DPO,
+        *FAST_EVAL,
+    ]
 
 
 @pytest.fixture(scope="module")

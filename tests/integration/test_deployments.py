@@ -1,7 +1,7 @@
 """deployments/prefect.yaml on a real Prefect server and process worker, driven by the CLI a user types.
 
-  prefect deploy --all --prefect-file deployments/prefect.yaml          (the prefect_stack fixture)
-  prefect deployment run align/sft-dpo --param 'overrides=[...]' --watch
+prefect deploy --all --prefect-file deployments/prefect.yaml          (the prefect_stack fixture)
+prefect deployment run align/sft-dpo --param 'overrides=[...]' --watch
 """
 
 import json
@@ -42,8 +42,9 @@ SFT_DPO = ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"]
 def summary(stack, flow_run_id: str) -> str:
     """The flow's markdown artifact `align-sft-dpo` of that flow run."""
     with stack.client() as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["align-sft-dpo"]),
-                                                                     flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["align-sft-dpo"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     assert found, f"no align-sft-dpo artifact for flow run {flow_run_id}"
     return found[0].data
 
@@ -88,8 +89,11 @@ def test_the_ui_shows_curves_and_cached_stages(prefect_stack, first_run, cached_
 
     out = tmp_path_factory.mktemp("screenshots")
     with prefect_stack.client() as client:
-        curves = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["curves-sft"]),
-                                                                      flow_run_id=ArtifactFilterFlowRunId(any_=[first_run.flow_run_id])))
+        curves = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["curves-sft"]), flow_run_id=ArtifactFilterFlowRunId(any_=[first_run.flow_run_id])
+            )
+        )
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[cached_run.flow_run_id])))
     assert curves, "no curves-sft artifact"
     png, dom = prefect_stack.screenshot(f"/artifacts/artifact/{curves[0].id}", out)
@@ -144,7 +148,8 @@ def test_nightly_is_scheduled_at_two_utc(prefect_stack):
                 scheduled = client.read_flow_runs(
                     deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
                     flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
-                    sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+                    sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+                )
             if len(scheduled) >= at_least or time.monotonic() > deadline:
                 return [run.expected_start_time.astimezone(timezone.utc) for run in scheduled]
             time.sleep(2)
@@ -165,8 +170,9 @@ def test_nightly_is_scheduled_at_two_utc(prefect_stack):
     assert listed.returncode == 0 and sum(line.count("SCHEDULED") for line in listed.stdout.splitlines()) >= 3, listed.stdout
 
     # the schedule is configurable at deploy time; a re-deploy replaces the upcoming runs
-    moved = prefect_stack.prefect("deploy", "--name", "nightly", "--prefect-file", "deployments/prefect.yaml",
-                                  env={"ALIGNFLOW_NIGHTLY_CRON": "30 3 * * 1"})
+    moved = prefect_stack.prefect(
+        "deploy", "--name", "nightly", "--prefect-file", "deployments/prefect.yaml", env={"ALIGNFLOW_NIGHTLY_CRON": "30 3 * * 1"}
+    )
     assert moved.returncode == 0, moved.stdout + moved.stderr
     try:
         with prefect_stack.client() as client:
@@ -190,8 +196,14 @@ def test_flow_run_page_renders_the_stage_graph(prefect_stack, first_run, tmp_pat
     out = tmp_path_factory.mktemp("screenshots")
     png, dom = out / "flow-run.png", out / "flow-run.html"
     url = f"{prefect_stack.ui}/runs/flow-run/{first_run.flow_run_id}"
-    shot = subprocess.run([str(REPO / "infra" / "chromium.sh"), "shot", url, str(png), str(dom)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "ALIGNFLOW_INFRA_DIR": str(prefect_stack.state)})
+    shot = subprocess.run(
+        [str(REPO / "infra" / "chromium.sh"), "shot", url, str(png), str(dom)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "ALIGNFLOW_INFRA_DIR": str(prefect_stack.state)},
+    )
     assert shot.returncode == 0 and png.exists(), shot.stdout + shot.stderr
     print(f"\nscreenshot of {url}: {png}")
 
@@ -217,9 +229,13 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
     """wandb on, training stages forced to re-run with WANDB_API_KEY / AWS_SECRET_ACCESS_KEY in the
     worker's environment: no parameter, log, artifact, store output or job file holds them."""
     assert first_run.returncode == 0, first_run.output[-2000:]
-    run = prefect_stack.run_deployment("align/sft-dpo", {"overrides": [*run_overrides, "dpo.loss.beta=0.2", "logging.wandb.enabled=true",
-                                                                           "logging.wandb.mode=offline"],  # a fake key: offline
-                                                         "force": ["sft", "dpo"]})
+    run = prefect_stack.run_deployment(
+        "align/sft-dpo",
+        {
+            "overrides": [*run_overrides, "dpo.loss.beta=0.2", "logging.wandb.enabled=true", "logging.wandb.mode=offline"],  # a fake key: offline
+            "force": ["sft", "dpo"],
+        },
+    )
     assert run.returncode == 0, run.output[-4000:]
     rows = {line.split("|")[1].strip(): line for line in summary(prefect_stack, run.flow_run_id).splitlines() if line.startswith("| ")}
     assert "| Completed |" in rows["sft"] and "| Completed |" in rows["dpo"] and "| Cached |" in rows["eval"], rows
@@ -234,7 +250,8 @@ def test_secrets_in_the_worker_environment_never_leak(prefect_stack, first_run, 
     with prefect_stack.client() as client:
         for flow_run in client.read_flow_runs():
             texts[f"flow run {flow_run.name} parameters/job variables"] = json.dumps(
-                [flow_run.parameters, flow_run.job_variables, flow_run.model_dump(mode="json")], default=str)
+                [flow_run.parameters, flow_run.job_variables, flow_run.model_dump(mode="json")], default=str
+            )
             logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200)
             offset = len(logs)
             while True:  # page through every log line

@@ -28,8 +28,14 @@ ADAPTER_DIR = "adapter"
 LORA_FILE = "lora.json"
 HF_CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
 )
 
 

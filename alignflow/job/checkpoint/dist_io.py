@@ -122,7 +122,7 @@ class DistCheckpointReader:
         shape = self.shape(key)
         index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
         lo = list(index) + [0] * (len(shape) - len(index))
-        hi = [i + 1 for i in index] + list(shape[len(index):])
+        hi = [i + 1 for i in index] + list(shape[len(index) :])
         out = torch.empty([h - low for low, h in zip(lo, hi)], dtype=self.dtype(key), device="cpu")
         for chunk in self.metadata.state_dict_metadata[key].chunks:
             c_lo = list(chunk.offsets)
@@ -136,7 +136,7 @@ class DistCheckpointReader:
                 src = src.narrow(dim, start - cl, stop - start)
                 dst = dst.narrow(dim, start - low, stop - start)
             dst.copy_(src)
-        return out.reshape(out.shape[len(index):])
+        return out.reshape(out.shape[len(index) :])
 
     def read_chunk(self, key: str, offsets) -> torch.Tensor:
         """One stored chunk of `key`, as written."""

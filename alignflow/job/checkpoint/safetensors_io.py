@@ -19,8 +19,16 @@ import torch
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
@@ -113,8 +121,10 @@ def write_sharded(uri: str, specs: list[TensorSpec], tensors: Iterator[torch.Ten
                     raise ValueError(f"{spec.name}: produced {tuple(tensor.shape)} {tensor.dtype}, expected {spec.shape} {spec.dtype}")
                 f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                 "weight_map": {spec.name: name for name, shard in zip(names, shards) for spec in shard}}
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in specs)},
+            "weight_map": {spec.name: name for name, shard in zip(names, shards) for spec in shard},
+        }
         fs.pipe(f"{root}/{INDEX}", json.dumps(index, indent=2).encode())
     return names
 

@@ -28,8 +28,16 @@ _DCP = "torch.distributed.checkpoint"
 # Every global a DCP `.metadata` may name (torch's writer, and Megatron's, which adds its cached
 # save plans as `all_local_plans`), besides torch's dtypes.
 METADATA_GLOBALS = {
-    f"{_DCP}.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-                         "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"},
+    f"{_DCP}.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
     f"{_DCP}.filesystem": {"_StorageInfo"},
     f"{_DCP}.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"},
     "torch": {"Size"},
@@ -89,7 +97,9 @@ def weights_only_refusal(path: str, err: pickle.UnpicklingError) -> pickle.Unpic
 def refuse_code() -> None:
     """Make every checkpoint read of this process code-free (see the top); call it before one."""
     if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "").lower() in ("1", "y", "yes", "true"):  # torch's reading of it
-        raise RuntimeError(f"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD={os.environ['TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD']} would let checkpoints "
-                           "run code when loaded: unset it (see README: trust boundary)")
+        raise RuntimeError(
+            f"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD={os.environ['TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD']} would let checkpoints "
+            "run code when loaded: unset it (see README: trust boundary)"
+        )
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     FileSystemReader.read_metadata = _read_metadata

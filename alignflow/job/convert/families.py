@@ -92,8 +92,9 @@ def _rope(cfg: Mapping[str, Any], rope_types: tuple[str, ...] = ROPE_TYPES, part
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(rope_types)}")
     partial_factor = float(params.get("partial_rotary_factor", cfg["partial_rotary_factor"] or 1.0))
     if partial_factor != 1.0 and not partial_rotary:
-        raise ValueError(f"unsupported HF config partial_rotary_factor={partial_factor}: {cfg['architectures'][0]} is mapped with "
-                         "RoPE over whole heads")
+        raise ValueError(
+            f"unsupported HF config partial_rotary_factor={partial_factor}: {cfg['architectures'][0]} is mapped with RoPE over whole heads"
+        )
     missing = [k for k in LLAMA3_ROPE_KEYS if rope_type == "llama3" and params.get(k) is None]
     if missing:
         raise ValueError(f"llama3 rope scaling without {', '.join(missing)} in rope_parameters")
@@ -119,14 +120,19 @@ def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any], partial_factor:
         raise ValueError("longrope rope scaling without original_max_position_embeddings or short_factor in rope_parameters")
     rotary_dim = int((cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial_factor)  # HF's
     if len(params["short_factor"]) != rotary_dim // 2:
-        raise ValueError(f"longrope rope_parameters.short_factor has {len(params['short_factor'])} factors; the model's "
-                         f"{rotary_dim} rotary dims per head (head_dim x partial_rotary_factor {partial_factor}) take {rotary_dim // 2}")
+        raise ValueError(
+            f"longrope rope_parameters.short_factor has {len(params['short_factor'])} factors; the model's "
+            f"{rotary_dim} rotary dims per head (head_dim x partial_rotary_factor {partial_factor}) take {rotary_dim // 2}"
+        )
     factor = params.get("factor") or cfg["max_position_embeddings"] / original
     attention = params.get("attention_factor")
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
-    return {"rope_short_factor": tuple(float(f) for f in params["short_factor"]), "rope_original_max": int(original),
-            "rope_attention_factor": float(attention)}
+    return {
+        "rope_short_factor": tuple(float(f) for f in params["short_factor"]),
+        "rope_original_max": int(original),
+        "rope_attention_factor": float(attention),
+    }
 
 
 def _layer_type_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -135,8 +141,10 @@ def _layer_type_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
     layers' must be unscaled."""
     params = cfg["rope_parameters"] or {}
     if FULL not in params:  # an older config.json, read as Gemma3TextConfig.convert_rope_params_to_dict does
-        params = {FULL: {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})},
-                  SLIDING: {"rope_theta": cfg["rope_local_base_freq"], "rope_type": "default"}}
+        params = {
+            FULL: {"rope_theta": cfg["rope_theta"], **(cfg["rope_scaling"] or {})},
+            SLIDING: {"rope_theta": cfg["rope_local_base_freq"], "rope_type": "default"},
+        }
     local = params[SLIDING]
     local_type = local.get("rope_type", local.get("type", "default"))
     if local_type != "default":
@@ -181,12 +189,22 @@ def _gemma(cfg: Mapping[str, Any], every: int) -> dict[str, Any]:
 
 
 GEMMA2_DEFAULTS = {  # Gemma2Config's
-    "head_dim": 256, "hidden_activation": GELU_TANH, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
-    "sliding_window": 4096, "layer_types": None, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+    "head_dim": 256,
+    "hidden_activation": GELU_TANH,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "layer_types": None,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
 }
 GEMMA3_DEFAULTS = {  # Gemma3TextConfig's
-    **GEMMA2_DEFAULTS, "final_logit_softcapping": None, "attn_logit_softcapping": None, "sliding_window_pattern": 6,
-    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    **GEMMA2_DEFAULTS,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
 }
 
 
@@ -215,8 +233,14 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(lambda cfg: {"qkv_bias": True}, refused=(NO_LAYER_WINDOWS,)),
     "Qwen3ForCausalLM": Family(lambda cfg: {**_llama(cfg), "qk_norm": True}, refused=(NO_LAYER_WINDOWS,)),
     "Gemma2ForCausalLM": Family(lambda cfg: _gemma(cfg, every=2), GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA2_DEFAULTS),
-    "Gemma3ForCausalLM": Family(lambda cfg: {**_gemma(cfg, every=cfg["sliding_window_pattern"]), "qk_norm": True},
-                                GEMMA_REFUSED, GELU_TANH, "hidden_activation", GEMMA3_DEFAULTS, _layer_type_rope),
+    "Gemma3ForCausalLM": Family(
+        lambda cfg: {**_gemma(cfg, every=cfg["sliding_window_pattern"]), "qk_norm": True},
+        GEMMA_REFUSED,
+        GELU_TANH,
+        "hidden_activation",
+        GEMMA3_DEFAULTS,
+        _layer_type_rope,
+    ),
     "MixtralForCausalLM": Family(
         lambda cfg: {"sliding_window": cfg["sliding_window"], **_moe(cfg, "mixtral", "intermediate_size", True)},
         refused=(NO_JITTER,),
@@ -225,10 +249,13 @@ ARCHITECTURES: dict[str, Family] = {
         lambda cfg: {**_llama(cfg), "qk_norm": True, **_moe(cfg, "qwen3_moe", "moe_intermediate_size", bool(cfg["norm_topk_prob"]))},
         refused=(NO_LAYER_WINDOWS, *ALL_SPARSE),
     ),
-    "Olmo2ForCausalLM": Family(lambda cfg: {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "qk_norm": True,
-                                            "qk_norm_whole": True, "post_norm": True}),
-    "Phi3ForCausalLM": Family(lambda cfg: {"fused_projections": True, "sliding_window": cfg["sliding_window"]},
-                              rope=partial(_rope, rope_types=PHI3_ROPE_TYPES, partial_rotary=True)),
+    "Olmo2ForCausalLM": Family(
+        lambda cfg: {"qkv_bias": cfg["attention_bias"], "proj_bias": cfg["attention_bias"], "qk_norm": True, "qk_norm_whole": True, "post_norm": True}
+    ),
+    "Phi3ForCausalLM": Family(
+        lambda cfg: {"fused_projections": True, "sliding_window": cfg["sliding_window"]},
+        rope=partial(_rope, rope_types=PHI3_ROPE_TYPES, partial_rotary=True),
+    ),
 }
 
 # Each causal LM's HF sequence classifier: the same trunk ending in `score` (hidden -> num_labels,
@@ -479,8 +506,13 @@ def score_config(hf_config: Mapping[str, Any], pad_token_id: int) -> dict[str, A
     with one label, as `save_pretrained` writes it, and the pad token HF's classifier scores
     before (the last token that is not `pad_token_id`)."""
     architecture = _architecture(hf_config)
-    return {**hf_config, "architectures": [SCORE_ARCHITECTURES.get(architecture, architecture)], "id2label": {"0": "LABEL_0"},
-            "label2id": {"LABEL_0": 0}, "pad_token_id": pad_token_id}
+    return {
+        **hf_config,
+        "architectures": [SCORE_ARCHITECTURES.get(architecture, architecture)],
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+        "pad_token_id": pad_token_id,
+    }
 
 
 def _architecture(cfg: Mapping[str, Any]) -> str:
@@ -488,8 +520,10 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
     if architecture in REFUSED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r}: {REFUSED_ARCHITECTURES[architecture]}")
     if architecture not in ARCHITECTURES and architecture not in CAUSAL_OF:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)} "
-                         "and their ...ForSequenceClassification (SCORE_ARCHITECTURES)")
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)} "
+            "and their ...ForSequenceClassification (SCORE_ARCHITECTURES)"
+        )
     return architecture
 
 
@@ -500,4 +534,3 @@ def _refuse_unsupported(cfg: Mapping[str, Any], family: Family) -> None:
     activation = cfg[family.activation_key]
     if activation != family.activation:
         raise ValueError(f"unsupported HF config {family.activation_key}={activation!r}: {cfg['architectures'][0]} maps only {family.activation!r}")
-

@@ -88,9 +88,12 @@ def target_problems(key: str, patterns: list[str], num_layers: int | None) -> li
         return [f"{key}: empty; name at least one of {', '.join(KNOWN_NAMES)} (or a pattern over them)"]
     if num_layers is None:
         return []
-    return [f"{key}[{i}]: {pattern!r} matches no adaptable module of the model's {num_layers} layers; known names: "
-            f"{', '.join(KNOWN_NAMES)}, or fnmatch patterns over paths such as 'decoder.layers.0.self_attention.linear_qkv'"
-            for i, pattern in enumerate(patterns) if not select([pattern], num_layers)]
+    return [
+        f"{key}[{i}]: {pattern!r} matches no adaptable module of the model's {num_layers} layers; known names: "
+        f"{', '.join(KNOWN_NAMES)}, or fnmatch patterns over paths such as 'decoder.layers.0.self_attention.linear_qkv'"
+        for i, pattern in enumerate(patterns)
+        if not select([pattern], num_layers)
+    ]
 
 
 def stage_problems(key: str, patterns: list[str], num_layers: int, pp: int, vp: int | None) -> list[str]:
@@ -102,8 +105,7 @@ def stage_problems(key: str, patterns: list[str], num_layers: int, pp: int, vp: 
     for rank in range(pp):
         layers = {b * per_block + i for b in range(rank, blocks, pp) for i in range(per_block)}
         if not layers & chosen:
-            problems.append(f"{key}: selects no module on pipeline stage {rank} (layers {sorted(layers)}); "
-                            "every stage needs at least one adapter")
+            problems.append(f"{key}: selects no module on pipeline stage {rank} (layers {sorted(layers)}); every stage needs at least one adapter")
     return problems
 
 

@@ -68,12 +68,17 @@ class MergedReader:
         return fuse(module.fuse, parts, self.shape_of)
 
 
-
 def part_rows(s: ModelShape, part: str) -> int:
     """Output features of an HF projection."""
-    return {"q_proj": s.num_attention_heads * s.head_dim, "k_proj": s.num_query_groups * s.head_dim,
-            "v_proj": s.num_query_groups * s.head_dim, "gate_proj": s.ffn_hidden_size, "up_proj": s.ffn_hidden_size,
-            "o_proj": s.hidden_size, "down_proj": s.hidden_size}[part]
+    return {
+        "q_proj": s.num_attention_heads * s.head_dim,
+        "k_proj": s.num_query_groups * s.head_dim,
+        "v_proj": s.num_query_groups * s.head_dim,
+        "gate_proj": s.ffn_hidden_size,
+        "up_proj": s.ffn_hidden_size,
+        "o_proj": s.hidden_size,
+        "down_proj": s.hidden_size,
+    }[part]
 
 
 def model_reader(output: ModelOutput, shape: ModelShape, fetch: Callable[[str], ModelOutput] = ModelOutput):
@@ -130,14 +135,29 @@ def peft_config(spec: dict, ranks: dict[tuple[int, str], int], num_layers: int, 
     for layer, module in ranks:
         per_layer.setdefault(layer, set()).add(module.rsplit(".", 1)[-1])
     uniform = len({frozenset(p) for p in per_layer.values()}) == 1 and set(per_layer) == set(range(num_layers))
-    names = sorted({name for names in per_layer.values() for name in names}) if uniform else sorted(
-        f"model.layers.{layer}.{module}" for layer, module in ranks)
+    names = (
+        sorted({name for names in per_layer.values() for name in names})
+        if uniform
+        else sorted(f"model.layers.{layer}.{module}" for layer, module in ranks)
+    )
     stacked = {re.escape(f"model.layers.{layer}.{module}"): n for (layer, module), n in ranks.items() if n > 1}
     r, alpha = spec["adapter_dim"], spec["alpha"]
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name, "inference_mode": True,
-        "r": r, "lora_alpha": alpha, "lora_dropout": spec["adapter_dropout"], "target_modules": names,
-        "rank_pattern": {key: n * r for key, n in stacked.items()}, "alpha_pattern": {key: n * alpha for key, n in stacked.items()},
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-        "modules_to_save": None, "layers_to_transform": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_name,
+        "inference_mode": True,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": spec["adapter_dropout"],
+        "target_modules": names,
+        "rank_pattern": {key: n * r for key, n in stacked.items()},
+        "alpha_pattern": {key: n * alpha for key, n in stacked.items()},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
     }

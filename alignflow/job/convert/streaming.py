@@ -59,7 +59,9 @@ def hf_to_dist_entries(reader: SafetensorsReader, shape: ModelShape, padded_voca
         for slot in slots(param, shape):
             pieces = ROW_PLANS[param.fuse](reader, param.hf_names(*slot), shape, chunk_bytes)
             if param.megatron in VOCAB_PARAMS and padded_vocab > full[0]:
-                pieces.append((full[0], padded_vocab - full[0], partial(_zero_rows, padded_vocab - full[0], full[1:], reader.spec(param.hf_names(0)[0]).dtype)))
+                pieces.append(
+                    (full[0], padded_vocab - full[0], partial(_zero_rows, padded_vocab - full[0], full[1:], reader.spec(param.hf_names(0)[0]).dtype))
+                )
             chunks += [_chunk(_axes(slot), row, rows, full[1:], load) for row, rows, load in pieces]
         global_shape = ((padded_vocab,) if param.megatron in VOCAB_PARAMS else full[:1]) + full[1:]
         stacked = (shape.num_layers,) * param.per_layer + (shape.num_experts,) * param.per_expert
@@ -119,8 +121,11 @@ def _qkv_groups(reader: SafetensorsReader, names: tuple[str, ...], g0: int, g1: 
     q, k, v = names if len(names) == 3 else names * 3
     k_start = shape.num_attention_heads * d if len(names) == 1 else 0  # where k's rows begin in the source
     v_start = k_start + shape.num_query_groups * d if len(names) == 1 else 0
-    parts = (reader.read(q, (g0 * per_group * d, g1 * per_group * d)),
-             reader.read(k, (k_start + g0 * d, k_start + g1 * d)), reader.read(v, (v_start + g0 * d, v_start + g1 * d)))
+    parts = (
+        reader.read(q, (g0 * per_group * d, g1 * per_group * d)),
+        reader.read(k, (k_start + g0 * d, k_start + g1 * d)),
+        reader.read(v, (v_start + g0 * d, v_start + g1 * d)),
+    )
     return merge_qkv(*parts, (g1 - g0) * per_group, g1 - g0, d)
 
 
@@ -145,9 +150,7 @@ def dist_to_dist_entries(reader: DistCheckpointReader, shape: ModelShape) -> lis
         if key not in reader.keys():
             raise KeyError(f"the source checkpoint has no {key!r} (found e.g. {sorted(reader.keys())[:5]})")
         stored = reader.metadata.state_dict_metadata[key]
-        chunks = tuple(
-            Chunk(tuple(c.offsets), tuple(c.sizes), partial(reader.read_chunk, key, c.offsets)) for c in stored.chunks
-        )
+        chunks = tuple(Chunk(tuple(c.offsets), tuple(c.sizes), partial(reader.read_chunk, key, c.offsets)) for c in stored.chunks)
         entries.append(Entry(checkpoint_key(param), reader.shape(key), reader.dtype(key), chunks))
     return entries
 
@@ -167,7 +170,7 @@ def dist_to_hf(reader: DistCheckpointReader, shape: ModelShape, dtype: torch.dty
 
 
 def _hf_specs(reader: DistCheckpointReader, param: Param, slot: Slot, shape: ModelShape, dtype: torch.dtype) -> list[TensorSpec]:
-    full = reader.shape(checkpoint_key(param))[len(_axes(slot)):]
+    full = reader.shape(checkpoint_key(param))[len(_axes(slot)) :]
     if param.megatron in VOCAB_PARAMS:
         full = (shape.vocab_size,) + full[1:]
     parts = unfuse(param.fuse, torch.empty(full, device="meta"), shape)

@@ -12,8 +12,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SCHEMA = pa.schema([("sample_id", pa.int64()), ("chosen_logp", pa.float64()), ("rejected_logp", pa.float64()),
-                    ("chosen_tokens", pa.int32()), ("rejected_tokens", pa.int32())])
+SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.int64()),
+        ("chosen_logp", pa.float64()),
+        ("rejected_logp", pa.float64()),
+        ("chosen_tokens", pa.int32()),
+        ("rejected_tokens", pa.int32()),
+    ]
+)
 VALUES = tuple(SCHEMA.names[1:])
 
 

@@ -30,13 +30,22 @@ DATASETS = ("sft", "preference", "prompts")
 SIDES = ("chosen", "rejected")
 ROW_GROUP_ROWS = 256
 SCHEMAS = {
-    "sft": pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
-                      ("cu_seqlens", pa.list_(pa.int32())), ("sample_ids", pa.list_(pa.int64()))]),
-    "preference": pa.schema([("sample_id", pa.int64()), ("prompt_length", pa.int32()),
-                             *[(f"{side}_{column}", pa.list_(dtype)) for side in SIDES
-                               for column, dtype in (("input_ids", pa.int32()), ("loss_mask", pa.int8()))]]),
-    "prompts": pa.schema([("sample_id", pa.int64()), ("prompt_ids", pa.list_(pa.int32())), ("prompt", pa.string()),
-                          ("answer", pa.string())]),
+    "sft": pa.schema(
+        [
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("cu_seqlens", pa.list_(pa.int32())),
+            ("sample_ids", pa.list_(pa.int64())),
+        ]
+    ),
+    "preference": pa.schema(
+        [
+            ("sample_id", pa.int64()),
+            ("prompt_length", pa.int32()),
+            *[(f"{side}_{column}", pa.list_(dtype)) for side in SIDES for column, dtype in (("input_ids", pa.int32()), ("loss_mask", pa.int8()))],
+        ]
+    ),
+    "prompts": pa.schema([("sample_id", pa.int64()), ("prompt_ids", pa.list_(pa.int32())), ("prompt", pa.string()), ("answer", pa.string())]),
 }
 
 

@@ -204,8 +204,7 @@ class _Lines:
         return len(self.lines)
 
     def split(self, n: int) -> tuple[_Lines, _Lines]:
-        return (_Lines(self.source, self.numbers[:n], self.lines[:n], self.error),
-                _Lines(self.source, self.numbers[n:], self.lines[n:], self.error))
+        return (_Lines(self.source, self.numbers[:n], self.lines[:n], self.error), _Lines(self.source, self.numbers[n:], self.lines[n:], self.error))
 
     def records(self) -> Iterator[Record]:
         return map(self._record, self.numbers, self.lines)
@@ -218,8 +217,9 @@ class _Lines:
         except json.JSONDecodeError as e:
             return Record(self.source, "line", number, None, f"invalid JSON: {e.msg} at column {e.colno}")
         except UnicodeDecodeError as e:
-            return Record(self.source, "line", number, None,
-                          f"not UTF-8: byte 0x{e.object[e.start]:02x} at column {e.start + 1} (re-encode the file as UTF-8)")
+            return Record(
+                self.source, "line", number, None, f"not UTF-8: byte 0x{e.object[e.start]:02x} at column {e.start + 1} (re-encode the file as UTF-8)"
+            )
         return _checked(self.source, "line", number, row)
 
 

@@ -223,8 +223,15 @@ class Progress:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         read = min(self.position / self.total, 1.0)
         eta = f"{elapsed * (1 - read) / read:.0f} s" if read else "?"
-        log.info("%.1f%% done, %s rows read, %s rows/s, %.1fM tokens, ETA %s",
-                 100 * read, f"{rows:,}", f"{rows / elapsed:,.0f}", tokens / 1e6, eta, extra={"event": {"percent": 100 * read}})
+        log.info(
+            "%.1f%% done, %s rows read, %s rows/s, %.1fM tokens, ETA %s",
+            100 * read,
+            f"{rows:,}",
+            f"{rows / elapsed:,.0f}",
+            tokens / 1e6,
+            eta,
+            extra={"event": {"percent": 100 * read}},
+        )
         self.last = time.monotonic()
 
     def finish(self) -> None:
@@ -253,7 +260,6 @@ class Layout:
         return self.order[bounds[0] : bounds[-1]], bounds - bounds[0]
 
 
-
 def plan_packed(spill: Spill, split: str, source: str, layout: Layout, starts: np.ndarray, rows_per_shard: int) -> None:
     """Rank 0, for an SFT split: per output shard, its documents in output order with their
     rows; per chunk, where its documents go (shard, and the token offset there: int32, as the
@@ -272,8 +278,7 @@ def plan_packed(spill: Spill, split: str, source: str, layout: Layout, starts: n
             spill.write_route(split, source, chunk, pa.table({"row": rows, "shard": shard[a:b], "offset": offset[a:b]}))
 
 
-def plan_in_order(spill: Spill, kind: str, split: str, source: str, rows: np.ndarray, starts: np.ndarray,
-                  rows_per_shard: int) -> None:
+def plan_in_order(spill: Spill, kind: str, split: str, source: str, rows: np.ndarray, starts: np.ndarray, rows_per_shard: int) -> None:
     """Rank 0, for preference pairs and prompts: per output shard, its rows (good ones, in order)
     as (chunk, row in chunk)."""
     for i in range(max(-(-len(rows) // rows_per_shard), 1)):
@@ -343,12 +348,15 @@ def _packed_rows(ids: np.ndarray, mask: np.ndarray, ends: np.ndarray, bounds: np
     cu = np.zeros(len(sample_ids) + rows, np.int32)
     cu[np.arange(len(sample_ids)) + row_of_doc + 1] = ends[1:] - ends[bounds[:-1]][row_of_doc]
     tokens = pa.array(ends[bounds].astype(np.int32))
-    return pa.Table.from_arrays([
-        pa.ListArray.from_arrays(tokens, pa.array(ids)),
-        pa.ListArray.from_arrays(tokens, pa.array(mask)),
-        pa.ListArray.from_arrays(pa.array((bounds + np.arange(rows + 1)).astype(np.int32)), pa.array(cu)),
-        pa.ListArray.from_arrays(pa.array(bounds.astype(np.int32)), pa.array(sample_ids)),
-    ], schema=SCHEMAS["sft"])
+    return pa.Table.from_arrays(
+        [
+            pa.ListArray.from_arrays(tokens, pa.array(ids)),
+            pa.ListArray.from_arrays(tokens, pa.array(mask)),
+            pa.ListArray.from_arrays(pa.array((bounds + np.arange(rows + 1)).astype(np.int32)), pa.array(cu)),
+            pa.ListArray.from_arrays(pa.array(bounds.astype(np.int32)), pa.array(sample_ids)),
+        ],
+        schema=SCHEMAS["sft"],
+    )
 
 
 def _in_order(spill: Spill, kind: str, source: str, plan: pa.Table) -> Iterator[pa.Table]:

@@ -19,8 +19,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SCHEMA = pa.schema([("row", pa.int64()), ("tokens", pa.int32()), ("positions", pa.list_(pa.int32())),
-                    ("ids", pa.list_(pa.int32())), ("logprobs", pa.list_(pa.float32()))])
+SCHEMA = pa.schema(
+    [
+        ("row", pa.int64()),
+        ("tokens", pa.int32()),
+        ("positions", pa.list_(pa.int32())),
+        ("ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())),
+    ]
+)
 K_KEY = b"topk_logits_k"
 
 
@@ -61,15 +68,23 @@ def read(uri: str, split: str, num_rows: int) -> TeacherTopK:
     table = pa.concat_tables(tables)
     rows = table.column("row").to_numpy()
     if sorted(rows.tolist()) != list(range(num_rows)):
-        raise KeyError(f"{uri}: teacher top-k rows of {split} are not the {num_rows} rows of the prepared data "
-                       f"(got {len(rows)} rows): computed on another prep output?")
+        raise KeyError(
+            f"{uri}: teacher top-k rows of {split} are not the {num_rows} rows of the prepared data "
+            f"(got {len(rows)} rows): computed on another prep output?"
+        )
     order = np.argsort(rows, kind="stable")
     table = table.take(pa.array(order))
     positions = table.column("positions").combine_chunks()
     lengths = np.diff(positions.offsets.to_numpy()).astype(np.int64)
     flat = {name: _flat(table, name) for name in ("ids", "logprobs")}
-    return TeacherTopK(k=k, tokens=table.column("tokens").to_numpy(), off=np.r_[0, np.cumsum(lengths)],
-                       positions=_flat(table, "positions"), ids=flat["ids"].reshape(-1, k), logprobs=flat["logprobs"].reshape(-1, k))
+    return TeacherTopK(
+        k=k,
+        tokens=table.column("tokens").to_numpy(),
+        off=np.r_[0, np.cumsum(lengths)],
+        positions=_flat(table, "positions"),
+        ids=flat["ids"].reshape(-1, k),
+        logprobs=flat["logprobs"].reshape(-1, k),
+    )
 
 
 def _flat(table: pa.Table, name: str) -> np.ndarray:

@@ -101,12 +101,12 @@ class ChatEncoder:
         apply_chat_template makes of each chat (a third of prep's rendering time) changes nothing."""
         try:
             if _compile_jinja_template is None:
-                return self.tokenizer.apply_chat_template(
-                    conversations, tokenize=False, add_generation_prompt=add_generation_prompt
-                )
+                return self.tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=add_generation_prompt)
             template, tokens = _compile_jinja_template(self.tokenizer.get_chat_template()), self.tokenizer.special_tokens_map
-            return [template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                                    **tokens) for chat in conversations]
+            return [
+                template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **tokens)
+                for chat in conversations
+            ]
         except TemplateSyntaxError as e:  # the template's fault, not the row's: never skipped
             raise ValueError(f"chat template does not parse: {e}") from None
         except TemplateError as e:  # e.g. "roles must alternate": the row's fault
@@ -152,8 +152,7 @@ class ChatEncoder:
         cut = []
         for k, r in enumerate(requests):
             try:
-                cut.append(_cut(r, (lambda n, g, k=k: texts[k, n, g]) if texts else
-                                   (lambda n, g, r=r: self.render([r.messages[:n]], g)[0])))
+                cut.append(_cut(r, (lambda n, g, k=k: texts[k, n, g]) if texts else (lambda n, g, r=r: self.render([r.messages[:n]], g)[0])))
             except ValueError as e:
                 cut.append(e)
         return cut

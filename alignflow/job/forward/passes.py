@@ -56,10 +56,12 @@ def resolve_precision(precision: str) -> torch.dtype:
     return PRECISIONS[resolved_precision(precision, on_gpu=torch.cuda.is_available())]
 
 
-def loss_sums(chunks: list, objective: Objective, batches: list[dict], seq_length: int, rows: int,
-              forward_only: bool) -> tuple[float, float, dict[str, float]]:
+def loss_sums(
+    chunks: list, objective: Objective, batches: list[dict], seq_length: int, rows: int, forward_only: bool
+) -> tuple[float, float, dict[str, float]]:
     """`objective` over collated micro batches through Megatron's schedule; the (loss sum,
     count, metric sums) over every micro batch of every DP rank, on every rank."""
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         return objective.forward(model, batch), functools.partial(_reported_loss, objective, batch)
@@ -96,9 +98,13 @@ def schedule(chunks: list, forward_step, batches: list[dict], seq_length: int, r
     real = len(batches)
     batches = batches + _stand_ins(batches, forward_only)
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[map(to_device, batches) for _ in chunks],  # one micro batch at a time
-        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
-        seq_length=length, micro_batch_size=rows, forward_only=forward_only,
+        forward_step_func=forward_step,
+        data_iterator=[map(to_device, batches) for _ in chunks],  # one micro batch at a time
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=length,
+        micro_batch_size=rows,
+        forward_only=forward_only,
     )[:real]
 
 
@@ -116,9 +122,11 @@ def _stand_ins(batches: list[dict], forward_only: bool) -> list[dict]:
     if fewest == most:
         return []
     if not forward_only or not batches:
-        raise ValueError(f"parallel.expert_model_parallel_size: the ranks of an expert-parallel group have {fewest} to {most} micro "
-                         f"batches of their own{'' if forward_only else ' in a training step'}; they must forward equally many "
-                         "(give each data-parallel rank the same number of micro batches, or set expert_model_parallel_size: 1)")
+        raise ValueError(
+            f"parallel.expert_model_parallel_size: the ranks of an expert-parallel group have {fewest} to {most} micro "
+            f"batches of their own{'' if forward_only else ' in a training step'}; they must forward equally many "
+            "(give each data-parallel rank the same number of micro batches, or set expert_model_parallel_size: 1)"
+        )
     return [batches[-1]] * (most - len(batches))
 
 
@@ -134,8 +142,7 @@ def forward_only_splits(cfg, section, model_uri: str, dataset: type, data: Prepa
     model = local_model(model_uri, cache_dir(cfg))
     runtime.init_parallel(section.parallel, seed=0)
     try:
-        chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg),
-                               resolve_precision(section.precision))
+        chunks = frozen_chunks(model, section.parallel, cfg.model.make_vocab_size_divisible_by, cache_dir(cfg), resolve_precision(section.precision))
         metrics, tokens, flops, seconds, shape = {}, 0, 0.0, 0.0, utilization.ModelShape.of(model.hf_config)
         for split in ("train", "val"):
             if (rows := optional(dataset, data, split)) is not None:
@@ -174,4 +181,6 @@ def hardware_use(flops: float, seconds: float) -> dict:
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     seconds, peak = measured.tolist()
     return utilization.figures(flops, seconds, dist.get_world_size(), torch.cuda.get_device_name() if on_gpu else None) | {
-        "peak_memory_gib": round(peak / 2**30, 3), "peak_memory_of": "cuda max_memory_allocated" if on_gpu else "peak RSS"}
+        "peak_memory_gib": round(peak / 2**30, 3),
+        "peak_memory_of": "cuda max_memory_allocated" if on_gpu else "peak RSS",
+    }

@@ -20,17 +20,22 @@ def model_scores(chunks: list, rows: list[list[int]], pad_id: int, micro_batch_s
     last = [max((i for i, t in enumerate(row) if t != pad_id), default=0) for row in rows]
     length = max(len(row) for row in rows)
     micro = [range(i, min(i + micro_batch_size, len(rows))) for i in range(0, len(rows), micro_batch_size)]
-    batches = [vars(packed_rows([(np.asarray(rows[i]), np.zeros(len(rows[i])), np.asarray([0, len(rows[i])])) for i in m], length, pad_id))
-               | {"last": torch.tensor([last[i] for i in m])} for m in micro]
+    batches = [
+        vars(packed_rows([(np.asarray(rows[i]), np.zeros(len(rows[i])), np.asarray([0, len(rows[i])])) for i in m], length, pad_id))
+        | {"last": torch.tensor([last[i] for i in m])}
+        for m in micro
+    ]
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        return logits_forward(model, batch), lambda out: (out.sum() * 0, torch.tensor(1, device=out.device),
-                                                          {"scores": out[torch.arange(len(batch["last"])), batch["last"], 0].double()})
+        return logits_forward(model, batch), lambda out: (
+            out.sum() * 0,
+            torch.tensor(1, device=out.device),
+            {"scores": out[torch.arange(len(batch["last"])), batch["last"], 0].double()},
+        )
 
     with eval_mode(chunks), torch.no_grad():
         outputs = schedule(chunks, forward_step, batches, length, micro_batch_size, forward_only=True)
     scores = torch.cat([out["scores"] for out in outputs]) if outputs else torch.zeros(len(rows), dtype=torch.float64, device=device())
     dist.broadcast(scores, parallel_state.get_pipeline_model_parallel_last_rank(), group=parallel_state.get_pipeline_model_parallel_group())
     return scores.cpu()
-

@@ -53,8 +53,9 @@ class PolicyLoss:
     ratio: torch.Tensor
 
 
-def group_baseline_and_std(rewards: torch.Tensor, use_rloo: bool, valid: Optional[torch.Tensor] = None,
-                           std_rewards: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_baseline_and_std(
+    rewards: torch.Tensor, use_rloo: bool, valid: Optional[torch.Tensor] = None, std_rewards: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[prompts, generations] rewards -> each sample's baseline and std, as NeMo-RL's
     `calculate_baseline_and_std_per_prompt`: over the group's `valid` samples (the others, with
     `use_rloo`, counted as valid - 1 for every sample); the std is the sample std of
@@ -76,8 +77,9 @@ def group_baseline_and_std(rewards: torch.Tensor, use_rloo: bool, valid: Optiona
     return baseline, torch.where(lonely | (count <= 1), torch.zeros_like(std), std)
 
 
-def group_advantages(rewards: torch.Tensor, use_rloo: bool, normalize_rewards: bool, valid: Optional[torch.Tensor] = None,
-                     std_rewards: Optional[torch.Tensor] = None) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, use_rloo: bool, normalize_rewards: bool, valid: Optional[torch.Tensor] = None, std_rewards: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """[prompts, generations] rewards -> advantages: reward - baseline, over std + 1e-6 where
     std > 0 with `normalize_rewards` (NeMo-RL's GRPOAdvantageEstimator)."""
     baseline, std = group_baseline_and_std(rewards, use_rloo, valid, std_rewards)
@@ -87,8 +89,7 @@ def group_advantages(rewards: torch.Tensor, use_rloo: bool, normalize_rewards: b
     return advantages
 
 
-def kl_penalty(cfg: GRPOLossConfig, logp: torch.Tensor, ref_logp: torch.Tensor,
-               generation_logp: Optional[torch.Tensor] = None) -> torch.Tensor:
+def kl_penalty(cfg: GRPOLossConfig, logp: torch.Tensor, ref_logp: torch.Tensor, generation_logp: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token KL to the reference as NeMo-RL's `calculate_kl` with ClippedPGLossFn's weights."""
     weight = torch.exp(logp - (generation_logp if cfg.use_on_policy_kl_approximation else logp.detach()))
     weight = torch.nan_to_num(weight, nan=0.0, posinf=0.0, neginf=0.0)
@@ -144,8 +145,13 @@ def policy_loss(
     if cfg.kl_type != KLEstimator.none:
         per_token = kl_penalty(cfg, logp if logp_unfiltered is None else logp_unfiltered, ref_logp, generation_logp)
         loss, kl = loss + cfg.ref_policy_kl_penalty * reduce(per_token), mean(per_token)
-    return PolicyLoss(loss=loss, units=loss_units(cfg.loss_type, mask, max_completion_length), kl=kl,
-                      clip_fraction=mean((clipped > unclipped).to(mask.dtype)), ratio=mean(ratio))
+    return PolicyLoss(
+        loss=loss,
+        units=loss_units(cfg.loss_type, mask, max_completion_length),
+        kl=kl,
+        clip_fraction=mean((clipped > unclipped).to(mask.dtype)),
+        ratio=mean(ratio),
+    )
 
 
 def loss_units(loss_type: PolicyLossType, mask: torch.Tensor, max_completion_length: Optional[int]) -> torch.Tensor:

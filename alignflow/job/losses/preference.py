@@ -62,8 +62,13 @@ class PairLogps:
 
     def averaged(self) -> "PairLogps":
         c, r = self.chosen_tokens.clamp(min=1), self.rejected_tokens.clamp(min=1)
-        return replace(self, policy_chosen=self.policy_chosen / c, policy_rejected=self.policy_rejected / r,
-                       ref_chosen=self.ref_chosen / c, ref_rejected=self.ref_rejected / r)
+        return replace(
+            self,
+            policy_chosen=self.policy_chosen / c,
+            policy_rejected=self.policy_rejected / r,
+            ref_chosen=self.ref_chosen / c,
+            ref_rejected=self.ref_rejected / r,
+        )
 
     def reference_free(self) -> "PairLogps":
         zero = torch.zeros_like(self.ref_chosen)
@@ -135,16 +140,19 @@ LOSS_TYPES: dict[DPOLoss, LossType] = {
     DPOLoss.hinge: LossType(_hinge, average=False),
     DPOLoss.ipo: LossType(_ipo, average=True),
     DPOLoss.exo_pair: LossType(_exo_pair, average=False),
-    DPOLoss.nca_pair: LossType(lambda x, cfg: -F.logsigmoid(cfg.beta * x.chosen) - 0.5 * F.logsigmoid(-cfg.beta * x.chosen)
-                               - 0.5 * F.logsigmoid(-cfg.beta * x.rejected), average=False),
+    DPOLoss.nca_pair: LossType(
+        lambda x, cfg: -F.logsigmoid(cfg.beta * x.chosen) - 0.5 * F.logsigmoid(-cfg.beta * x.chosen) - 0.5 * F.logsigmoid(-cfg.beta * x.rejected),
+        average=False,
+    ),
     DPOLoss.robust: LossType(_robust, average=False),
     DPOLoss.bco_pair: LossType(lambda x, cfg: -F.logsigmoid(cfg.beta * x.chosen) - F.logsigmoid(-cfg.beta * x.rejected), average=False),
     DPOLoss.sppo_hard: LossType(lambda x, cfg: (x.chosen - 0.5 / cfg.beta) ** 2 + (x.rejected + 0.5 / cfg.beta) ** 2, average=False),
     DPOLoss.aot: LossType(_aot, average=False),
     DPOLoss.aot_unpaired: LossType(_aot_unpaired, average=False),
     DPOLoss.apo_zero: LossType(lambda x, cfg: 1 - torch.sigmoid(cfg.beta * x.chosen) + torch.sigmoid(cfg.beta * x.rejected), average=False),
-    DPOLoss.apo_down: LossType(lambda x, cfg: torch.sigmoid(cfg.beta * x.chosen) + 1 - torch.sigmoid(cfg.beta * (x.chosen - x.rejected)),
-                               average=False),
+    DPOLoss.apo_down: LossType(
+        lambda x, cfg: torch.sigmoid(cfg.beta * x.chosen) + 1 - torch.sigmoid(cfg.beta * (x.chosen - x.rejected)), average=False
+    ),
     DPOLoss.discopop: LossType(_discopop, average=False),
     DPOLoss.sft: LossType(_sft, average=None),
     DPOLoss.cdpo: LossType(_cdpo, average=False),

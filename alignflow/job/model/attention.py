@@ -80,8 +80,15 @@ class Documents(PackedSeqParams):
     @classmethod
     def of(cls, cu_seqlens: Tensor, longest: int, length: int, host: Optional[list[int]] = None) -> "Documents":
         cu_seqlens = cu_seqlens.to(torch.int32)
-        return cls(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=length,
-                   max_seqlen_kv=length, longest=int(longest), host=host)
+        return cls(
+            qkv_format="sbhd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=length,
+            max_seqlen_kv=length,
+            longest=int(longest),
+            host=host,
+        )
 
     @classmethod
     def rows(cls, rows: int, length: int, device: torch.device) -> "Documents":
@@ -124,8 +131,16 @@ def _runs(starts: np.ndarray, lengths: np.ndarray) -> list[tuple[int, slice]]:
     return runs
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Optional[tuple], scale: float,
-                     dropout: float = 0.0, softcap: Optional[float] = None) -> Tensor:
+def packed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    documents: Documents,
+    window_size: Optional[tuple],
+    scale: float,
+    dropout: float = 0.0,
+    softcap: Optional[float] = None,
+) -> Tensor:
     """Queries [t, heads, dim] and keys, values [t, query groups, dim] of the flattened rows
     (query head h reads group h // (heads / groups), as Megatron's) -> [t, heads, dim]."""
     if softcap is not None:
@@ -146,8 +161,18 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: 
     else:
         k, v, gqa = _repeated(k, q.shape[1]), _repeated(v, q.shape[1]), {}
     longest = documents.longest
-    return varlen_attn(q, k, v, documents.cu_seqlens_q, documents.cu_seqlens_kv, longest, longest, scale=scale,
-                       window_size=tuple(window_size) if window_size is not None else (-1, 0), **gqa)
+    return varlen_attn(
+        q,
+        k,
+        v,
+        documents.cu_seqlens_q,
+        documents.cu_seqlens_kv,
+        longest,
+        longest,
+        scale=scale,
+        window_size=tuple(window_size) if window_size is not None else (-1, 0),
+        **gqa,
+    )
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Optional[tuple], scale: float, dropout: float) -> Tensor:
@@ -157,15 +182,17 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Op
     for length, gather, scatter, real in documents.groups:
         qg, kg, vg = (t[gather].reshape(-1, length, heads, dim).transpose(1, 2) for t in (q, k, v))  # [documents, heads, length, dim]
         allowed = _window(length, window_size, q.device)
-        part = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, is_causal=allowed is None, dropout_p=dropout,
-                                              scale=scale).transpose(1, 2)
+        part = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, is_causal=allowed is None, dropout_p=dropout, scale=scale).transpose(
+            1, 2
+        )
         part = part.reshape(-1, heads, dim)
         out[scatter] = part if real is None else part[real]
     return out
 
 
-def _eager(q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Optional[tuple], scale: float, dropout: float,
-           softcap: float) -> Tensor:
+def _eager(
+    q: Tensor, k: Tensor, v: Tensor, documents: Documents, window_size: Optional[tuple], scale: float, dropout: float, softcap: float
+) -> Tensor:
     heads, dim = q.shape[1:]
     groups = k.shape[1]
     out = torch.empty_like(q)

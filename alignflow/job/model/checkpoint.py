@@ -30,15 +30,22 @@ from alignflow.job.model.lora import is_adapter_key
 EXTRA_STATE = "_extra_state"
 # The distributed optimizer's state in the format that reshards over TP, PP and DP; to save,
 # Megatron gathers it through DP rank 0's CPU memory (gloo), not all ranks' GPU memory.
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True,
-                    "chained_optim_avoid_prefix": True}
+OPTIMIZER_FORMAT = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+    "chained_optim_avoid_prefix": True,
+}
 
 
 # Which tensors a checkpoint holds: all, the base weights, or LoRA adapters only
 # (`alignflow.job.model.lora`: a LoRA run's checkpoints, whose base is its frozen input model);
 # the trunk: all but a reward model's scalar head (`ScoreModel`), what a causal LM gives one.
-SELECT = {"all": lambda key: True, "base": lambda key: not is_adapter_key(key), "adapters": is_adapter_key,
-          "trunk": lambda key: not key.startswith("rm_head.")}
+SELECT = {
+    "all": lambda key: True,
+    "base": lambda key: not is_adapter_key(key),
+    "adapters": is_adapter_key,
+    "trunk": lambda key: not key.startswith("rm_head."),
+}
 
 
 def sharded_state_dict(chunks: Sequence[GPTModel], select: str = "all") -> dict:

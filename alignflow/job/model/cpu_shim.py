@@ -185,6 +185,7 @@ class _TorchWithHostStreams(types.ModuleType):
     def __getattr__(self, name: str):
         return getattr(torch, name)
 
+
 _CPU_TYPE = torch.Tensor.type
 
 

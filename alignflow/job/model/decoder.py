@@ -63,29 +63,53 @@ from torch import Tensor
 
 from alignflow.job.device import device as rank_device
 from alignflow.job.model.attention import Documents, packed_attention
-from alignflow.job.model.gemma import LayerRopeSelfAttention, LayerTypeRotaryEmbedding, embedding_scale, gelu_tanh, is_window_layer, offset_rms_norm, softcap
+from alignflow.job.model.gemma import (
+    LayerRopeSelfAttention,
+    LayerTypeRotaryEmbedding,
+    embedding_scale,
+    gelu_tanh,
+    is_window_layer,
+    offset_rms_norm,
+    softcap,
+)
 from alignflow.job.model.lora import effective_weight
 from alignflow.job.model.gpt import ProjectionRMSNorm, output_weight, packed_thd
 from alignflow.job.model.vocab_parallel import mask_padded
 
 # TransformerConfig fields the decoder implements only at these values.
 REQUIRED = {
-    "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
-    "multi_latent_attention": False, "rotary_interleaved": False, "fp32_residual_connection": False,
-    "apply_residual_connection_post_layernorm": False, "softmax_type": "vanilla",
-    "attention_output_gate": False, "no_rope_freq": None, "experimental_attention_variant": None,
-    "activation_func_clamp_value": None, "heterogeneous_block_specs": False, "apply_query_key_layer_scaling": False,
+    "normalization": "RMSNorm",
+    "gated_linear_unit": True,
+    "add_bias_linear": False,
+    "multi_latent_attention": False,
+    "rotary_interleaved": False,
+    "fp32_residual_connection": False,
+    "apply_residual_connection_post_layernorm": False,
+    "softmax_type": "vanilla",
+    "attention_output_gate": False,
+    "no_rope_freq": None,
+    "experimental_attention_variant": None,
+    "activation_func_clamp_value": None,
+    "heterogeneous_block_specs": False,
+    "apply_query_key_layer_scaling": False,
     # MoE: every layer sparse, a plain softmax top-k router, every token kept
-    "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None, "moe_expert_capacity_factor": None,
-    "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_group_topk": None,
-    "moe_router_enable_expert_bias": False, "moe_input_jitter_eps": None, "moe_z_loss_coeff": None, "moe_apply_probs_on_input": False,
+    "moe_layer_freq": 1,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_expert_capacity_factor": None,
+    "moe_router_score_function": "softmax",
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_group_topk": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_input_jitter_eps": None,
+    "moe_z_loss_coeff": None,
+    "moe_apply_probs_on_input": False,
 }
 ACTIVATIONS = (F.silu, gelu_tanh)  # SwiGLU, GeGLU
 
 
 def check_supported(model) -> None:
     """Refuse a model whose forward the decoder would not reproduce."""
-    if (wrong := unsupported(model)):
+    if wrong := unsupported(model):
         raise NotImplementedError(f"generation supports the families of alignflow.job.convert.families only; this model has {wrong}")
 
 
@@ -131,19 +155,39 @@ def layer_weights(layer) -> LayerWeights:
     attention, mlp, config = layer.self_attention, layer.mlp, layer.config
     window = is_window_layer(config, layer.layer_number)
     common = dict(
-        window_size=config.window_size if window else None, rope=int(window and isinstance(attention, LayerRopeSelfAttention)),
-        norm1=_norm(layer.input_layernorm, attention.linear_qkv), qkv=effective_weight(attention.linear_qkv),
-        qkv_bias=_bias(attention.linear_qkv), q_norm=_qk_norm(attention.q_layernorm), k_norm=_qk_norm(attention.k_layernorm),
-        proj=effective_weight(attention.linear_proj), proj_bias=_bias(attention.linear_proj),
+        window_size=config.window_size if window else None,
+        rope=int(window and isinstance(attention, LayerRopeSelfAttention)),
+        norm1=_norm(layer.input_layernorm, attention.linear_qkv),
+        qkv=effective_weight(attention.linear_qkv),
+        qkv_bias=_bias(attention.linear_qkv),
+        q_norm=_qk_norm(attention.q_layernorm),
+        k_norm=_qk_norm(attention.k_layernorm),
+        proj=effective_weight(attention.linear_proj),
+        proj_bias=_bias(attention.linear_proj),
         post_attention_norm=_post_norm(attention.linear_proj, getattr(layer, "post_self_attn_layernorm", None)),
-        qk_norm_whole=isinstance(attention.q_layernorm, ProjectionRMSNorm))
+        qk_norm_whole=isinstance(attention.q_layernorm, ProjectionRMSNorm),
+    )
     if hasattr(mlp, "router"):  # MoELayer: its norm stands apart (both specs)
-        return LayerWeights(**common, norm2=layer.pre_mlp_layernorm.weight, fc1=None, fc1_bias=None, fc2=None, fc2_bias=None,
-                            post_mlp_norm=None, router=mlp.router.weight, experts=_experts(mlp.experts))
+        return LayerWeights(
+            **common,
+            norm2=layer.pre_mlp_layernorm.weight,
+            fc1=None,
+            fc1_bias=None,
+            fc2=None,
+            fc2_bias=None,
+            post_mlp_norm=None,
+            router=mlp.router.weight,
+            experts=_experts(mlp.experts),
+        )
     return LayerWeights(
-        **common, norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1), fc1=effective_weight(mlp.linear_fc1), fc1_bias=_bias(mlp.linear_fc1),
-        fc2=effective_weight(mlp.linear_fc2), fc2_bias=_bias(mlp.linear_fc2),
-        post_mlp_norm=_post_norm(mlp.linear_fc2, getattr(layer, "post_mlp_layernorm", None)))
+        **common,
+        norm2=_norm(layer.pre_mlp_layernorm, mlp.linear_fc1),
+        fc1=effective_weight(mlp.linear_fc1),
+        fc1_bias=_bias(mlp.linear_fc1),
+        fc2=effective_weight(mlp.linear_fc2),
+        fc2_bias=_bias(mlp.linear_fc2),
+        post_mlp_norm=_post_norm(mlp.linear_fc2, getattr(layer, "post_mlp_layernorm", None)),
+    )
 
 
 def _post_norm(linear, layer_norm) -> Optional[Tensor]:
@@ -192,7 +236,7 @@ class Decoder:
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.groups, self.per_group = config.num_query_groups // self.tp, config.num_attention_heads // config.num_query_groups
         self.head_dim, self.dtype = config.kv_channels, config.params_dtype
-        self.scale = config.softmax_scale or self.head_dim ** -0.5
+        self.scale = config.softmax_scale or self.head_dim**-0.5
         self.top_k, self.pre_softmax = config.moe_router_topk, config.moe_router_pre_softmax
         self.ep = parallel_state.get_expert_model_parallel_world_size() if config.num_moe_experts else 1
         self.ep_group = parallel_state.get_expert_model_parallel_group() if self.ep > 1 else None
@@ -216,8 +260,9 @@ class Decoder:
         pads = torch.tensor(pad, dtype=torch.long, device=device)
         self.ropes = self._rope(pads, max_length)  # (cos, sin) [b, max_length, 1, 1, d] per row, per RoPE
         padding = (torch.arange(max_length, device=device) < pads[:, None])[:, None, None]  # [b, 1, 1, L]
-        self.padding_bias = (torch.zeros(padding.shape, dtype=self.dtype, device=device).masked_fill(padding, float("-inf"))
-                             if any(pad) else None)  # added to the scores of decode steps
+        self.padding_bias = (
+            torch.zeros(padding.shape, dtype=self.dtype, device=device).masked_fill(padding, float("-inf")) if any(pad) else None
+        )  # added to the scores of decode steps
         self.length, self.prompt_length, self.device = 0, 0, device
         self.router_logits: Optional[list[Tensor]] = None  # each MoE layer's, where a `LeanForward` keeps them
 
@@ -234,8 +279,15 @@ class Decoder:
             self.keys[i][:, :, :s] = k[rows].transpose(1, 2)
             self.values[i][:, :, :s] = v[rows].transpose(1, 2)
             g, d = self.groups, self.head_dim
-            out = packed_attention(q.reshape(u * s, g * self.per_group, d), k.reshape(u * s, g, d), v.reshape(u * s, g, d), documents,
-                                   w.window_size, self.scale, softcap=self.attn_softcap)
+            out = packed_attention(
+                q.reshape(u * s, g * self.per_group, d),
+                k.reshape(u * s, g, d),
+                v.reshape(u * s, g, d),
+                documents,
+                w.window_size,
+                self.scale,
+                softcap=self.attn_softcap,
+            )
             return out.view(u, s, -1)
 
         logits = self._forward(prompts, ropes, attend)
@@ -296,7 +348,9 @@ class Decoder:
         qkv = F.linear(self._normed(x, w.norm1), w.qkv, w.qkv_bias).view(b, s, g, per + 2, d)
         qk = qkv[..., : per + 1, :]  # each group's queries and key, rotated together
         if w.q_norm is not None:
-            qk = torch.cat([self._qk_norm(qk[..., :per, :], w.q_norm, w.qk_norm_whole), self._qk_norm(qk[..., per:, :], w.k_norm, w.qk_norm_whole)], -2)
+            qk = torch.cat(
+                [self._qk_norm(qk[..., :per, :], w.q_norm, w.qk_norm_whole), self._qk_norm(qk[..., per:, :], w.k_norm, w.qk_norm_whole)], -2
+            )
         cos, sin = ropes[w.rope]
         rotated = qk[..., :r] * cos + qk[..., :r].roll(r // 2, -1) * sin  # x cos + rotate_half(x) sin
         qk = rotated if r == d else torch.cat([rotated, qk[..., r:]], -1)
@@ -458,21 +512,41 @@ class LeanForward:
     def of(cls, chunks: list, max_length: int) -> Optional["LeanForward"]:
         model, ddp = unwrap_model(chunks[0]), getattr(chunks[0], "ddp_config", None)
         config = model.config
-        one_rank = all(size() == 1 for size in (parallel_state.get_tensor_model_parallel_world_size,
-                                                parallel_state.get_pipeline_model_parallel_world_size,
-                                                parallel_state.get_context_parallel_world_size,
-                                                parallel_state.get_expert_model_parallel_world_size))
-        dropout = model.training and (config.attention_dropout > 0 or config.hidden_dropout > 0 or
-                                      any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))  # LoRA's too
+        one_rank = all(
+            size() == 1
+            for size in (
+                parallel_state.get_tensor_model_parallel_world_size,
+                parallel_state.get_pipeline_model_parallel_world_size,
+                parallel_state.get_context_parallel_world_size,
+                parallel_state.get_expert_model_parallel_world_size,
+            )
+        )
+        dropout = model.training and (
+            config.attention_dropout > 0 or config.hidden_dropout > 0 or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        )  # LoRA's too
         recompute = torch.is_grad_enabled() and config.recompute_granularity is not None
         hooked_weights = ddp is not None and ddp.overlap_param_gather
-        if (len(chunks) > 1 or not one_rank or packed_thd() or config.params_dtype != torch.float32 or dropout or recompute
-                or hooked_weights or unsupported(model)):
+        if (
+            len(chunks) > 1
+            or not one_rank
+            or packed_thd()
+            or config.params_dtype != torch.float32
+            or dropout
+            or recompute
+            or hooked_weights
+            or unsupported(model)
+        ):
             return None
         return cls(model, max_length)
 
-    def __call__(self, tokens: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor], labels: Optional[Tensor] = None,
-                 packed_seq_params: Optional[Documents] = None) -> Tensor:
+    def __call__(
+        self,
+        tokens: Tensor,
+        position_ids: Tensor,
+        attention_mask: Optional[Tensor],
+        labels: Optional[Tensor] = None,
+        packed_seq_params: Optional[Documents] = None,
+    ) -> Tensor:
         if attention_mask is not None:
             raise ValueError("LeanForward takes documents (packed_seq_params), not a mask")
         d = self.decoder
@@ -481,8 +555,15 @@ class LeanForward:
 
         def attend(i: int, w: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [b, s, groups, per group, d], k, v [b, s, groups, d]
             g, dim = d.groups, d.head_dim
-            out = packed_attention(q.reshape(b * s, g * d.per_group, dim), k.reshape(b * s, g, dim), v.reshape(b * s, g, dim), documents,
-                                   w.window_size, d.scale, softcap=d.attn_softcap)
+            out = packed_attention(
+                q.reshape(b * s, g * d.per_group, dim),
+                k.reshape(b * s, g, dim),
+                v.reshape(b * s, g, dim),
+                documents,
+                w.window_size,
+                d.scale,
+                softcap=d.attn_softcap,
+            )
             return out.view(b, s, -1)
 
         ropes = d.rope_at(position_ids)

@@ -82,8 +82,9 @@ class LayerTypeRotaryEmbedding(RotaryEmbedding):
         self.local = RotaryEmbedding(**{**kwargs, "rotary_base": local_base, "seq_len_interpolation_factor": None})
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> Tensor:
-        return torch.stack([super().forward(max_seq_len, offset, packed_seq, cp_group),
-                            self.local.forward(max_seq_len, offset, packed_seq, cp_group)])
+        return torch.stack(
+            [super().forward(max_seq_len, offset, packed_seq, cp_group), self.local.forward(max_seq_len, offset, packed_seq, cp_group)]
+        )
 
 
 def is_window_layer(config, layer_number: int) -> bool:
@@ -109,9 +110,14 @@ def install(model, shape: ModelShape) -> None:
     if shape.local_rope_theta is not None:
         rope = model.rotary_pos_emb
         model.rotary_pos_emb = LayerTypeRotaryEmbedding(
-            local_base=shape.local_rope_theta, kv_channels=model.config.kv_channels, rotary_percent=1.0,
-            rotary_interleaved=model.config.rotary_interleaved, seq_len_interpolation_factor=rope.seq_len_interpolation_factor,
-            rotary_base=shape.rope_theta, use_cpu_initialization=model.config.use_cpu_initialization, cp_group=rope.cp_group,
+            local_base=shape.local_rope_theta,
+            kv_channels=model.config.kv_channels,
+            rotary_percent=1.0,
+            rotary_interleaved=model.config.rotary_interleaved,
+            seq_len_interpolation_factor=rope.seq_len_interpolation_factor,
+            rotary_base=shape.rope_theta,
+            use_cpu_initialization=model.config.use_cpu_initialization,
+            cp_group=rope.cp_group,
         )
 
 
@@ -121,5 +127,4 @@ def _scale_embedding(module, args, out: Tensor) -> Tensor:
 
 def embedding_scale(hidden_size: int, like: Tensor) -> Tensor:
     """HF's Gemma2/Gemma3TextScaledWordEmbedding's scale: sqrt(hidden) in fp32, cast to the embeddings' dtype."""
-    return torch.tensor(hidden_size ** 0.5, device=like.device).to(dtype=like.dtype)
-
+    return torch.tensor(hidden_size**0.5, device=like.device).to(dtype=like.dtype)

@@ -74,6 +74,7 @@ CPU_SETTINGS = {
     "batch_p2p_comm": False,
 }
 
+
 # TransformerConfig settings of a MoE model, given its shape: HF's router. Top-k of the
 # softmax; renormalized over the top k (norm_topk_prob, Mixtral) is Megatron's softmax over the
 # top-k logits, else the softmax over all experts before the top-k (pre-softmax). No capacity,
@@ -185,8 +186,16 @@ class DocumentWindowAttention(DotProductAttention):
         super().__init__(config, layer_number, *args, **kwargs)
         self.window_size = config.window_size if gemma.is_window_layer(config, self.layer_number) else None
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], *args,
-                packed_seq_params: Optional[PackedSeqParams] = None, **kwargs):
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        *args,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        **kwargs,
+    ):
         """[s, b, heads (query groups for key, value), dim] -> [s, b, heads * dim]."""
         if attention_mask is not None:
             raise ValueError("DocumentWindowAttention takes documents (packed_seq_params), not a mask")
@@ -229,8 +238,11 @@ class ProjectionRMSNorm(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
         """The weight as one global tensor, TP-sharded on dim 0."""
-        groups = ({"tp_group": parallel_state.get_tensor_model_parallel_group(), "dp_cp_group": metadata["dp_cp_group"]}
-                  if metadata and "dp_cp_group" in metadata else {})  # Megatron's defaults take both or neither
+        groups = (
+            {"tp_group": parallel_state.get_tensor_model_parallel_group(), "dp_cp_group": metadata["dp_cp_group"]}
+            if metadata and "dp_cp_group" in metadata
+            else {}
+        )  # Megatron's defaults take both or neither
         return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {"weight": 0}, sharded_offsets, **groups)
 
 
@@ -251,6 +263,7 @@ class PostNormTransformerLayer(TransformerLayer):
 
 def _normed_first(bda: Callable, norm: torch.nn.Module) -> Callable:
     """A Megatron bias-dropout-add factory whose add takes norm(output + bias)."""
+
     def factory(training: bool, fused: bool) -> Callable:
         add = bda(training, fused)
 
@@ -289,8 +302,9 @@ def document_params(batch: dict) -> PackedSeqParams:
     else the same offsets on the [s, b] layout for `packed_attention` (`Documents`)."""
     cu_seqlens = batch["cu_seqlens"].to(torch.int32)
     if packed_thd():
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                               max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"]
+        )
     return Documents.of(cu_seqlens, batch["max_seqlen"], batch["tokens"].shape[1])
 
 
@@ -327,7 +341,8 @@ def layer_spec(shape: ModelShape) -> ModuleSpec:
         attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"heads": "key"})
     if shape.rope_attention_factor != 1.0:  # longrope (Phi-3 has no q/k norms to share the slot with)
         attention.q_layernorm = attention.k_layernorm = ModuleSpec(
-            module=RotaryScale, params={"factor": shape.rope_attention_factor, "rotary_dim": shape.rotary_dim})
+            module=RotaryScale, params={"factor": shape.rope_attention_factor, "rotary_dim": shape.rotary_dim}
+        )
     return _post_norm(spec) if shape.post_norm else spec
 
 
@@ -386,8 +401,9 @@ def _llama3_rope(model: GPTModel, shape: ModelShape) -> None:
     `rope_scaling` fixes low/high frequency factors 1/4 and 8192 original positions)."""
     rotary = model.rotary_pos_emb
     low, high, original = shape.rope_llama3
-    rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, factor=shape.rope_factor, low_freq_factor=low,
-                                            high_freq_factor=high, original_max_position_embeddings=original)
+    rotary.inv_freq = rotary._apply_scaling(
+        rotary.inv_freq, factor=shape.rope_factor, low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original
+    )
 
 
 class RotaryScale(torch.nn.Module):
@@ -418,9 +434,11 @@ class LongRoPE(RotaryEmbedding):
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
         if max_seq_len + offset > self.original_max:
-            raise ValueError(f"a sequence of {max_seq_len + offset} positions passes the longrope model's "
-                             f"original_max_position_embeddings={self.original_max}, past which HF switches to long_factor "
-                             "(not mapped); keep data.seq_length and prompt + generated tokens within it")
+            raise ValueError(
+                f"a sequence of {max_seq_len + offset} positions passes the longrope model's "
+                f"original_max_position_embeddings={self.original_max}, past which HF switches to long_factor "
+                "(not mapped); keep data.seq_length and prompt + generated tokens within it"
+            )
         return super().get_emb(max_seq_len, offset)
 
 
@@ -430,7 +448,7 @@ def _longrope(model: GPTModel, shape: ModelShape) -> None:
     dim = rotary.inv_freq.numel() * 2
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=rotary.inv_freq.device).float() / dim
     short = torch.tensor(shape.rope_short_factor, dtype=torch.float32, device=rotary.inv_freq.device)
-    rotary.inv_freq = 1.0 / (short * shape.rope_theta ** exponents)
+    rotary.inv_freq = 1.0 / (short * shape.rope_theta**exponents)
     rotary.__class__, rotary.original_max = LongRoPE, shape.rope_original_max
 
 
@@ -522,8 +540,9 @@ def _build_chunk(common: dict, shape: ModelShape, vp_stage: Optional[int], vp_si
     pre, post = stage_ends(
         parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size(), vp_stage, vp_size
     )
-    model = (ScoreModel if shape.score_head else GPTModel)(pre_process=pre, post_process=post, vp_stage=vp_stage,
-                                                          transformer_layer_spec=block_spec(shape, common["config"], vp_stage), **common)
+    model = (ScoreModel if shape.score_head else GPTModel)(
+        pre_process=pre, post_process=post, vp_stage=vp_stage, transformer_layer_spec=block_spec(shape, common["config"], vp_stage), **common
+    )
     model.hf_shape = shape
     gemma.install(model, shape)
     if shape.rope_type in RESCALED_ROPE:

@@ -129,17 +129,27 @@ class Adapter(nn.Module):
 
     def delta_weight(self) -> Tensor:
         """The update of this rank's shard of the weight, (alpha / r) B A, in the weight's layout (fp32)."""
-        parts = [(self.lora_B[p].float() @ self.lora_A[p].float()) * self.scaling if p in self.lora_A else
-                 torch.zeros(self.rows[p], self.cols, device=self.lora_B[next(iter(self.lora_B))].device)
-                 for p in self.spec.parts]
+        parts = [
+            (self.lora_B[p].float() @ self.lora_A[p].float()) * self.scaling
+            if p in self.lora_A
+            else torch.zeros(self.rows[p], self.cols, device=self.lora_B[next(iter(self.lora_B))].device)
+            for p in self.spec.parts
+        ]
         return fuse_rows(self.spec, parts, self.config)
 
 
 def part_sizes(config: Any, module: targets.Module) -> dict[str, int]:
     """Global output rows of each HF projection of a module."""
     heads, groups, dim = config.num_attention_heads, config.num_query_groups, config.kv_channels
-    sizes = {"q_proj": heads * dim, "k_proj": groups * dim, "v_proj": groups * dim, "o_proj": config.hidden_size,
-             "gate_proj": config.ffn_hidden_size, "up_proj": config.ffn_hidden_size, "down_proj": config.hidden_size}
+    sizes = {
+        "q_proj": heads * dim,
+        "k_proj": groups * dim,
+        "v_proj": groups * dim,
+        "o_proj": config.hidden_size,
+        "gate_proj": config.ffn_hidden_size,
+        "up_proj": config.ffn_hidden_size,
+        "down_proj": config.hidden_size,
+    }
     return {part: sizes[part] for part in module.parts}
 
 
@@ -188,8 +198,11 @@ class _LoRALinear:
             matrix, part = name.split(".")
             key = layer_prefix + targets.adapter_key(adapter.layer, adapter.spec.path, matrix, part).removeprefix("decoder.layers.")
             axis = adapter.tp_axis(matrix)
-            sharded[f"{prefix}{ADAPTER}.{name}"] = (make_sharded_tensor_for_checkpoint(param, key, **groups) if axis is None else
-                                                     make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=axis, **groups))
+            sharded[f"{prefix}{ADAPTER}.{name}"] = (
+                make_sharded_tensor_for_checkpoint(param, key, **groups)
+                if axis is None
+                else make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=axis, **groups)
+            )
         return sharded
 
 
@@ -230,8 +243,10 @@ def attach(chunks: Sequence[nn.Module], settings: LoRASettings, seed: int, freez
 
 def _adapt(linear: nn.Module, module: targets.Module, layer: int, parts: Sequence[str], settings: LoRASettings, seed: int) -> None:
     if type(linear) not in LORA_CLASSES:
-        raise NotImplementedError(f"LoRA on {type(linear).__name__} ({module.path}) is not supported: only Megatron's local "
-                                  "ColumnParallelLinear / RowParallelLinear (Transformer Engine's fused norm + linear needs the normed input)")
+        raise NotImplementedError(
+            f"LoRA on {type(linear).__name__} ({module.path}) is not supported: only Megatron's local "
+            "ColumnParallelLinear / RowParallelLinear (Transformer Engine's fused norm + linear needs the normed input)"
+        )
     if linear.config.sequence_parallel:
         raise NotImplementedError("LoRA with sequence_parallel is not supported")
     adapter = Adapter(linear, module, layer, parts, settings, seed)
@@ -280,8 +295,7 @@ def trainable_params(chunks: Sequence[nn.Module]) -> int:
     """Trainable parameters of the whole model: this rank's, TP-replicated ones counted on TP
     rank 0 only, summed over the TP and PP ranks."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    local = sum(p.numel() for c in chunks for p in c.parameters()
-                if p.requires_grad and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0))
+    local = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0))
     total = torch.tensor(local, dtype=torch.int64, device=device())
     for group in (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()):
         torch.distributed.all_reduce(total, group=group)

@@ -39,6 +39,7 @@ def _local(logits: Tensor, vocab_size: int) -> tuple[Tensor, int]:
 def masking_hook(vocab_size: int):
     """A forward hook for a (column-parallel) output layer: its logits with the padded vocab rows
     masked, whether this rank's slice [..., V / TP] or gathered [..., V]."""
+
     def hook(layer, args, output: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:
         logits, bias = output
         width = logits.shape[-1]

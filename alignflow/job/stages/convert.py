@@ -64,5 +64,3 @@ def run(cfg, inputs: dict, out: str) -> dict:
 def is_dist_checkpoint(uri: str) -> bool:
     fs, path = fsspec.core.url_to_fs(uri)
     return fs.exists(f"{path.rstrip('/')}/metadata.json") and fs.exists(f"{path.rstrip('/')}/.metadata")
-
-

@@ -58,8 +58,7 @@ def token_terms(cfg: DistillationLossConfig, logits: torch.Tensor, batch: dict, 
 
 
 def load_data(data: Prepared, teacher_uri: str) -> Supervised:
-    return Supervised(train=DistillRows(data, "train", teacher_uri), val=optional(DistillRows, data, "val", teacher_uri),
-                      seq_length=data.seq_length)
+    return Supervised(train=DistillRows(data, "train", teacher_uri), val=optional(DistillRows, data, "val", teacher_uri), seq_length=data.seq_length)
 
 
 def run(cfg, inputs: dict, out: str) -> dict:

@@ -54,8 +54,14 @@ def pair_loss(cfg: DPOLossConfig, per_token: torch.Tensor, batch: dict) -> Prefe
     sums = sequence_sums(-per_token.float() * batch["loss_mask"], batch)  # chosen, then rejected
     tokens = sequence_sums(batch["loss_mask"].float(), batch)
     ref = {side: batch[f"ref_{side}_logp"].to(sums.dtype) for side in SIDES}
-    logps = PairLogps(policy_chosen=sums[:n], policy_rejected=sums[n:], ref_chosen=ref["chosen"], ref_rejected=ref["rejected"],
-                      chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
+    logps = PairLogps(
+        policy_chosen=sums[:n],
+        policy_rejected=sums[n:],
+        ref_chosen=ref["chosen"],
+        ref_rejected=ref["rejected"],
+        chosen_tokens=tokens[:n],
+        rejected_tokens=tokens[n:],
+    )
     return preference_loss(cfg, logps)
 
 

@@ -52,8 +52,15 @@ from alignflow.job.forward.scores import model_scores
 from alignflow.job.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
 
 log = logging.getLogger("alignflow.eval")
-SINGLE_RANK = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-               "context_parallel_size": 1, "expert_model_parallel_size": 1, "sequence_parallel": False, "use_distributed_optimizer": False}
+SINGLE_RANK = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "sequence_parallel": False,
+    "use_distributed_optimizer": False,
+}
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
@@ -63,15 +70,17 @@ def run(cfg, inputs: dict, out: str) -> dict:
     metrics, samples, completions = {}, {}, {}
     try:
         for name, uri in models.items():
-            chunks, decode = load_chunks(uri, section.parallel, cfg.model.make_vocab_size_divisible_by, resolve_precision(section.precision),
-                                         cache_dir(cfg))
+            chunks, decode = load_chunks(
+                uri, section.parallel, cfg.model.make_vocab_size_divisible_by, resolve_precision(section.precision), cache_dir(cfg)
+            )
             results, samples[name], completions[name] = evaluate(chunks, decode, data, section)
             metrics |= {f"{name}.{k}": v for k, v in results.items()}
             if dist.get_rank() == 0:
                 log.info("%s: %s", name, results)
         if "reward_model" in inputs:
-            chunks, _ = load_chunks(inputs["reward_model"], section.parallel, cfg.model.make_vocab_size_divisible_by,
-                                    resolve_precision(section.precision), cache_dir(cfg))
+            chunks, _ = load_chunks(
+                inputs["reward_model"], section.parallel, cfg.model.make_vocab_size_divisible_by, resolve_precision(section.precision), cache_dir(cfg)
+            )
             baseline = _stage_name(inputs["baselines"][0]) if inputs["baselines"] else None
             metrics |= reward_model_metrics(chunks, completions, baseline, data.pad_id, section.micro_batch_size)
         dist.barrier()
@@ -148,8 +157,11 @@ def preference_accuracy(chunks: list, pairs: PreferencePairs, micro_batch_size: 
     columns = pair_logprobs(chunks, pairs, micro_batch_size)  # on the rank of each DP share that writes
     wins = torch.zeros(2, dtype=torch.float64, device=device())
     if columns is not None:
-        wins += torch.tensor([sum(c > r for c, r in zip(columns["chosen_logp"], columns["rejected_logp"])), len(columns["sample_id"])],
-                             dtype=torch.float64, device=device())
+        wins += torch.tensor(
+            [sum(c > r for c, r in zip(columns["chosen_logp"], columns["rejected_logp"])), len(columns["sample_id"])],
+            dtype=torch.float64,
+            device=device(),
+        )
     dist.all_reduce(wins)
     return float(wins[0] / wins[1])
 
@@ -163,8 +175,14 @@ def task_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) 
     mine = []
     for i, completion in zip(share, completions):
         text, i = decode(completion.tokens), int(i)
-        mine.append({"prompt": prompts.text[i], "completion": text, "answer": prompts.answer[i],
-                     "correct": exact_match(prompts.text[i], text, prompts.answer[i])})
+        mine.append(
+            {
+                "prompt": prompts.text[i],
+                "completion": text,
+                "answer": prompts.answer[i],
+                "correct": exact_match(prompts.text[i], text, prompts.answer[i]),
+            }
+        )
     scored = [row for part in _gather_dp(mine) for row in part]
     rows = [prompts.tokens(int(i)) + completion.tokens for i, completion in zip(share, completions)]
     return sum(s["correct"] for s in scored) / max(len(scored), 1), scored[: cfg.num_examples_shown], rows
@@ -174,8 +192,9 @@ def reward_model_metrics(chunks: list, rows: dict[str, list], baseline: str | No
     """Each model's mean reward-model score of its completions (`rm_score`) and, with a
     baseline, but the baseline's, its win rate against the baseline's completions of the same
     prompts (`rm_win_rate`, ties one half); `rows`: model -> this rank's prompt + completion rows."""
-    scores = {name: model_scores(chunks, mine, pad_id, micro_batch_size) if mine else torch.zeros(0, dtype=torch.float64)
-              for name, mine in rows.items()}
+    scores = {
+        name: model_scores(chunks, mine, pad_id, micro_batch_size) if mine else torch.zeros(0, dtype=torch.float64) for name, mine in rows.items()
+    }
     metrics = {}
     for name, mine in scores.items():
         theirs = scores[baseline] if baseline else mine
@@ -192,8 +211,13 @@ def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cf
     """pass@k and maj@k for each k of `cfg.sampling`, over n sampled completions of each of the
     first num_generation_samples prompts; each DP rank draws its share from its own seed."""
     s, share = cfg.sampling, _my_share(min(len(prompts), cfg.num_generation_samples))
-    sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer["eos_token_id"], vocab_size=tokenizer["vocab_size"],
-                        temperature=s.temperature, top_p=s.top_p)
+    sampling = Sampling(
+        max_new_tokens=cfg.max_new_tokens,
+        eos_id=tokenizer["eos_token_id"],
+        vocab_size=tokenizer["vocab_size"],
+        temperature=s.temperature,
+        top_p=s.top_p,
+    )
     seed = int(np.random.SeedSequence([s.seed, parallel_state.get_data_parallel_rank()]).generate_state(1)[0])
     completions = generate(chunks, [prompts.tokens(int(i)) for i in share for _ in range(s.n)], sampling, cfg.micro_batch_size, seed=seed)
     answers = [extract_answer(decode(c.tokens)) for c in completions]
@@ -205,8 +229,10 @@ def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cf
 def prompt_scores(gold: list, answers: list[list], ks: list[int]) -> dict:
     """One prompt's pass@k and maj@k for each k, from its n parsed answers."""
     correct = sum(same_answer(gold, answer) for answer in answers)
-    return {**{f"pass@{k}": pass_at_k(len(answers), correct, k) for k in ks},
-            **{f"maj@{k}": float(same_answer(gold, majority_answer(answers[:k]))) for k in ks}}
+    return {
+        **{f"pass@{k}": pass_at_k(len(answers), correct, k) for k in ks},
+        **{f"maj@{k}": float(same_answer(gold, majority_answer(answers[:k]))) for k in ks},
+    }
 
 
 def _gather_dp(obj) -> list:

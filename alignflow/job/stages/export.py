@@ -53,8 +53,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     files = write_sharded(out, specs, tensors, parse_size(cfg.export.max_shard_size))
     adapter = {}
     if model.lora is not None:
-        adapter = write_adapter(f"{out.rstrip('/')}/{ADAPTER_DIR}", model, shape, getattr(torch, dtype_name),
-                                cfg.export.destination)
+        adapter = write_adapter(f"{out.rstrip('/')}/{ADAPTER_DIR}", model, shape, getattr(torch, dtype_name), cfg.export.destination)
     copy_files(model.hf, ("generation_config.json",), out)
     copy_files(model.tokenizer, TOKENIZER_FILES, out)
     dtype_key = "torch_dtype" if "torch_dtype" in hf_config and "dtype" not in hf_config else "dtype"
@@ -62,8 +61,12 @@ def run(cfg, inputs: dict, out: str) -> dict:
     fs.pipe(f"{root.rstrip('/')}/config.json", json.dumps({**hf_config, dtype_key: dtype_name}, indent=2).encode())
     if cfg.export.destination:
         instance, fingerprint = staging_owner(out)
-        publish(out, cfg.export.destination, destination_key("export", instance),
-                {"instance": instance, "fingerprint": fingerprint, "model": inputs["model"]})
+        publish(
+            out,
+            cfg.export.destination,
+            destination_key("export", instance),
+            {"instance": instance, "fingerprint": fingerprint, "model": inputs["model"]},
+        )
     return {
         "architecture": shape.architecture,
         "dtype": dtype_name,
@@ -95,7 +98,7 @@ def publish(src: str, dest: str, key: str = "export.destination", origin: dict |
     dest_fs, dest_root = open_destination(dest, {})
     src_root = src_root.rstrip("/")
     previous = previous_export(dest_fs, dest_root, key, dest)  # before copying anything
-    names = sorted((p[len(src_root) + 1:] for p in src_fs.find(src_root) if p != f"{src_root}/{MARKER}"), key=lambda n: n == "config.json")
+    names = sorted((p[len(src_root) + 1 :] for p in src_fs.find(src_root) if p != f"{src_root}/{MARKER}"), key=lambda n: n == "config.json")
     marker = {**(origin or {}), "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": sorted(names)}
     if isinstance(dest_fs, LocalFileSystem):
         _publish_local(src_fs, src_root, names, marker, dest_root, (key, dest))  # checks again right before its swap

@@ -88,8 +88,7 @@ class Rollouts:
     The rows are host data (collated as SFT's are); the per-sample tensors (advantages, the
     log-probs) stay on the rank's device, where the loss reads them."""
 
-    def __init__(self, prompts: list[list[int]], completions: list[Completion], advantages: torch.Tensor,
-                 trained: torch.Tensor, pad_id: int):
+    def __init__(self, prompts: list[list[int]], completions: list[Completion], advantages: torch.Tensor, trained: torch.Tensor, pad_id: int):
         self.rows, self.seq_length, self.pad_id = [], max(len(p) + len(c.tokens) for p, c in zip(prompts, completions)), pad_id
         generation_logp = np.zeros((len(prompts), self.seq_length), dtype=np.float32)
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
@@ -141,8 +140,17 @@ def grpo_objective(cfg: GRPOLossConfig, sampling: Sampling) -> Objective:
         logp, logp_unfiltered = (-nll[..., 0], -nll[..., 1]) if nll.dim() == 3 else (-nll, -nll)
         old = batch.get("old_logp", logp.detach())
         ref = batch.get("ref_logp", logp_unfiltered.detach())
-        out = policy_loss(cfg, logp, old, ref, batch["advantages"], batch["loss_mask"], batch["generation_logp"],
-                          logp_unfiltered=logp_unfiltered, max_completion_length=sampling.max_new_tokens)
+        out = policy_loss(
+            cfg,
+            logp,
+            old,
+            ref,
+            batch["advantages"],
+            batch["loss_mask"],
+            batch["generation_logp"],
+            logp_unfiltered=logp_unfiltered,
+            max_completion_length=sampling.max_new_tokens,
+        )
         metrics = {name: getattr(out, name) * out.units for name in LOSS_METRICS}
         return LossTerms(total=out.loss * out.units, count=out.units.to(torch.int64), metrics=metrics)
 
@@ -194,13 +202,21 @@ class RolloutStats:
     def global_metrics(self) -> dict[str, float]:
         """Metrics over every DP rank's samples."""
         r = self.rewards.double()
-        sums = torch.tensor([len(r), r.sum(), (r * r).sum(), self.correct.double().sum(), self.response_tokens.double().sum(),
-                             self.truncated.double().sum()], dtype=torch.float64, device=device())
+        sums = torch.tensor(
+            [len(r), r.sum(), (r * r).sum(), self.correct.double().sum(), self.response_tokens.double().sum(), self.truncated.double().sum()],
+            dtype=torch.float64,
+            device=device(),
+        )
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         n, total, squares, correct, tokens, truncated = sums.tolist()
         mean = total / n
-        return {"reward_mean": mean, "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5,
-                "accuracy": correct / n, "response_length": tokens / n, "truncation_rate": truncated / n}
+        return {
+            "reward_mean": mean,
+            "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5,
+            "accuracy": correct / n,
+            "response_length": tokens / n,
+            "truncation_rate": truncated / n,
+        }
 
 
 @dataclass
@@ -216,13 +232,26 @@ class Environment:
     score_chunks: list | None = None  # the reward model, for `score` entries
 
 
-def environment(run: Run, section: Any, prompts: Prepared, ref_model: ModelOutput, divisible_by: int, same_model: bool = False,
-                reward_model: ModelOutput | None = None) -> Environment:
+def environment(
+    run: Run,
+    section: Any,
+    prompts: Prepared,
+    ref_model: ModelOutput,
+    divisible_by: int,
+    same_model: bool = False,
+    reward_model: ModelOutput | None = None,
+) -> Environment:
     """What a step needs; `same_model`: the reference is the run's input model, so a LoRA run
     refers to its own frozen base; `reward_model` scores the `score` entries."""
     tokenizer = AutoTokenizer.from_pretrained(run.init.tokenizer, trust_remote_code=False)
-    sampling = Sampling(max_new_tokens=section.max_new_tokens, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
-                        temperature=section.generation_temperature, top_p=section.generation_top_p, top_k=section.generation_top_k)
+    sampling = Sampling(
+        max_new_tokens=section.max_new_tokens,
+        eos_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        temperature=section.generation_temperature,
+        top_p=section.generation_top_p,
+        top_k=section.generation_top_k,
+    )
     ref_chunks, kl = None, section.loss.ref_policy_kl_penalty > 0 and section.loss.kl_type != KLEstimator.none
     if kl and run.lora and same_model:
         ref_chunks = run.chunks
@@ -246,8 +275,18 @@ def train(run: Run, prompts: Prompts, env: Environment, objective: Objective) ->
         window_seconds, window_tokens = window_seconds + seconds, window_tokens + stats.tokens
         last = state.step == run.total_steps
         if last or state.step == 1 or every(state.step, cfg.trainer.log_every_n_steps):
-            engine.log_step(run, {"step": state.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                                  "tokens": state.tokens, "tokens_per_s": window_tokens / max(window_seconds, 1e-9), **stats.metrics})
+            engine.log_step(
+                run,
+                {
+                    "step": state.step,
+                    "loss": stats.loss,
+                    "lr": stats.lr,
+                    "grad_norm": stats.grad_norm,
+                    "tokens": state.tokens,
+                    "tokens_per_s": window_tokens / max(window_seconds, 1e-9),
+                    **stats.metrics,
+                },
+            )
             window_seconds, window_tokens = 0.0, 0
         if last or engine.checkpoint_due(run):
             engine.save_checkpoint(run)
@@ -266,25 +305,40 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     micro = [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
     if env.ref_chunks is not None:
         with lora.disabled(env.ref_chunks):
-            rollouts.store("ref_logp", micro, engine.per_token_logps(run, env.ref_chunks, nll_forward(env.sampling, (UNFILTERED,)), micro,
-                                                                     rollouts, rollouts.seq_length))
+            rollouts.store(
+                "ref_logp",
+                micro,
+                engine.per_token_logps(run, env.ref_chunks, nll_forward(env.sampling, (UNFILTERED,)), micro, rollouts, rollouts.seq_length),
+            )
     if cfg.num_optimizer_steps_per_batch > 1:
-        rollouts.store("old_logp", micro, engine.per_token_logps(run, run.chunks, nll_forward(env.sampling, (FILTERED,)), micro, rollouts,
-                                                                 rollouts.seq_length))
+        rollouts.store(
+            "old_logp", micro, engine.per_token_logps(run, run.chunks, nll_forward(env.sampling, (FILTERED,)), micro, rollouts, rollouts.seq_length)
+        )
     per_update = len(micro) // cfg.num_optimizer_steps_per_batch
-    updates = [engine.optimizer_step(run, objective, micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length)
-               for k in range(cfg.num_optimizer_steps_per_batch)]
+    updates = [
+        engine.optimizer_step(run, objective, micro[k * per_update : (k + 1) * per_update], rollouts, rollouts.seq_length)
+        for k in range(cfg.num_optimizer_steps_per_batch)
+    ]
     generated = all_reduce_dp(float(stats.response_tokens.sum()))
-    forwards = 1 + (env.ref_chunks is not None) + (cfg.num_optimizer_steps_per_batch > 1) + (env.score_chunks is not None)  # generation, reference, old policy, reward model
-    flops = all_reduce_dp(run.step_flops(rollouts, samples) + forwards * model_flops(ModelShape.of(run.init.hf_config),
-                                                                                     rollouts.document_lengths(samples), FORWARD))
+    forwards = (
+        1 + (env.ref_chunks is not None) + (cfg.num_optimizer_steps_per_batch > 1) + (env.score_chunks is not None)
+    )  # generation, reference, old policy, reward model
+    flops = all_reduce_dp(
+        run.step_flops(rollouts, samples) + forwards * model_flops(ModelShape.of(run.init.hf_config), rollouts.document_lengths(samples), FORWARD)
+    )
     summary_metrics = stats.global_metrics()
     metrics = summary_metrics | {name: float(np.mean([u.metrics[name] for u in updates])) for name in LOSS_METRICS}
     metrics["generation_tokens_per_s"] = generated / max(all_reduce_dp(generation_s, dist.ReduceOp.MAX), 1e-9)
     if cfg.use_dynamic_sampling:
         metrics["dynamic_sampling_num_gen_batches"] = rounds
-    return StepStats(loss=float(np.mean([u.loss for u in updates])), grad_norm=updates[-1].grad_norm, lr=updates[-1].lr,
-                     tokens=all_reduce_dp(rollouts.num_tokens(samples)), metrics=metrics, flops=flops), summary_metrics
+    return StepStats(
+        loss=float(np.mean([u.loss for u in updates])),
+        grad_norm=updates[-1].grad_norm,
+        lr=updates[-1].lr,
+        tokens=all_reduce_dp(rollouts.num_tokens(samples)),
+        metrics=metrics,
+        flops=flops,
+    ), summary_metrics
 
 
 @dataclass
@@ -299,16 +353,26 @@ class Scored:
 
     def groups(self, g: int, which: Sequence[int]) -> "Scored":
         rows = [k * g + j for k in which for j in range(g)]
-        return Scored([self.prompts[r] for r in rows], [self.completions[r] for r in rows], self.rewards[rows], self.task_rewards[rows],
-                      self.correct[rows])
+        return Scored(
+            [self.prompts[r] for r in rows], [self.completions[r] for r in rows], self.rewards[rows], self.task_rewards[rows], self.correct[rows]
+        )
 
     def __add__(self, other: "Scored") -> "Scored":
-        return Scored(self.prompts + other.prompts, self.completions + other.completions, torch.cat([self.rewards, other.rewards]),
-                      torch.cat([self.task_rewards, other.task_rewards]), torch.cat([self.correct, other.correct]))
+        return Scored(
+            self.prompts + other.prompts,
+            self.completions + other.completions,
+            torch.cat([self.rewards, other.rewards]),
+            torch.cat([self.task_rewards, other.task_rewards]),
+            torch.cat([self.correct, other.correct]),
+        )
 
     def stats(self) -> RolloutStats:
-        return RolloutStats(rewards=self.rewards, correct=self.correct, response_tokens=torch.tensor([len(c.tokens) for c in self.completions], device="cpu"),
-                            truncated=torch.tensor([c.truncated for c in self.completions], dtype=torch.bool, device="cpu"))
+        return RolloutStats(
+            rewards=self.rewards,
+            correct=self.correct,
+            response_tokens=torch.tensor([len(c.tokens) for c in self.completions], device="cpu"),
+            truncated=torch.tensor([c.truncated for c in self.completions], dtype=torch.bool, device="cpu"),
+        )
 
     def rollouts(self, cfg: Any, pad_id: int) -> Rollouts:
         """The batch to train on: group advantages (with dynamic sampling and the overlong
@@ -345,9 +409,11 @@ def rollout(run: Run, prompts: Prompts, env: Environment) -> tuple[Scored, Rollo
             generate(run.chunks, [], env.sampling, cfg.generation_batch_size)
         if not cfg.use_dynamic_sampling or all_reduce_dp(int(len(kept.completions) < share * g), dist.ReduceOp.MAX) == 0:
             return kept.groups(g, range(share)), generated.stats(), batch + 1
-    raise ValueError(f"grpo.dynamic_sampling_max_gen_batches: {cfg.dynamic_sampling_max_gen_batches} batches gave fewer than "
-                     f"num_prompts_per_step = {cfg.num_prompts_per_step} groups whose rewards differ; raise it, or "
-                     "num_generations_per_prompt, or use easier prompts")
+    raise ValueError(
+        f"grpo.dynamic_sampling_max_gen_batches: {cfg.dynamic_sampling_max_gen_batches} batches gave fewer than "
+        f"num_prompts_per_step = {cfg.num_prompts_per_step} groups whose rewards differ; raise it, or "
+        "num_generations_per_prompt, or use easier prompts"
+    )
 
 
 def generate_and_score(run: Run, prompts: Prompts, env: Environment, mine: np.ndarray, batch: int) -> Scored:
@@ -363,11 +429,15 @@ def generate_and_score(run: Run, prompts: Prompts, env: Environment, mine: np.nd
     # rewards, lengths and matches are host data (scored on the CPU); the loss moves the rollouts to the device
     task = torch.tensor([reward(env, p, t, a) for p, t, a in zip(prompt_text, texts, answers)], dtype=torch.float64, device="cpu")
     if env.score_chunks is not None:
-        task += env.score_weight * model_scores(env.score_chunks, [t + c.tokens for t, c in zip(tokens, completions)], env.pad_id,
-                                                cfg.micro_batch_size)
+        task += env.score_weight * model_scores(
+            env.score_chunks, [t + c.tokens for t, c in zip(tokens, completions)], env.pad_id, cfg.micro_batch_size
+        )
     lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float64, device="cpu")
-    penalty = 0.0 if cfg.overlong_buffer_length is None else overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer_length,
-                                                                             cfg.overlong_buffer_penalty)
+    penalty = (
+        0.0
+        if cfg.overlong_buffer_length is None
+        else overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer_length, cfg.overlong_buffer_penalty)
+    )
     correct = torch.tensor([exact_match(p, t, a) for p, t, a in zip(prompt_text, texts, answers)], device="cpu")
     return Scored(tokens, completions, task + penalty, task, correct)
 
@@ -386,8 +456,10 @@ def reward(env: Environment, prompt: str, completion: str, answer: str) -> float
     for fn, kwargs, weight in env.rewards:
         value = fn(prompt, completion, answer, **kwargs)
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"grpo.environment: {fn.__module__}.{fn.__name__} returned {value!r} (not a finite number) for "
-                             f"prompt {prompt!r}, completion {completion!r}, answer {answer!r}")
+            raise ValueError(
+                f"grpo.environment: {fn.__module__}.{fn.__name__} returned {value!r} (not a finite number) for "
+                f"prompt {prompt!r}, completion {completion!r}, answer {answer!r}"
+            )
         total += weight * value
     return total
 
@@ -399,8 +471,11 @@ def summary(run: Run, rollout: dict) -> dict:
         return {}
     rewards = [json.loads(line)["reward_mean"] for line in run.metrics.path.read_text().splitlines() if line.strip()]
     tenth = max(len(rewards) // 10, 1)
-    return {"reward_first_tenth": float(np.mean(rewards[:tenth])), "reward_last_tenth": float(np.mean(rewards[-tenth:])),
-            **{k: rollout[k] for k in ("reward_mean", "accuracy") if k in rollout}}
+    return {
+        "reward_first_tenth": float(np.mean(rewards[:tenth])),
+        "reward_last_tenth": float(np.mean(rewards[-tenth:])),
+        **{k: rollout[k] for k in ("reward_mean", "accuracy") if k in rollout},
+    }
 
 
 def run(cfg, inputs: dict, out: str) -> dict:
@@ -410,7 +485,6 @@ def run(cfg, inputs: dict, out: str) -> dict:
     with training("grpo", cfg, inputs, out, len(prompts), section.num_prompts_per_step) as run:
         if problems := grpo_batch_problems(section, run.dp_size):
             raise ValueError("; ".join(problems))
-        env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by, inputs["ref_model"] == inputs["model"],
-                          reward_model)
+        env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by, inputs["ref_model"] == inputs["model"], reward_model)
         result = train(run, prompts, env, grpo_objective(section.loss, env.sampling))
     return finish(run, result)

@@ -62,8 +62,7 @@ from alignflow.job.data.formats import Chat, PreferencePair, PromptAnswer, RowEr
 from alignflow.job.data.packing import pack_bfd_flat, packing_stats
 from alignflow.job.data.prepared import SCHEMAS, write_metadata
 from alignflow.job.data.readers import Record, iter_chunks, source_bytes
-from alignflow.job.data.spill import (INDEX, NO_LOSS, OK, SKIPPED, Layout, Progress, Ranks, Spill, plan_in_order, plan_packed,
-                                  write_shards)
+from alignflow.job.data.spill import INDEX, NO_LOSS, OK, SKIPPED, Layout, Progress, Ranks, Spill, plan_in_order, plan_packed, write_shards
 from alignflow.job.data.tokenize import ChatEncoder, Encoded, Request, load_tokenizer, share_cores, truncate
 
 KINDS = ("sft", "preference", "prompts")
@@ -111,8 +110,10 @@ def run(cfg, inputs: dict[str, str], out: str) -> dict:
     if ranks.rank != 0:
         return {}
     spill.remove()
-    write_metadata(out, {"tokenizer": tokenizer_info(encoder.tokenizer), "seq_length": cfg.data.seq_length,
-                         "max_prompt_length": cfg.data.max_prompt_length, **meta})
+    write_metadata(
+        out,
+        {"tokenizer": tokenizer_info(encoder.tokenizer), "seq_length": cfg.data.seq_length, "max_prompt_length": cfg.data.max_prompt_length, **meta},
+    )
     return {f"{kind}.{split}.{k}": v for kind in kinds for split, stats in meta[kind]["splits"].items() for k, v in stats.items()}
 
 
@@ -178,7 +179,8 @@ def check_rows_left(kind: str, spec, spill: Spill, seq_length: int) -> None:
         raise ValueError(
             f"data.{kind}.train: no usable row in {spec.train}: {len(status)} read, {int((status == SKIPPED).sum())} skipped as "
             f"bad, {int((status == NO_LOSS).sum())} with nothing left to train on within data.seq_length={seq_length} (a prompt "
-            "as long as the sequence, or an empty response); raise data.seq_length or data.max_prompt_length, or check the data")
+            "as long as the sequence, or an empty response); raise data.seq_length or data.max_prompt_length, or check the data"
+        )
 
 
 def plan(kind: str, fmt: str, cfg, spill: Spill) -> dict:
@@ -207,8 +209,7 @@ def resolve_format(kind: str, spec) -> str:
     if fmt != "auto":
         return fmt
     for source, uri in sources(spec).items():
-        first = next((rec for chunk in iter_chunks(uri, 1, spec.dev_choose_samples) for rec in chunk.records()
-                      if rec.row is not None), None)
+        first = next((rec for chunk in iter_chunks(uri, 1, spec.dev_choose_samples) for rec in chunk.records() if rec.row is not None), None)
         if first is not None:
             try:
                 return detect_format(kind, first.row, spec.answer_key)
@@ -217,8 +218,9 @@ def resolve_format(kind: str, spec) -> str:
     raise ValueError(f"data.{kind}.train: {spec.train}: no readable row to detect the format from")
 
 
-def tokenize_source(kind: str, fmt: str, number: int, source: str, uri: str, cfg, encoder: ChatEncoder,
-                    spill: Spill, ranks: Ranks, progress: Progress) -> None:
+def tokenize_source(
+    kind: str, fmt: str, number: int, source: str, uri: str, cfg, encoder: ChatEncoder, spill: Spill, ranks: Ranks, progress: Progress
+) -> None:
     """Spill this rank's chunks of one source (chunk i is rank i % world's). The first bad row
     is left for every rank to raise after the barrier; ranks stop at chunks past it."""
     progress.begin(source_bytes(uri))
@@ -237,8 +239,7 @@ def tokenize_source(kind: str, fmt: str, number: int, source: str, uri: str, cfg
         gc.collect()  # see collector_per_chunk
 
 
-def encode_chunk(kind: str, fmt: str, start: int, records, cfg, encoder: ChatEncoder, context: str,
-                 progress: Progress) -> pa.Table:
+def encode_chunk(kind: str, fmt: str, start: int, records, cfg, encoder: ChatEncoder, context: str, progress: Progress) -> pa.Table:
     """A chunk's rows as a spill table (`alignflow.job.data.spill.INDEX` + the kind's payload)."""
     batches, sample_ids = [], count(start)
     while batch := list(islice(records, ENCODE_ROWS)):

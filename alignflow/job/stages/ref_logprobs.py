@@ -39,5 +39,3 @@ def run(cfg, inputs: dict, out: str) -> dict:
         return {f"{split}.pairs": len(result["sample_id"]), f"{split}.mean_chosen_logp": float(np.mean(result["chosen_logp"]))}
 
     return forward_only_splits(cfg, section, inputs["model"], PreferencePairs, Prepared(inputs["data"]), each)
-
-

@@ -39,6 +39,7 @@ from alignflow.job.train.loop import Supervised, supervised
 
 def reward_objective(cfg: RewardModelLossConfig, pad_id: int) -> Objective:
     """Bradley-Terry over the pairs of a micro batch; its count is its pairs."""
+
     def loss(scores: torch.Tensor, batch: dict) -> LossTerms:
         n = batch["pairs"]
         rewards = sequence_scores(scores.float(), batch, pad_id)
@@ -51,12 +52,14 @@ def reward_objective(cfg: RewardModelLossConfig, pad_id: int) -> Objective:
 def run(cfg, inputs: dict, out: str) -> dict:
     section = cfg.reward_model
     if section.finetuning_type != "all_weights":
-        raise NotImplementedError(f"reward_model.finetuning_type: {section.finetuning_type} is not supported (the new scalar head "
-                                  "would stay frozen); use all_weights")
+        raise NotImplementedError(
+            f"reward_model.finetuning_type: {section.finetuning_type} is not supported (the new scalar head would stay frozen); use all_weights"
+        )
     data = Prepared(inputs["data"])
     train = PreferencePairs(data, "train")
     pairs = Supervised(train=train, val=optional(PreferencePairs, data, "val"), seq_length=train.row_length)
-    with training("reward_model", cfg, inputs, out, len(train), section.global_batch_size,
-                  model_config=partial(score_config, pad_token_id=data.pad_id)) as run:
+    with training(
+        "reward_model", cfg, inputs, out, len(train), section.global_batch_size, model_config=partial(score_config, pad_token_id=data.pad_id)
+    ) as run:
         result = supervised(run, pairs, reward_objective(section.loss, data.pad_id))
     return finish(run, result)

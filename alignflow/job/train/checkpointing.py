@@ -141,10 +141,12 @@ def set_rng_states(states: dict, device_type: str) -> tuple[str, ...]:
 
 def layout() -> dict:
     """This job's parallel layout: RNG states are restored only into the same one."""
-    return {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
-            "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
-            "virtual": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-            "data": parallel_state.get_data_parallel_world_size()}
+    return {
+        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+        "virtual": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        "data": parallel_state.get_data_parallel_world_size(),
+    }
 
 
 def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, select: str = "all") -> Path:
@@ -182,8 +184,14 @@ def load(path: Path, chunks, optimizer: MegatronOptimizer, select: str = "all") 
         if rank0:
             log.warning("%s was written at layout %s, this job runs at %s: RNG states not restored", path, saved["layout"], layout())
     elif (reseeded := set_rng_states(saved["rng"], here)) and rank0:
-        log.info("%s was written on %s, this job runs on %s: RNG states %s re-seeded (as this job's start seeded them from "
-                 "trainer.seed), python, numpy and torch restored", path, rng_device(saved["rng"]), here, ", ".join(reseeded))
+        log.info(
+            "%s was written on %s, this job runs on %s: RNG states %s re-seeded (as this job's start seeded them from "
+            "trainer.seed), python, numpy and torch restored",
+            path,
+            rng_device(saved["rng"]),
+            here,
+            ", ".join(reseeded),
+        )
     return TrainerState.from_json(json.loads((path / "trainer.json").read_text()))
 
 

@@ -116,7 +116,11 @@ def packed_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], lengt
         starts.append(i * length + (np.r_[cu[:-1], n] if n < length else cu[:-1]))
     cu_seqlens = np.r_[np.concatenate(starts), b * length]
     return PackedRows(
-        torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss), torch.from_numpy(positions),
-        torch.from_numpy(cu_seqlens.astype(np.int32)), int(np.diff(cu_seqlens).max()),
+        torch.from_numpy(tokens),
+        torch.from_numpy(labels),
+        torch.from_numpy(loss),
+        torch.from_numpy(positions),
+        torch.from_numpy(cu_seqlens.astype(np.int32)),
+        int(np.diff(cu_seqlens).max()),
         torch.from_numpy(np.arange(length)[None, :] < np.array([len(ids) for ids, _, _ in rows])[:, None]),
     )

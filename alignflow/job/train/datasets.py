@@ -142,8 +142,13 @@ class PreferencePairs:
         n, rows, sequence_ids = len(indices), [], []
         for row in _next_fit([int(self.lengths[i]) for i in indices], self.row_length):
             parts = [(self.sequence(side, indices[j]), j + k * n) for j in row for k, side in enumerate(SIDES)]
-            rows.append((np.concatenate([ids for (ids, _), _ in parts]), np.concatenate([mask for (_, mask), _ in parts]),
-                         np.cumsum([0] + [len(ids) for (ids, _), _ in parts])))
+            rows.append(
+                (
+                    np.concatenate([ids for (ids, _), _ in parts]),
+                    np.concatenate([mask for (_, mask), _ in parts]),
+                    np.cumsum([0] + [len(ids) for (ids, _), _ in parts]),
+                )
+            )
             sequence_ids.append([seq for _, seq in parts])
         length = _padded(max(cu[-1] for _, _, cu in rows))
         batch = vars(packed_rows(rows, length, self.pad_id))

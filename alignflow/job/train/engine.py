@@ -171,8 +171,9 @@ class Run:
 
 
 @contextmanager
-def training(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int,
-             model_config: Optional[Callable[[dict], dict]] = None) -> Iterator[Run]:
+def training(
+    kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int, model_config: Optional[Callable[[dict], dict]] = None
+) -> Iterator[Run]:
     """A run of the `kind` section of `cfg` from `inputs["model"]` into `out`, over `num_rows`
     dataset items taken `rows_per_step` per step; the process groups are torn down after it.
     `model_config` gives the HF config of the model to train from the input's (a reward model:
@@ -187,18 +188,26 @@ def training(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_pe
         runtime.teardown()
 
 
-def setup(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int,
-          model_config: Optional[Callable[[dict], dict]] = None) -> Run:
+def setup(
+    kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_step: int, model_config: Optional[Callable[[dict], dict]] = None
+) -> Run:
     section, cache = cfg[kind], cache_dir(cfg)
     check_supported(section.parallel)
     dtype = resolve_precision(section.precision)
     init = local_model(inputs["model"], cache)
     hf_config = model_config(init.hf_config) if model_config else init.hf_config
     runtime.init_parallel(section.parallel, seed=section.trainer.seed)
-    built = build_gpt(hf_config, section.parallel, params_dtype=dtype, head_seed=section.trainer.seed,
-                      make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                      hidden_dropout=section.hidden_dropout, attention_dropout=section.attention_dropout,
-                      calculate_per_token_loss=True, **recompute_settings(section))
+    built = build_gpt(
+        hf_config,
+        section.parallel,
+        params_dtype=dtype,
+        head_seed=section.trainer.seed,
+        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        hidden_dropout=section.hidden_dropout,
+        attention_dropout=section.attention_dropout,
+        calculate_per_token_loss=True,
+        **recompute_settings(section),
+    )
     chunks = built if isinstance(built, list) else [built]
     if section.finetuning_type != "all_weights":  # the frozen base first, then its adapters: all the optimizer sees
         load_model_output(chunks, init, cache)
@@ -206,9 +215,24 @@ def setup(kind: str, cfg: Any, inputs: dict, out: str, num_rows: int, rows_per_s
     model = wrap_ddp(chunks, ddp_config(section.parallel))
     batches = GlobalBatches(num_rows, rows_per_step, section.trainer.seed)
     trainer = section.trainer
-    run = Run(kind, section, init, hf_config, inputs["model"], cache, workspace_for(out, cache), dtype, dist.get_rank(), parallel_state.get_data_parallel_rank(),
-              parallel_state.get_data_parallel_world_size(), chunks, model, build_optimizer(model, section, dtype), batches,
-              trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * batches.per_epoch)
+    run = Run(
+        kind,
+        section,
+        init,
+        hf_config,
+        inputs["model"],
+        cache,
+        workspace_for(out, cache),
+        dtype,
+        dist.get_rank(),
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+        chunks,
+        model,
+        build_optimizer(model, section, dtype),
+        batches,
+        trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * batches.per_epoch,
+    )
     run.state = resume_or_start(run)
     if run.rank == 0:
         run.metrics = MetricsLog(run.out, run.checkpoints, run.state.step, OmegaConf.select(cfg, "logging.wandb"), kind)
@@ -239,12 +263,12 @@ def resume_or_start(run: Run) -> TrainerState:
 def next_lr(run: Run) -> float:
     """The learning rate of the step about to run."""
     optim = run.cfg.optim
-    return lr_at(run.state.step + 1, lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps,
-                 total_steps=run.total_steps, schedule=optim.schedule)
+    return lr_at(
+        run.state.step + 1, lr=optim.lr, min_lr=optim.min_lr, warmup_steps=optim.warmup_steps, total_steps=run.total_steps, schedule=optim.schedule
+    )
 
 
-def optimizer_step(run: Run, objective: Objective, micro: list[np.ndarray], dataset: Dataset, seq_length: int,
-                   rows_per_item: int = 1) -> StepStats:
+def optimizer_step(run: Run, objective: Objective, micro: list[np.ndarray], dataset: Dataset, seq_length: int, rows_per_item: int = 1) -> StepStats:
     """One optimizer step on this rank's micro batches of a global batch (tokens left at 0).
     The schedule leaves the gradients reduced and divided by the global count (see top)."""
     for chunk in run.model:
@@ -254,12 +278,12 @@ def optimizer_step(run: Run, objective: Objective, micro: list[np.ndarray], data
     lr = next_lr(run)
     set_lr(run.optimizer, lr, run.cfg.optim.weight_decay)
     _, grad_norm, _ = run.optimizer.step()  # no loss scaler (bf16 / fp32): a step always applies
-    return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=0,
-                     metrics={k: v / max(count, 1.0) for k, v in metrics.items()})
+    return StepStats(loss=total / max(count, 1.0), grad_norm=grad_norm, lr=lr, tokens=0, metrics={k: v / max(count, 1.0) for k, v in metrics.items()})
 
 
-def forward_backward(run: Run, objective: Objective, micro: list[np.ndarray], dataset: Dataset, seq_length: int,
-                     rows_per_item: int, forward_only: bool) -> tuple[float, float, dict[str, float]]:
+def forward_backward(
+    run: Run, objective: Objective, micro: list[np.ndarray], dataset: Dataset, seq_length: int, rows_per_item: int, forward_only: bool
+) -> tuple[float, float, dict[str, float]]:
     """Forward (and backward) this rank's micro batches `micro` of `dataset`; the global (loss
     sum, count, metric sums) on every rank."""
     batches = [dataset.collate(m) for m in as_many_as_the_expert_group(micro)]
@@ -289,6 +313,7 @@ def as_many_as_the_expert_group(micro: list[np.ndarray]) -> list[np.ndarray]:
 def per_token_logps(run: Run, chunks: list, forward: Callable, micro: list[np.ndarray], dataset: Dataset, seq_length: int) -> list[Tensor]:
     """log p(label) per position [micro, s] of each micro batch under `chunks` (the policy, a
     reference model); on the last pipeline stage only (an empty list elsewhere)."""
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         return forward(model, batch), lambda nll: (nll.sum() * 0, torch.tensor(1, device=nll.device), {"logp": -nll.detach().float()})
@@ -381,9 +406,15 @@ def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> Train
     footprint = {"trainable_params": lora.trainable_params(run.chunks), "optimizer_state_bytes": optimizer_state_bytes(run.optimizer)}
     footprint |= hardware_use(run.flops, run.step_seconds)
     return TrainResult(
-        steps=state.step, train_loss=state.last_loss, val_loss=state.last_val_loss, tokens=state.tokens,
-        tokens_per_s=(state.tokens - first_tokens) / max(run.step_seconds, 1e-9), stopped_early=state.stopped_early,
-        checkpoint=checkpoint, summary=(summary or {}) | footprint, weights=final_weights(run, checkpoint),
+        steps=state.step,
+        train_loss=state.last_loss,
+        val_loss=state.last_val_loss,
+        tokens=state.tokens,
+        tokens_per_s=(state.tokens - first_tokens) / max(run.step_seconds, 1e-9),
+        stopped_early=state.stopped_early,
+        checkpoint=checkpoint,
+        summary=(summary or {}) | footprint,
+        weights=final_weights(run, checkpoint),
     )
 
 
@@ -411,8 +442,9 @@ def optimizer_state_bytes(optimizer: MegatronOptimizer) -> int:
     main weights (what a LoRA run saves most of)."""
     local = 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        local += sum(t.numel() * t.element_size() for state in inner.optimizer.state.values() for t in state.values()
-                     if isinstance(t, Tensor) and t.dim() > 0)
+        local += sum(
+            t.numel() * t.element_size() for state in inner.optimizer.state.values() for t in state.values() if isinstance(t, Tensor) and t.dim() > 0
+        )
         for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):  # Float16Optimizer's, DistributedOptimizer's
             local += sum(p.numel() * p.element_size() for group in getattr(inner, name, None) or [] for p in group)
     total = torch.tensor(local, dtype=torch.int64, device=device())
@@ -435,14 +467,18 @@ def finish(run: Run, result: TrainResult) -> dict:
             (run.out / LORA_FILE).write_text(json.dumps({"base": run.source, **settings}, indent=2) + "\n")
         shutil.rmtree(run.out / MERGED, ignore_errors=True)
         run.workspace.push_outputs()
-    return result.summary | run.last_val_metrics | {
-        "train_loss": result.train_loss,
-        "val_loss": result.val_loss,
-        "steps": result.steps,
-        "tokens": result.tokens,
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "stopped_early": result.stopped_early,
-    }
+    return (
+        result.summary
+        | run.last_val_metrics
+        | {
+            "train_loss": result.train_loss,
+            "val_loss": result.val_loss,
+            "steps": result.steps,
+            "tokens": result.tokens,
+            "tokens_per_s": round(result.tokens_per_s, 1),
+            "stopped_early": result.stopped_early,
+        }
+    )
 
 
 def publish(weights: Path, init: ModelOutput, out: Path, name: str = MODEL_DIR) -> None:
@@ -475,8 +511,9 @@ def ddp_config(parallel: Any) -> DistributedDataParallelConfig:
     on_gpu, distributed = torch.cuda.is_available(), parallel.use_distributed_optimizer
     overlap_grads = on_gpu if parallel.overlap_grad_reduce is None else parallel.overlap_grad_reduce
     overlap_params = on_gpu and distributed if parallel.overlap_param_gather is None else parallel.overlap_param_gather
-    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
-                                         overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_params)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_params
+    )
 
 
 def wrap_ddp(chunks: list, config: DistributedDataParallelConfig) -> list[DistributedDataParallel]:
@@ -503,13 +540,24 @@ def build_optimizer(model: list, cfg: Any, dtype: torch.dtype) -> MegatronOptimi
     optim = cfg.optim
     if optim.name not in DECOUPLED_DECAY:
         raise ValueError(f"unknown optimizer {optim.name!r}; supported: {', '.join(DECOUPLED_DECAY)}")
-    return get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-        decoupled_weight_decay=DECOUPLED_DECAY[optim.name], adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2,
-        adam_eps=optim.adam_eps, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        overlap_param_gather=model[0].ddp_config.overlap_param_gather, clip_grad=cfg.trainer.gradient_clip_val,
-    ), model)
+    return get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            weight_decay=optim.weight_decay,
+            decoupled_weight_decay=DECOUPLED_DECAY[optim.name],
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            adam_eps=optim.adam_eps,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            overlap_param_gather=model[0].ddp_config.overlap_param_gather,
+            clip_grad=cfg.trainer.gradient_clip_val,
+        ),
+        model,
+    )
 
 
 def set_lr(optimizer: MegatronOptimizer, lr: float, weight_decay: float) -> None:

@@ -45,8 +45,15 @@ def supervised(run: Run, data: Supervised, objective: Objective) -> TrainResult:
         validated = data.val is not None and (last or every(state.step, cfg.trainer.val_check_interval))
         val_loss = engine.validate(run, objective, data.val, data.seq_length, data.rows_per_item) if validated else None
         if val_loss is not None or last or state.step == 1 or every(state.step, cfg.trainer.log_every_n_steps):
-            record = {"step": state.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens": state.tokens,
-                      "tokens_per_s": window_tokens / max(window_seconds, 1e-9), **stats.metrics}
+            record = {
+                "step": state.step,
+                "loss": stats.loss,
+                "lr": stats.lr,
+                "grad_norm": stats.grad_norm,
+                "tokens": state.tokens,
+                "tokens_per_s": window_tokens / max(window_seconds, 1e-9),
+                **stats.metrics,
+            }
             if val_loss is not None:
                 record |= {"val_loss": val_loss, **run.last_val_metrics}
             engine.log_step(run, record)
@@ -59,5 +66,6 @@ def supervised(run: Run, data: Supervised, objective: Objective) -> TrainResult:
 def check_batch_sizes(run: Run) -> None:
     cfg = run.cfg
     if cfg.global_batch_size % (cfg.micro_batch_size * run.dp_size):
-        raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * DP "
-                         f"({cfg.micro_batch_size} * {run.dp_size})")
+        raise ValueError(
+            f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * DP ({cfg.micro_batch_size} * {run.dp_size})"
+        )

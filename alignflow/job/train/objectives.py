@@ -34,8 +34,10 @@ def with_load_balancing(objective: Objective, hf_config: dict) -> Objective:
         logits = router_logits(model)
         recomputed = torch.is_grad_enabled() and not all(layer.requires_grad for layer in logits)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1 or recomputed:
-            raise NotImplementedError("HF's load-balancing loss (output_router_logits) needs every layer's router logits of the "
-                                      "forward with their gradients: pipeline_model_parallel_size 1, no full activation recompute")
+            raise NotImplementedError(
+                "HF's load-balancing loss (output_router_logits) needs every layer's router logits of the "
+                "forward with their gradients: pipeline_model_parallel_size 1, no full activation recompute"
+            )
         return out, load_balancing_loss(logits, batch["token_mask"], shape.num_experts, shape.moe_top_k)
 
     def loss(output, batch: dict) -> LossTerms:

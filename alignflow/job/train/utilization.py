@@ -62,9 +62,15 @@ class ModelShape:
         ...ForSequenceClassification ends in one output, not the vocabulary."""
         h, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
         scores = (hf_config.get("architectures") or [""])[0] in CAUSAL_OF
-        return cls(hidden=h, layers=hf_config["num_hidden_layers"], heads=heads,
-                   kv_heads=hf_config.get("num_key_value_heads") or heads, head_dim=hf_config.get("head_dim") or h // heads,
-                   ffn=hf_config["intermediate_size"], vocab=1 if scores else hf_config["vocab_size"])
+        return cls(
+            hidden=h,
+            layers=hf_config["num_hidden_layers"],
+            heads=heads,
+            kv_heads=hf_config.get("num_key_value_heads") or heads,
+            head_dim=hf_config.get("head_dim") or h // heads,
+            ffn=hf_config["intermediate_size"],
+            vocab=1 if scores else hf_config["vocab_size"],
+        )
 
     def weight_flops_per_token(self) -> float:
         """Forward FLOPs of the weight GEMMs for one token (independent of the context)."""

@@ -96,8 +96,10 @@ class ObjectStoreWorkspace(Workspace):
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, token.exists() and token.read_text() == expected[0])
         if not all(seen):
-            raise RuntimeError(f"the training scratch {self.dir} is not shared by all ranks of the job: set store.cache_dir "
-                               "to a filesystem every node sees (Megatron writes each checkpoint from all ranks)")
+            raise RuntimeError(
+                f"the training scratch {self.dir} is not shared by all ranks of the job: set store.cache_dir "
+                "to a filesystem every node sees (Megatron writes each checkpoint from all ranks)"
+            )
 
     def push_checkpoint(self, path: Path, keep_top_k: int, monitor: str, mode: str) -> None:
         remote = f"{self.root}/{CHECKPOINTS}/{path.name}"
@@ -141,5 +143,3 @@ class ObjectStoreWorkspace(Workspace):
         self.fs.invalidate_cache(path)
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
-
-

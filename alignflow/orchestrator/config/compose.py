@@ -104,7 +104,9 @@ def _under_null_section(overrides: list[str]) -> str:
         for depth in range(1, len(parts)):
             section = ".".join(parts[:depth])
             if OmegaConf.select(base, section, default="<absent>") is None:
-                return (f"{key}: {section} is null in this config (the pipeline does not use it), so '{override}' has nothing "
-                        f"to set a key in; give the whole section instead, e.g. '{section}={{{'.'.join(parts[depth:])}: "
-                        f"{override.split('=', 1)[-1]}}}', or choose a pipeline that uses it")
+                return (
+                    f"{key}: {section} is null in this config (the pipeline does not use it), so '{override}' has nothing "
+                    f"to set a key in; give the whole section instead, e.g. '{section}={{{'.'.join(parts[depth:])}: "
+                    f"{override.split('=', 1)[-1]}}}', or choose a pipeline that uses it"
+                )
     return f"cannot apply overrides {overrides}: one sets a key under a section that is null"

@@ -62,17 +62,21 @@ def previous_export(fs: fsspec.AbstractFileSystem, root: str, key: str, uri: str
         entries = fs.ls(root, detail=True)
         if not entries:
             return []
-        raise DestinationError(f"{key}: {uri} holds files alignflow did not publish ({_shown(root, entries)}) and no {MARKER}; "
-                               "an export goes to an absent or empty folder, or replaces a previous export, and deletes nothing "
-                               "else: choose another destination or move those files away")
+        raise DestinationError(
+            f"{key}: {uri} holds files alignflow did not publish ({_shown(root, entries)}) and no {MARKER}; "
+            "an export goes to an absent or empty folder, or replaces a previous export, and deletes nothing "
+            "else: choose another destination or move those files away"
+        )
     listed = _listed(fs, root, key, uri)
-    found = {path[len(root) + 1:]: info for path, info in fs.find(root, withdirs=True, detail=True).items() if len(path) > len(root) + 1}
+    found = {path[len(root) + 1 :]: info for path, info in fs.find(root, withdirs=True, detail=True).items() if len(path) > len(root) + 1}
     ours = {MARKER, *listed, *(parent for name in listed for parent in _parents(name))}
     foreign = [info for name, info in found.items() if name not in ours]
     if foreign:
-        raise DestinationError(f"{key}: {uri} holds a previous export and files it did not publish ({_shown(root, foreign)}); "
-                               "a file added into an export folder makes it no longer alignflow's alone, so it is not replaced: "
-                               "move those files away or choose another destination")
+        raise DestinationError(
+            f"{key}: {uri} holds a previous export and files it did not publish ({_shown(root, foreign)}); "
+            "a file added into an export folder makes it no longer alignflow's alone, so it is not replaced: "
+            "move those files away or choose another destination"
+        )
     return sorted(name for name, info in found.items() if info["type"] == "file" and name in {MARKER, *listed})
 
 
@@ -83,9 +87,11 @@ def _listed(fs: fsspec.AbstractFileSystem, root: str, key: str, uri: str) -> set
         if not isinstance(files, list) or not all(isinstance(name, str) and _inside(name) for name in files):
             raise ValueError(f"files: {files!r}"[:200])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise DestinationError(f"{key}: {uri}/{MARKER} is not a marker alignflow wrote (its `files` must list relative paths: "
-                               f"{type(err).__name__} {err}); nothing there is replaced: move the folder's files away or choose "
-                               "another destination") from None
+        raise DestinationError(
+            f"{key}: {uri}/{MARKER} is not a marker alignflow wrote (its `files` must list relative paths: "
+            f"{type(err).__name__} {err}); nothing there is replaced: move the folder's files away or choose "
+            "another destination"
+        ) from None
     return set(files)
 
 
@@ -100,17 +106,22 @@ def _parents(name: str) -> list[str]:
 
 def _shown(root: str, entries: list[dict]) -> str:
     """A few entries, a folder for all that is in it (`other/`, not `other/` and `other/sentinel`)."""
-    paths = {info["name"].rstrip("/")[len(root) + 1:]: info["type"] == "directory" for info in entries}
-    tops = sorted((name + "/" * is_dir for name, is_dir in paths.items() if not any(p in paths for p in _parents(name))),
-                  key=lambda name: (name.rstrip("/").count("/"), name))
+    paths = {info["name"].rstrip("/")[len(root) + 1 :]: info["type"] == "directory" for info in entries}
+    tops = sorted(
+        (name + "/" * is_dir for name, is_dir in paths.items() if not any(p in paths for p in _parents(name))),
+        key=lambda name: (name.rstrip("/").count("/"), name),
+    )
     more = len(tops) - SHOWN_ENTRIES
     return ", ".join(tops[:SHOWN_ENTRIES]) + (f" and {more} more" if more > 0 else "")
 
 
 def destinations(pipeline: Pipeline) -> dict[str, str]:
     """key -> URI of every destination the pipeline publishes to."""
-    return {destination_key(stage.kind, stage.name): stage.section.destination for stage in pipeline
-            if "destination" in stage.section and stage.section.destination}
+    return {
+        destination_key(stage.kind, stage.name): stage.section.destination
+        for stage in pipeline
+        if "destination" in stage.section and stage.section.destination
+    }
 
 
 def destination_problems(pipeline: Pipeline, cfg: DictConfig, read: bool = True) -> list[str]:
@@ -122,14 +133,17 @@ def destination_problems(pipeline: Pipeline, cfg: DictConfig, read: bool = True)
             guarded.setdefault(_key(cfg, stage, path), OmegaConf.select(stage.cfg, path, default=None))
     ours, problems = destinations(pipeline), []
     for i, (key, uri) in enumerate(ours.items()):
-        others = {**{k: v for k, v in guarded.items() if isinstance(v, str)}, **dict(list(ours.items())[i + 1:])}
-        overlaps = [f"{relation} {other_key} ({other})" for other_key, other in others.items()
-                    if (relation := _overlap(_location(uri), _location(other)))]
+        others = {**{k: v for k, v in guarded.items() if isinstance(v, str)}, **dict(list(ours.items())[i + 1 :])}
+        overlaps = [
+            f"{relation} {other_key} ({other})" for other_key, other in others.items() if (relation := _overlap(_location(uri), _location(other)))
+        ]
         if overlaps:
             more = len(overlaps) - SHOWN_ENTRIES
-            problems.append(f"{key}: {uri} {', '.join(overlaps[:SHOWN_ENTRIES])}{f' and overlaps {more} more' if more > 0 else ''}; an "
-                            "export needs a folder of its own, apart from the store, the launcher folder, the pipeline's sources "
-                            "and its other exports' destinations")
+            problems.append(
+                f"{key}: {uri} {', '.join(overlaps[:SHOWN_ENTRIES])}{f' and overlaps {more} more' if more > 0 else ''}; an "
+                "export needs a folder of its own, apart from the store, the launcher folder, the pipeline's sources "
+                "and its other exports' destinations"
+            )
         elif read:
             problems += _content_problem(key, uri, cfg)
     return problems

@@ -36,9 +36,11 @@ def local_snapshot(hub_id: str) -> str:
         raise LookupError(f"{hub_id}: {err}") from None
     except LocalEntryNotFoundError:
         download = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
-        raise LookupError(f"{hub_id} is not in the local Hugging Face cache {constants.HF_HUB_CACHE} (HF_HUB_CACHE / HF_HOME); "
-                          f"alignflow never downloads: run `{download}` into this cache where there is network, or give a "
-                          "local folder") from None
+        raise LookupError(
+            f"{hub_id} is not in the local Hugging Face cache {constants.HF_HUB_CACHE} (HF_HUB_CACHE / HF_HOME); "
+            f"alignflow never downloads: run `{download}` into this cache where there is network, or give a "
+            "local folder"
+        ) from None
 
 
 def resolve_hub_ids(cfg: DictConfig) -> list[str]:

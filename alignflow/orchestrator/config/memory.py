@@ -86,12 +86,20 @@ class Dimensions:
         cfg = {**hf_config, **hf_config.get("text_config", {})}
         heads = cfg["num_attention_heads"]
         experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0  # Mixtral's name, Qwen-MoE's
-        return cls(layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], ffn=cfg["intermediate_size"], heads=heads,
-                   kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)), experts=experts,
-                   expert_ffn=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
-                   experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
-                   shared_expert_ffn=cfg.get("shared_expert_intermediate_size") or 0)
+        return cls(
+            layers=cfg["num_hidden_layers"],
+            hidden=cfg["hidden_size"],
+            ffn=cfg["intermediate_size"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab=cfg["vocab_size"],
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            experts=experts,
+            expert_ffn=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+            experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            shared_expert_ffn=cfg.get("shared_expert_intermediate_size") or 0,
+        )
 
     @property
     def q(self) -> int:
@@ -173,8 +181,10 @@ class Footprint:
 
     def describe(self) -> str:
         g = self.gib()
-        return (f"{g['total']:.3g} GiB per rank = weights {g['weights']:.3g} + gradients {g['gradients']:.3g} + optimizer "
-                f"{g['optimizer']:.3g} + activations {g['activations']:.3g}")
+        return (
+            f"{g['total']:.3g} GiB per rank = weights {g['weights']:.3g} + gradients {g['gradients']:.3g} + optimizer "
+            f"{g['optimizer']:.3g} + activations {g['activations']:.3g}"
+        )
 
 
 def estimate(dims: Dimensions, layout: Layout) -> Footprint:
@@ -200,8 +210,13 @@ def _stage_footprint(dims: Dimensions, layout: Layout, stage: str) -> Footprint:
     state = 12 if layout.bf16 else 8  # fp32 main weights (bf16 only: fp32 weights are their own) + Adam's moments
     shards = (layout.dp, layout.expert_dp) if layout.distributed_optimizer else (1, 1)
     optimizer = state * (trainable_dense / shards[0] + trainable_experts / shards[1])
-    return Footprint(weights=weights, gradients=4 * (trainable_dense + trainable_experts), optimizer=optimizer,
-                     activations=activation_bytes(dims, layout, layers, first, last, vocab), stage=stage)
+    return Footprint(
+        weights=weights,
+        gradients=4 * (trainable_dense + trainable_experts),
+        optimizer=optimizer,
+        activations=activation_bytes(dims, layout, layers, first, last, vocab),
+        stage=stage,
+    )
 
 
 def layer_activation_bytes(dims: Dimensions, layout: Layout) -> float:
@@ -237,9 +252,15 @@ def activation_bytes(dims: Dimensions, layout: Layout, layers: float, first: boo
 
 def lora_params(dims: Dimensions, targets: list[str], rank: int) -> int:
     """Adapter parameters of the whole model: r x (in + out) per adapted projection."""
-    sizes = {"q_proj": (dims.hidden, dims.q), "k_proj": (dims.hidden, dims.kv), "v_proj": (dims.hidden, dims.kv),
-             "o_proj": (dims.q, dims.hidden), "gate_proj": (dims.hidden, dims.ffn), "up_proj": (dims.hidden, dims.ffn),
-             "down_proj": (dims.ffn, dims.hidden)}
+    sizes = {
+        "q_proj": (dims.hidden, dims.q),
+        "k_proj": (dims.hidden, dims.kv),
+        "v_proj": (dims.hidden, dims.kv),
+        "o_proj": (dims.q, dims.hidden),
+        "gate_proj": (dims.hidden, dims.ffn),
+        "up_proj": (dims.hidden, dims.ffn),
+        "down_proj": (dims.ffn, dims.hidden),
+    }
     return sum(rank * sum(sizes[part]) for (_, path), parts in select(targets, dims.layers).items() for part in parts if path in BY_PATH)
 
 
@@ -252,17 +273,37 @@ def layout_of(kind: str, cfg: Any, inputs: Mapping[str, Any], dims: Dimensions) 
         return None
     par, data = section.parallel, cfg.data
     world = section.resources.nodes * section.resources.tasks_per_node
-    sizes = (world, par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1,
-             par.expert_model_parallel_size, section.micro_batch_size, section.recompute_num_layers)
+    sizes = (
+        world,
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        par.virtual_pipeline_model_parallel_size or 1,
+        par.expert_model_parallel_size,
+        section.micro_batch_size,
+        section.recompute_num_layers,
+    )
     if min(sizes) < 1:  # refused by the layout checks
         return None
     dp, spec = max(world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size), 1), STAGES[kind]
     seq_length, rows = spec.rows(section, data, dp)
     lora = None if section.finetuning_type == "all_weights" else lora_params(dims, list(section.lora.target_modules), section.lora.adapter_dim)
-    return Layout(world=world, tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
-                  vpp=par.virtual_pipeline_model_parallel_size, ep=par.expert_model_parallel_size, sequence_parallel=par.sequence_parallel,
-                  distributed_optimizer=par.use_distributed_optimizer, bf16=section.precision == "bf16",
-                  micro_batch=section.micro_batch_size, seq_length=seq_length, micro_batches=max(rows // section.micro_batch_size, 1),
-                  recompute=str(section.recompute_granularity), recompute_method=str(section.recompute_method),
-                  recompute_layers=section.recompute_num_layers, dropout=section.hidden_dropout > 0,
-                  vocab_divisible_by=cfg.model.make_vocab_size_divisible_by, frozen_copies=spec.frozen_models(section, inputs, lora), lora_params=lora)
+    return Layout(
+        world=world,
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        vpp=par.virtual_pipeline_model_parallel_size,
+        ep=par.expert_model_parallel_size,
+        sequence_parallel=par.sequence_parallel,
+        distributed_optimizer=par.use_distributed_optimizer,
+        bf16=section.precision == "bf16",
+        micro_batch=section.micro_batch_size,
+        seq_length=seq_length,
+        micro_batches=max(rows // section.micro_batch_size, 1),
+        recompute=str(section.recompute_granularity),
+        recompute_method=str(section.recompute_method),
+        recompute_layers=section.recompute_num_layers,
+        dropout=section.hidden_dropout > 0,
+        vocab_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        frozen_copies=spec.frozen_models(section, inputs, lora),
+        lora_params=lora,
+    )

@@ -209,7 +209,9 @@ class GateConfig:
     Off while `thresholds` is empty."""
 
     baseline: str = "last"  # `last`: the last successful run of this deployment (outside one: of this pipeline, deployment-less) in this store; or a run's name / record file, as `align compare` takes them
-    thresholds: Dict[str, float] = field(default_factory=dict)  # `{stage}.{metric}` (fnmatch patterns, e.g. `eval.*.accuracy`) -> largest tolerated drop (a rise, for losses)
+    thresholds: Dict[str, float] = field(
+        default_factory=dict
+    )  # `{stage}.{metric}` (fnmatch patterns, e.g. `eval.*.accuracy`) -> largest tolerated drop (a rise, for losses)
     sigmas: float = 2.0  # a drop counts only beyond sigmas x the standard error of the difference, where the metric reports `<metric>_stderr`
     trend_runs: int = 14  # the runs the trend (report.html, the `trend-...` artifact) shows, this one included
 

@@ -24,8 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from alignflow.orchestrator.fingerprint import FINGERPRINT_CHARS, digest
 
 MASK = "***"
-_SECRET_KEY = re.compile(r"(?:^|_)(api_?key|private_?key|password|passwd|secret|token|credentials?)(?:_access)?(?:_key|_id)?$",
-                         re.IGNORECASE)
+_SECRET_KEY = re.compile(r"(?:^|_)(api_?key|private_?key|password|passwd|secret|token|credentials?)(?:_access)?(?:_key|_id)?$", re.IGNORECASE)
 _STORAGE_OPTIONS = "store.storage_options."
 _STORAGE_SECRET_KEY = re.compile(r"(?:^|_)(key|key_id|credential|connection_string)$", re.IGNORECASE)
 _S3_VARIABLES = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}  # s3fs option -> variable
@@ -113,13 +112,16 @@ def _written_secret(key: str) -> str:
         hint = " (or leave it out: s3fs reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from the environment itself)"
     else:
         var, hint = "_".join(parts[-2:]).upper(), ""
-    return (f"{key}: a secret must not be written in the config or an override (Prefect stores flow parameters in plain text, and "
-            f"jobs' pickles and run records keep configs); set it as ${{oc.env:{var}}}{hint}")
+    return (
+        f"{key}: a secret must not be written in the config or an override (Prefect stores flow parameters in plain text, and "
+        f"jobs' pickles and run records keep configs); set it as ${{oc.env:{var}}}{hint}"
+    )
 
 
 def masked(cfg: DictConfig, paths: tuple[str, ...] | None = None) -> dict:
     """The resolved config (or its `paths`) as plain data, every secret and every value read from
     the environment masked (where it has a value)."""
+
     def mask(node: DictConfig, key: Any) -> Any:
         if not (_is_secret(node, key) or _env_names(node, key)):
             return _WALK

@@ -86,15 +86,21 @@ def _control_characters(node, key: str = "") -> list[str]:
     """Every string value or mapping key with a control character (\\x00-\\x1f, \\x7f) in it, by key;
     the value itself is not shown (it may be a secret)."""
     if isinstance(node, dict):
-        problems = [f"{key or 'the config'}: the key {k!r} contains a control character {CONTROL.search(k).group()!r}"
-                    for k in node if isinstance(k, str) and CONTROL.search(k)]
-        return problems + [p for k, v in node.items() if k not in FREE_TEXT
-                           for p in _control_characters(v, f"{key}.{_printable(k)}" if key else _printable(k))]
+        problems = [
+            f"{key or 'the config'}: the key {k!r} contains a control character {CONTROL.search(k).group()!r}"
+            for k in node
+            if isinstance(k, str) and CONTROL.search(k)
+        ]
+        return problems + [
+            p for k, v in node.items() if k not in FREE_TEXT for p in _control_characters(v, f"{key}.{_printable(k)}" if key else _printable(k))
+        ]
     if isinstance(node, list):
         return [p for i, v in enumerate(node) for p in _control_characters(v, f"{key}[{i}]")]
     if isinstance(node, str) and (found := CONTROL.search(node)):
-        return [f"{key}: contains the control character {found.group()!r}; names, paths and options reach file names, sbatch "
-                "lines and artifact keys, where it would break or inject a line"]
+        return [
+            f"{key}: contains the control character {found.group()!r}; names, paths and options reach file names, sbatch "
+            "lines and artifact keys, where it would break or inject a line"
+        ]
     return []
 
 
@@ -133,8 +139,9 @@ class StageMemory:
     shape_from: str  # the config.json it was read from, or model.architecture
 
 
-def memory_estimates(pipeline: Pipeline, check_paths: bool = True, problems: list[str] | None = None,
-                     seen: dict | None = None) -> dict[str, StageMemory]:
+def memory_estimates(
+    pipeline: Pipeline, check_paths: bool = True, problems: list[str] | None = None, seen: dict | None = None
+) -> dict[str, StageMemory]:
     """Each training stage's estimated per-rank memory (`alignflow.orchestrator.config.memory`), by instance
     name, where the model's shape is known: from its config.json (read only with `check_paths`),
     else from `model.architecture`. Problems of reading it go to `problems`."""
@@ -167,8 +174,10 @@ def _dimensions(cfg: DictConfig, uri: str | None, config: dict | None, problems:
     try:
         return Dimensions.of(source), shape_from
     except (KeyError, TypeError) as err:
-        problems.append(f"{where} lacks {err} (the config.json keys that size a model: num_hidden_layers, hidden_size, "
-                        "intermediate_size, num_attention_heads, vocab_size; num_key_value_heads, head_dim, MoE keys where they apply)")
+        problems.append(
+            f"{where} lacks {err} (the config.json keys that size a model: num_hidden_layers, hidden_size, "
+            "intermediate_size, num_attention_heads, vocab_size; num_key_value_heads, head_dim, MoE keys where they apply)"
+        )
         return None, ""
 
 
@@ -176,8 +185,12 @@ def _disagreements(preset: dict, config: dict, uri: str) -> list[str]:
     """A preset's numbers that the checkpoint's config.json contradicts (a stale or wrong preset)."""
     flat = lambda d: {k: v for k, v in {**d, **d.get("text_config", {})}.items() if k != "text_config"}  # noqa: E731
     mine, theirs = flat(preset), flat(config)
-    return [f"model.architecture.{k}: {v!r}, but {uri} says {theirs[k]!r}: the preset does not describe this checkpoint "
-            "(set model.architecture=null to size it from its config.json alone)" for k, v in mine.items() if k in theirs and theirs[k] != v]
+    return [
+        f"model.architecture.{k}: {v!r}, but {uri} says {theirs[k]!r}: the preset does not describe this checkpoint "
+        "(set model.architecture=null to size it from its config.json alone)"
+        for k, v in mine.items()
+        if k in theirs and theirs[k] != v
+    ]
 
 
 def _check_memory(key: str, memory: StageMemory | None, limit_gib: float | None) -> list[str]:
@@ -186,12 +199,14 @@ def _check_memory(key: str, memory: StageMemory | None, limit_gib: float | None)
         return []
     layout, where = memory.layout, {"first": " (first pipeline stage)", "last": " (last pipeline stage)"}.get(memory.footprint.stage, "")
     recompute = layout.recompute + (f" ({layout.recompute_method}, {layout.recompute_layers} layers)" if layout.recompute == "full" else "")
-    return [f"{key}: needs an estimated {memory.footprint.describe()}{where}, more than launcher.gpu_memory_gib = {limit_gib:g} GiB; "
-            f"layout: tensor {layout.tp} x pipeline {layout.pp} x expert {layout.ep} x data {layout.dp}, micro_batch_size "
-            f"{layout.micro_batch} x {layout.seq_length} tokens, {'bf16' if layout.bf16 else 'fp32'}, recompute {recompute}, "
-            f"distributed optimizer {'on' if layout.distributed_optimizer else 'off'}. Raise tensor or pipeline parallelism, set "
-            f"{key}.parallel.use_distributed_optimizer=true, {key}.recompute_granularity=full or lower {key}.micro_batch_size "
-            "(`align plan` prints the estimate)"]
+    return [
+        f"{key}: needs an estimated {memory.footprint.describe()}{where}, more than launcher.gpu_memory_gib = {limit_gib:g} GiB; "
+        f"layout: tensor {layout.tp} x pipeline {layout.pp} x expert {layout.ep} x data {layout.dp}, micro_batch_size "
+        f"{layout.micro_batch} x {layout.seq_length} tokens, {'bf16' if layout.bf16 else 'fp32'}, recompute {recompute}, "
+        f"distributed optimizer {'on' if layout.distributed_optimizer else 'off'}. Raise tensor or pipeline parallelism, set "
+        f"{key}.parallel.use_distributed_optimizer=true, {key}.recompute_granularity=full or lower {key}.micro_batch_size "
+        "(`align plan` prints the estimate)"
+    ]
 
 
 def _check_stage(stage: Stage, key: str, shape: ModelShape | None) -> list[str]:
@@ -219,23 +234,31 @@ def _check_load_balancing(kind: str, key: str, section: DictConfig, shape: Model
     """A MoE model whose config.json sets output_router_logits: HF's training loss adds
     router_aux_loss_coef x its load-balancing loss, over every layer's routing of a micro batch
     at once; alignflow adds it where the whole model and its forward's router logits are at hand."""
-    why = (f"the model's config.json (model.source) sets output_router_logits=true, so HF's training loss adds router_aux_loss_coef "
-           f"({shape.moe_aux_loss_coef}) x its load-balancing loss")
+    why = (
+        f"the model's config.json (model.source) sets output_router_logits=true, so HF's training loss adds router_aux_loss_coef "
+        f"({shape.moe_aux_loss_coef}) x its load-balancing loss"
+    )
     off = "or set output_router_logits to false (HF's default) to train on the language-model loss alone"
     if not STAGES[kind].load_balancing:
         adding = [name for name, spec in STAGES.items() if spec.load_balancing]
         return [f"{key}: {why}, which {kind} does not add (only {' and '.join(adding)} do); {off}"]
     problems, par = [], section.parallel
     if par.pipeline_model_parallel_size > 1:
-        problems.append(f"{key}.parallel.pipeline_model_parallel_size: {par.pipeline_model_parallel_size}, but {why}, computed over "
-                        f"all layers' router logits of a micro batch together, which alignflow adds with every layer on one pipeline "
-                        f"stage; set it to 1, {off}")
+        problems.append(
+            f"{key}.parallel.pipeline_model_parallel_size: {par.pipeline_model_parallel_size}, but {why}, computed over "
+            f"all layers' router logits of a micro batch together, which alignflow adds with every layer on one pipeline "
+            f"stage; set it to 1, {off}"
+        )
     if section.recompute_granularity == RecomputeGranularity.full:
-        problems.append(f"{key}.recompute_granularity: full recomputes each layer in the backward pass, but {why}, which needs the "
-                        f"router logits of every layer's forward with their gradients; use selective or none, {off}")
+        problems.append(
+            f"{key}.recompute_granularity: full recomputes each layer in the backward pass, but {why}, which needs the "
+            f"router logits of every layer's forward with their gradients; use selective or none, {off}"
+        )
     if par.sequence_parallel:
-        problems.append(f"{key}.parallel.sequence_parallel: each tensor-parallel rank routes a slice of the tokens, but {why} over "
-                        f"all the micro batch's tokens (not built with sequence parallelism); turn it off, {off}")
+        problems.append(
+            f"{key}.parallel.sequence_parallel: each tensor-parallel rank routes a slice of the tokens, but {why} over "
+            f"all the micro batch's tokens (not built with sequence parallelism); turn it off, {off}"
+        )
     return problems
 
 
@@ -243,17 +266,23 @@ def _check_longrope(seq_length: int, original_max: int) -> list[str]:
     """A longrope model is mapped where HF keeps its short factors: rows within its original positions."""
     if seq_length <= original_max:
         return []
-    return [f"data.seq_length: {seq_length} passes the model's original_max_position_embeddings={original_max} (model.source: "
-            "longrope), past which HF switches its RoPE to long_factor; that switch is not mapped"]
+    return [
+        f"data.seq_length: {seq_length} passes the model's original_max_position_embeddings={original_max} (model.source: "
+        "longrope), past which HF switches its RoPE to long_factor; that switch is not mapped"
+    ]
 
 
 def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, shape: ModelShape | None) -> list[str]:
     par, problems = section.parallel, []
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     key = f"{stage_key}.parallel"
-    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
-             "expert_model_parallel_size": par.expert_model_parallel_size}
-    if (small := [f"{key}.{name}: must be >= 1, got {size}" for name, size in sizes.items() if size < 1]):
+    sizes = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "context_parallel_size": cp,
+        "expert_model_parallel_size": par.expert_model_parallel_size,
+    }
+    if small := [f"{key}.{name}: must be >= 1, got {size}" for name, size in sizes.items() if size < 1]:
         return small
     if world % (tp * pp * cp):
         problems.append(
@@ -273,11 +302,17 @@ def _check_parallel(kind: str, stage_key: str, section: DictConfig, world: int, 
     problems += _check_experts(key, par.expert_model_parallel_size, dp, shape)
     if shape is not None:
         if shape.num_attention_heads % tp:
-            problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_attention_heads} attention heads (model.source)")
+            problems.append(
+                f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_attention_heads} attention heads (model.source)"
+            )
         if shape.num_query_groups % tp:
-            problems.append(f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_query_groups} query groups (model.source)")
+            problems.append(
+                f"{key}.tensor_model_parallel_size: {tp} does not divide the model's {shape.num_query_groups} query groups (model.source)"
+            )
         if shape.num_layers % (pp * (vpp or 1)):
-            problems.append(f"{key}.pipeline_model_parallel_size: {pp} x virtual {vpp or 1} does not divide the model's {shape.num_layers} layers (model.source)")
+            problems.append(
+                f"{key}.pipeline_model_parallel_size: {pp} x virtual {vpp or 1} does not divide the model's {shape.num_layers} layers (model.source)"
+            )
     if section.micro_batch_size < 1:
         problems.append(f"{stage_key}.micro_batch_size: must be >= 1")
     else:
@@ -293,8 +328,10 @@ def _check_experts(key: str, ep: int, dp: int, shape: ModelShape | None) -> list
         return [f"{key}.expert_model_parallel_size: {ep}, but the model ({shape.architecture}, model.source) has no experts"]
     problems = []
     if dp % ep:
-        problems.append(f"{key}.expert_model_parallel_size: {ep} does not divide the data-parallel size {dp} (world size / "
-                        "(tensor x pipeline x context)); expert-parallel ranks are data-parallel ranks")
+        problems.append(
+            f"{key}.expert_model_parallel_size: {ep} does not divide the data-parallel size {dp} (world size / "
+            "(tensor x pipeline x context)); expert-parallel ranks are data-parallel ranks"
+        )
     if shape is not None and shape.num_experts % ep:
         problems.append(f"{key}.expert_model_parallel_size: {ep} does not divide the model's {shape.num_experts} experts (model.source)")
     return problems
@@ -310,8 +347,10 @@ def _check_gpus(launcher: DictConfig) -> list[str]:
     found = local_gpus() if launcher.name == LauncherName.local else None
     if found is None or asked <= len(found.ids):
         return []
-    return [f"launcher.gpus_per_node: {asked} for the local launcher, but this machine has {len(found.ids) or 'none'} ({found.source}); "
-            "leave it unset (null) to use the GPUs there are, or set 0 to run on the CPU"]
+    return [
+        f"launcher.gpus_per_node: {asked} for the local launcher, but this machine has {len(found.ids) or 'none'} ({found.source}); "
+        "leave it unset (null) to use the GPUs there are, or set 0 to run on the CPU"
+    ]
 
 
 def _check_nodes(section: DictConfig, key: str, launcher: DictConfig) -> list[str]:
@@ -319,8 +358,10 @@ def _check_nodes(section: DictConfig, key: str, launcher: DictConfig) -> list[st
     nodes, tasks = section.resources.nodes, section.resources.tasks_per_node
     if launcher.name != LauncherName.local or nodes <= 1:
         return []
-    return [f"{key}.resources.nodes: {nodes} nodes need launcher=slurm; the local launcher runs every rank on this machine "
-            f"(set {key}.resources.nodes=1 and tasks_per_node={nodes * tasks} for the same {nodes * tasks} ranks here)"]
+    return [
+        f"{key}.resources.nodes: {nodes} nodes need launcher=slurm; the local launcher runs every rank on this machine "
+        f"(set {key}.resources.nodes=1 and tasks_per_node={nodes * tasks} for the same {nodes * tasks} ranks here)"
+    ]
 
 
 def _check_ranks_on_gpus(section: DictConfig, key: str, gpus: int) -> list[str]:
@@ -336,11 +377,15 @@ def _check_ranks_on_gpus(section: DictConfig, key: str, gpus: int) -> list[str]:
     if tasks > gpus:
         divides = par is not None and model >= 1 and world % model == 0
         layout = f" = tensor ({tp}) x pipeline ({pp}) x context ({cp}) x data ({world // model})" if divides else ""
-        problems.append(f"{key}.resources.tasks_per_node: {tasks} ranks per node but launcher.gpus_per_node is {gpus} (one GPU per "
-                        f"rank): the job's {world} ranks{layout} need {world} GPUs, it gets nodes ({nodes}) x {gpus} = {given}")
+        problems.append(
+            f"{key}.resources.tasks_per_node: {tasks} ranks per node but launcher.gpus_per_node is {gpus} (one GPU per "
+            f"rank): the job's {world} ranks{layout} need {world} GPUs, it gets nodes ({nodes}) x {gpus} = {given}"
+        )
     if model > given:
-        problems.append(f"{key}.parallel: tensor ({tp}) x pipeline ({pp}) x context ({cp}) = {model} ranks hold one "
-                        f"model replica, more than the {given} GPUs of {key}.resources.nodes ({nodes}) x launcher.gpus_per_node ({gpus})")
+        problems.append(
+            f"{key}.parallel: tensor ({tp}) x pipeline ({pp}) x context ({cp}) = {model} ranks hold one "
+            f"model replica, more than the {given} GPUs of {key}.resources.nodes ({nodes}) x launcher.gpus_per_node ({gpus})"
+        )
     return problems
 
 
@@ -383,27 +428,42 @@ def _check_lora(stage: str, section: DictConfig, shape: ModelShape | None) -> li
     if not 0 <= lora.adapter_dropout < 1:
         problems.append(f"{key}.adapter_dropout: must be in [0, 1), got {lora.adapter_dropout}")
     if section.recompute_granularity == RecomputeGranularity.full:
-        problems.append(f"{stage}.recompute_granularity: full recompute with LoRA is not supported (a recomputed layer's "
-                        "output would not carry its adapters' gradients); use selective or none")
+        problems.append(
+            f"{stage}.recompute_granularity: full recompute with LoRA is not supported (a recomputed layer's "
+            "output would not carry its adapters' gradients); use selective or none"
+        )
     patterns = list(lora.target_modules)
     problems += lora_targets.target_problems(f"{key}.target_modules", patterns, shape.num_layers if shape else None)
     if shape is not None and shape.gemma_norms and not problems:
         problems += _post_normed_targets(f"{key}.target_modules", patterns, shape)
     if shape is not None and shape.moe and any(path.startswith("mlp.") for _, path in lora_targets.select(patterns, shape.num_layers)):
-        problems.append(f"{key}.target_modules: {patterns} adapts the MLP, but the model's MLPs are experts ({shape.architecture}) "
-                        "and LoRA on the expert projections is not built; target the attention only, e.g. [linear_qkv, linear_proj]")
+        problems.append(
+            f"{key}.target_modules: {patterns} adapts the MLP, but the model's MLPs are experts ({shape.architecture}) "
+            "and LoRA on the expert projections is not built; target the attention only, e.g. [linear_qkv, linear_proj]"
+        )
     par = section.parallel
-    if shape is not None and not problems and shape.num_layers % (par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)) == 0:
-        problems += lora_targets.stage_problems(f"{key}.target_modules", patterns, shape.num_layers, par.pipeline_model_parallel_size,
-                                                par.virtual_pipeline_model_parallel_size)
+    if (
+        shape is not None
+        and not problems
+        and shape.num_layers % (par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)) == 0
+    ):
+        problems += lora_targets.stage_problems(
+            f"{key}.target_modules", patterns, shape.num_layers, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+        )
     return problems
 
 
 def _post_normed_targets(key: str, patterns: list[str], shape: ModelShape) -> list[str]:
     """Gemma's attention output and fc2 are followed by their post-norm inside the module, which LoRA's layers do not apply."""
     chosen = sorted({path for _, path in lora_targets.select(patterns, shape.num_layers)} & {"self_attention.linear_proj", "mlp.linear_fc2"})
-    return [f"{key}: LoRA on {', '.join(chosen)} is not supported for {shape.architecture} (its post-attention / post-MLP "
-            "norm sits in that module); target linear_qkv and linear_fc1 (q_proj, k_proj, v_proj, gate_proj, up_proj)"] if chosen else []
+    return (
+        [
+            f"{key}: LoRA on {', '.join(chosen)} is not supported for {shape.architecture} (its post-attention / post-MLP "
+            "norm sits in that module); target linear_qkv and linear_fc1 (q_proj, k_proj, v_proj, gate_proj, up_proj)"
+        ]
+        if chosen
+        else []
+    )
 
 
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -417,15 +477,19 @@ def _check_lineage(pipeline: Pipeline, stage: Stage, cfg: DictConfig | None) -> 
     for role, via, upstream_role in stage.spec.same_upstream:
         mine, theirs = stage.inputs[role], pipeline[stage.inputs[via]].inputs[upstream_role]
         if mine != theirs:
-            problems.append(f"{key}.{role}: '{mine}' is not the {upstream_role} '{theirs}' that its {via} "
-                            f"'{stage.inputs[via]}' was computed on; give both the same {role}")
+            problems.append(
+                f"{key}.{role}: '{mine}' is not the {upstream_role} '{theirs}' that its {via} "
+                f"'{stage.inputs[via]}' was computed on; give both the same {role}"
+            )
     roles = stage.spec.same_tokenizer
     if roles:
         (chain_a, tok_a), (chain_b, tok_b) = (output_tokenizer(pipeline, stage.inputs[role]) for role in roles)
         if tok_a != tok_b and cfg is not None and _vocab_digest(tok_a, cfg) != _vocab_digest(tok_b, cfg):
-            problems.append(f"{key}: {roles[0]} '{chain_a[0]}' has the tokenizer {tok_a} (from {' <- '.join(chain_a)}) and "
-                            f"{roles[1]} '{chain_b[0]}' the tokenizer {tok_b} (from {' <- '.join(chain_b)}); they differ, and "
-                            f"{stage.kind} needs one tokenizer (student and teacher may differ in size, not in vocabulary)")
+            problems.append(
+                f"{key}: {roles[0]} '{chain_a[0]}' has the tokenizer {tok_a} (from {' <- '.join(chain_a)}) and "
+                f"{roles[1]} '{chain_b[0]}' the tokenizer {tok_b} (from {' <- '.join(chain_b)}); they differ, and "
+                f"{stage.kind} needs one tokenizer (student and teacher may differ in size, not in vocabulary)"
+            )
     return problems
 
 
@@ -481,11 +545,15 @@ def _check_store(cfg: DictConfig) -> list[str]:
         fs.ls(path.split("/")[0])  # the bucket
         problem = conditional_writes_problem(fs, path) if "s3" in fs.protocol else None
     except Exception as err:  # noqa: BLE001 - every failure to reach the store is the same problem to the user
-        return [f"store.root: {root} cannot be reached: {type(err).__name__}: {err} (credentials come from the environment, "
-                "e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; the endpoint from store.storage_options)"]
+        return [
+            f"store.root: {root} cannot be reached: {type(err).__name__}: {err} (credentials come from the environment, "
+            "e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; the endpoint from store.storage_options)"
+        ]
     if problem:
-        return [f"store.root: {root} cannot hold alignflow's leases, which need S3's conditional writes: {problem} "
-                "(use an endpoint that supports If-None-Match and If-Match on PUT, e.g. AWS S3 or a recent MinIO)"]
+        return [
+            f"store.root: {root} cannot hold alignflow's leases, which need S3's conditional writes: {problem} "
+            "(use an endpoint that supports If-None-Match and If-Match on PUT, e.g. AWS S3 or a recent MinIO)"
+        ]
     return []
 
 
@@ -522,9 +590,11 @@ def _check_time_limit(stage: Stage, key: str) -> list[str]:
     which = f"{key}.timeout_min" if section.timeout_min is not None and local_limit else "launcher.time_min"
     if every_n_minutes is None or every_n_minutes > limit - REQUEUE_MARGIN_MIN:
         interval = "null (no checkpoints by time)" if every_n_minutes is None else f"{every_n_minutes:g} min"
-        return [f"{key}.checkpoint.every_n_minutes: {interval} does not fit in the job's time limit of {limit:g} min ({which}) "
-                f"minus {REQUEUE_MARGIN_MIN:g} min for the requeue signal: a job killed by its limit before its first checkpoint "
-                f"starts over after every requeue; set it to at most {max(limit - REQUEUE_MARGIN_MIN, 0):g}, or give the job more time"]
+        return [
+            f"{key}.checkpoint.every_n_minutes: {interval} does not fit in the job's time limit of {limit:g} min ({which}) "
+            f"minus {REQUEUE_MARGIN_MIN:g} min for the requeue signal: a job killed by its limit before its first checkpoint "
+            f"starts over after every requeue; set it to at most {max(limit - REQUEUE_MARGIN_MIN, 0):g}, or give the job more time"
+        ]
     return []
 
 
@@ -538,8 +608,10 @@ def _check_gate(cfg: DictConfig, pipeline: Pipeline, check_paths: bool) -> list[
     problems = [f"gate.{key}: must be >= {low}, got {section[key]}" for key, low in (("sigmas", 0), ("trend_runs", 1)) if not section[key] >= low]
     for pattern, drop in section.thresholds.items():
         if "." not in pattern or not any(fnmatchcase(name, pattern.split(".", 1)[0]) for name in names):
-            problems.append(f"gate.thresholds.{pattern}: names no stage of pipeline '{pipeline.name}' (a key is `{{stage}}.{{metric}}`, "
-                            f"fnmatch patterns allowed, e.g. eval.sft.accuracy; its stages: {', '.join(names)})")
+            problems.append(
+                f"gate.thresholds.{pattern}: names no stage of pipeline '{pipeline.name}' (a key is `{{stage}}.{{metric}}`, "
+                f"fnmatch patterns allowed, e.g. eval.sft.accuracy; its stages: {', '.join(names)})"
+            )
         if not drop >= 0:
             problems.append(f"gate.thresholds.{pattern}: the largest tolerated drop must be >= 0, got {drop}")
     if check_paths and section.thresholds and section.baseline != "last":
@@ -554,4 +626,3 @@ def _check_launcher(cfg: DictConfig) -> list[str]:
     if cfg.launcher.name == "slurm" and shutil.which("sbatch") is None:
         return ["launcher=slurm: sbatch is not on this machine's PATH (run the flow where Slurm's client is, or use launcher=local)"]
     return []
-

@@ -24,12 +24,13 @@ STAGES: dict[str, StageKind] = {kind: import_module(f"alignflow.orchestrator.kin
 # Output formats (README "Stages and the store"): where each is written and read, and what a
 # commit checks is in it (`alignflow.orchestrator.verify`: each glob must match, and each match must open).
 OUTPUTS = {"model": MODEL, **{spec.output: spec.output_format for spec in STAGES.values() if spec.output_format is not None}}
-if (unknown := [f"{kind}: {spec.output}" for kind, spec in STAGES.items() if spec.output not in OUTPUTS]):
+if unknown := [f"{kind}: {spec.output}" for kind, spec in STAGES.items() if spec.output not in OUTPUTS]:
     raise TypeError(f"stage kinds whose output format no kind declares (output_format=): {', '.join(unknown)}")
 
 # The root config's schema: the shared sections plus one section per kind, typed by its schema.
-AlignConfig = make_dataclass("AlignConfig", [(kind, spec.schema, field(default_factory=spec.schema)) for kind, spec in STAGES.items()],
-                             bases=(schema.AlignBase,))
+AlignConfig = make_dataclass(
+    "AlignConfig", [(kind, spec.schema, field(default_factory=spec.schema)) for kind, spec in STAGES.items()], bases=(schema.AlignBase,)
+)
 
 
 def worker_module(kind: str) -> str:

@@ -36,11 +36,20 @@ def _check_not_pickled(cfg: DictConfig) -> list[str]:
     pickled = sorted(name for name in names if name.endswith(PICKLED_WEIGHTS))
     if not pickled or any(name.endswith(".safetensors") for name in names) or {"metadata.json", ".metadata"} <= names:
         return []
-    return [f"model.source: {source} holds pickled weights only ({', '.join(pickled)}), which alignflow never loads: unpickling "
-            "runs any code a file holds. Re-save the model as safetensors (save_pretrained(..., safe_serialization=True)) "
-            "on a machine where you trust it (see README: trust boundary)"]
+    return [
+        f"model.source: {source} holds pickled weights only ({', '.join(pickled)}), which alignflow never loads: unpickling "
+        "runs any code a file holds. Re-save the model as safetensors (save_pretrained(..., safe_serialization=True)) "
+        "on a machine where you trust it (see README: trust boundary)"
+    ]
 
 
-KIND = StageKind(schema=schema.ConvertConfig, output="model", inputs={}, resumable=False,
-                 headline=("architecture", "parameters", "megabytes", "mb_per_s"), reads=("model",),
-                 sources=("model.source", "model.hf_config", "model.tokenizer"), checks=checks)
+KIND = StageKind(
+    schema=schema.ConvertConfig,
+    output="model",
+    inputs={},
+    resumable=False,
+    headline=("architecture", "parameters", "megabytes", "mb_per_s"),
+    reads=("model",),
+    sources=("model.source", "model.hf_config", "model.tokenizer"),
+    checks=checks,
+)

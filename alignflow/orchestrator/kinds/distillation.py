@@ -17,13 +17,23 @@ def _check_distillation(key: str, section: DictConfig) -> list[str]:
     if not 0 <= loss.mixed_kl_weight <= 1:
         problems.append(f"{key}.loss.mixed_kl_weight: must be in [0, 1], got {loss.mixed_kl_weight}")
     if loss.zero_outside_topk and loss.kl_type != "forward":
-        problems.append(f"{key}.loss.zero_outside_topk: only with kl_type forward (NeMo-RL's entropy correction for reverse and "
-                        "mixed KL is not built)")
+        problems.append(
+            f"{key}.loss.zero_outside_topk: only with kl_type forward (NeMo-RL's entropy correction for reverse and mixed KL is not built)"
+        )
     return problems
 
 
 # The teacher's token ids index the student's vocabulary, and its top-k are joined to prep's rows by row index.
-KIND = StageKind(schema=schema.DistillationConfig, output="model",
-                 inputs={"data": one("prep"), "model": one("model"), "teacher_logprobs": one("teacher_logprobs")}, resumable=True,
-                 headline=("val_kl", *TRAIN_HEADLINE), reads=("model",), context=TRAINING, checks=checks, rows=one_sequence,
-                 same_tokenizer=("model", "teacher_logprobs"), same_upstream=(("data", "teacher_logprobs", "data"),))
+KIND = StageKind(
+    schema=schema.DistillationConfig,
+    output="model",
+    inputs={"data": one("prep"), "model": one("model"), "teacher_logprobs": one("teacher_logprobs")},
+    resumable=True,
+    headline=("val_kl", *TRAIN_HEADLINE),
+    reads=("model",),
+    context=TRAINING,
+    checks=checks,
+    rows=one_sequence,
+    same_tokenizer=("model", "teacher_logprobs"),
+    same_upstream=(("data", "teacher_logprobs", "data"),),
+)

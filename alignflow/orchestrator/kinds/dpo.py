@@ -22,18 +22,31 @@ def _check_dpo_loss(key: str, loss: DictConfig) -> list[str]:
     if not 0 <= loss.label_smoothing < 0.5:
         problems.append(f"{key}.label_smoothing: must be in [0, 0.5), got {loss.label_smoothing}")
     elif loss.label_smoothing > 0 and not DPO_SMOOTHED.intersection(types):
-        problems.append(f"{key}.label_smoothing: none of {[t.value for t in types]} uses it (TRL 1.16 ignores it there); "
-                        f"conservative DPO is loss_type [cdpo]; label smoothing enters {sorted(t.value for t in DPO_SMOOTHED)}")
+        problems.append(
+            f"{key}.label_smoothing: none of {[t.value for t in types]} uses it (TRL 1.16 ignores it there); "
+            f"conservative DPO is loss_type [cdpo]; label smoothing enters {sorted(t.value for t in DPO_SMOOTHED)}"
+        )
     if DPOLoss.exo_pair in types and loss.label_smoothing == 0:
         problems.append(f"{key}.label_smoothing: exo_pair needs it > 0 (the EXO paper uses 1e-3)")
     if DPO_REFERENCE_FREE.intersection(types) and set(types) - DPO_REFERENCE_FREE - {DPOLoss.sft}:
-        problems.append(f"{key}.loss_type: {[t.value for t in types]} mixes reference-free losses "
-                        f"({sorted(t.value for t in DPO_REFERENCE_FREE)}) with ones against the reference")
+        problems.append(
+            f"{key}.loss_type: {[t.value for t in types]} mixes reference-free losses "
+            f"({sorted(t.value for t in DPO_REFERENCE_FREE)}) with ones against the reference"
+        )
     if loss.discopop_tau <= 0:
         problems.append(f"{key}.discopop_tau: must be > 0, got {loss.discopop_tau}")
     return problems
 
 
-KIND = StageKind(schema=schema.DPOConfig, output="model", inputs={"data": one("prep"), "model": one("model"), "ref_logprobs": one("ref_logprobs")},
-                 resumable=True, headline=("val_reward_accuracy", *TRAIN_HEADLINE), reads=("model",), context=TRAINING, checks=checks,
-                 rows=pair_rows, load_balancing=True)
+KIND = StageKind(
+    schema=schema.DPOConfig,
+    output="model",
+    inputs={"data": one("prep"), "model": one("model"), "ref_logprobs": one("ref_logprobs")},
+    resumable=True,
+    headline=("val_reward_accuracy", *TRAIN_HEADLINE),
+    reads=("model",),
+    context=TRAINING,
+    checks=checks,
+    rows=pair_rows,
+    load_balancing=True,
+)

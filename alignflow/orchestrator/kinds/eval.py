@@ -23,8 +23,10 @@ def eval_sampling_problems(section: DictConfig, key: str = "eval") -> list[str]:
     if s.temperature < 0:
         problems.append(f"{key}.temperature: must be >= 0 (0 = greedy), got {s.temperature}")
     elif s.temperature == 0 and s.n > 1 and s.k:
-        problems.append(f"{key}.temperature: 0 is greedy, so the {s.n} completions of a prompt would be one repeated; "
-                        "sample with a temperature > 0 (e.g. 1.0) or set n: 1")
+        problems.append(
+            f"{key}.temperature: 0 is greedy, so the {s.n} completions of a prompt would be one repeated; "
+            "sample with a temperature > 0 (e.g. 1.0) or set n: 1"
+        )
     if not 0 < s.top_p <= 1:
         problems.append(f"{key}.top_p: must be in (0, 1], got {s.top_p}")
     return problems
@@ -39,8 +41,16 @@ def table(metrics: dict) -> Table:
     return Table("models", "every metric of every model", list(models.values()))
 
 
-KIND = StageKind(schema=schema.EvalConfig, output="eval", inputs={"data": one("prep"), "model": one("model"), "baselines": many("model"),
-                                                                  "reward_model": optional("reward_model")},
-                 resumable=False, output_format=OutputFormat("eval.json: metrics per model and samples (alignflow.job.stages.eval)", (Need("eval.json", json_file),)),
-                 headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"),
-                 trend=("*.accuracy", "*.preference_accuracy", "*.val_loss"), reads=("model",), context=CACHE, checks=checks, table=table)
+KIND = StageKind(
+    schema=schema.EvalConfig,
+    output="eval",
+    inputs={"data": one("prep"), "model": one("model"), "baselines": many("model"), "reward_model": optional("reward_model")},
+    resumable=False,
+    output_format=OutputFormat("eval.json: metrics per model and samples (alignflow.job.stages.eval)", (Need("eval.json", json_file),)),
+    headline=("*.accuracy", "*.preference_accuracy", "*.val_loss"),
+    trend=("*.accuracy", "*.preference_accuracy", "*.val_loss"),
+    reads=("model",),
+    context=CACHE,
+    checks=checks,
+    table=table,
+)

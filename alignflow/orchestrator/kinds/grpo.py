@@ -27,8 +27,9 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
     if not 0 <= section.loss.ratio_clip_min < 1 or section.loss.ratio_clip_max < 0:
         problems.append(f"{key}.loss.ratio_clip_min / ratio_clip_max: the clip range [1 - min, 1 + max] needs 0 <= min < 1 and max >= 0")
     if section.overlong_buffer_length is not None and not 0 < section.overlong_buffer_length <= section.max_new_tokens:
-        problems.append(f"{key}.overlong_buffer_length: must be in (0, max_new_tokens = {section.max_new_tokens}] or null, "
-                        f"got {section.overlong_buffer_length}")
+        problems.append(
+            f"{key}.overlong_buffer_length: must be in (0, max_new_tokens = {section.max_new_tokens}] or null, got {section.overlong_buffer_length}"
+        )
     if section.overlong_buffer_penalty < 0:
         problems.append(f"{key}.overlong_buffer_penalty: must be >= 0, got {section.overlong_buffer_penalty}")
     if section.use_dynamic_sampling and section.num_generations_per_prompt < 2:
@@ -47,17 +48,20 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
     return problems
 
 
-
 def _check_reward_model_use(stage, key: str) -> list[str]:
     """grpo's `score` rewards and its `reward_model` input come together: one without the other
     is a reward model never trained against, or a reward that cannot be computed."""
     scores = [i for i, reward in enumerate(stage.section.environment) if reward.name == SCORE]
     if scores and "reward_model" not in stage.inputs:
-        return [f"{key}.environment[{scores[0]}].name: {SCORE} needs a reward_model input "
-                f"(pipeline.stages.{stage.name}.inputs.reward_model: a reward_model stage)"]
+        return [
+            f"{key}.environment[{scores[0]}].name: {SCORE} needs a reward_model input "
+            f"(pipeline.stages.{stage.name}.inputs.reward_model: a reward_model stage)"
+        ]
     if not scores and "reward_model" in stage.inputs:
-        return [f"pipeline.stages.{stage.name}.inputs.reward_model: no {key}.environment entry uses it; add {{name: {SCORE}}} "
-                "(with a weight to mix it with rule rewards) or drop the input"]
+        return [
+            f"pipeline.stages.{stage.name}.inputs.reward_model: no {key}.environment entry uses it; add {{name: {SCORE}}} "
+            "(with a weight to mix it with rule rewards) or drop the input"
+        ]
     return []
 
 
@@ -68,9 +72,11 @@ def grpo_batch_problems(section: DictConfig, dp: int, key: str = "grpo") -> list
         return [f"{key}.num_prompts_per_step: {section.num_prompts_per_step} is not divisible by the data-parallel size ({dp})"]
     samples = section.num_prompts_per_step // dp * section.num_generations_per_prompt
     if samples % (section.num_optimizer_steps_per_batch * section.micro_batch_size):
-        return [f"{key}.micro_batch_size: the {samples} samples per data-parallel rank and step (num_prompts_per_step / DP x "
-                f"num_generations_per_prompt) do not split into num_optimizer_steps_per_batch ({section.num_optimizer_steps_per_batch}) "
-                f"x micro_batch_size ({section.micro_batch_size})"]
+        return [
+            f"{key}.micro_batch_size: the {samples} samples per data-parallel rank and step (num_prompts_per_step / DP x "
+            f"num_generations_per_prompt) do not split into num_optimizer_steps_per_batch ({section.num_optimizer_steps_per_batch}) "
+            f"x micro_batch_size ({section.micro_batch_size})"
+        ]
     return []
 
 
@@ -87,7 +93,17 @@ def frozen_models(section, inputs, lora: int | None) -> int:
     return int(second_reference) + int("reward_model" in inputs)
 
 
-KIND = StageKind(schema=schema.GRPOConfig, output="model", inputs={"data": one("prep"), "model": one("model"), "ref_model": one("model"),
-                                                                   "reward_model": optional("reward_model")},
-                 resumable=True, headline=("reward_first_tenth", "reward_last_tenth", "accuracy", "steps"), reads=("model",), context=TRAINING,
-                 imports=("environment.*.name",), checks=checks, batch_problems=grpo_batch_problems, rows=rows, frozen_models=frozen_models)
+KIND = StageKind(
+    schema=schema.GRPOConfig,
+    output="model",
+    inputs={"data": one("prep"), "model": one("model"), "ref_model": one("model"), "reward_model": optional("reward_model")},
+    resumable=True,
+    headline=("reward_first_tenth", "reward_last_tenth", "accuracy", "steps"),
+    reads=("model",),
+    context=TRAINING,
+    imports=("environment.*.name",),
+    checks=checks,
+    batch_problems=grpo_batch_problems,
+    rows=rows,
+    frozen_models=frozen_models,
+)

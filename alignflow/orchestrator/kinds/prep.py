@@ -59,8 +59,16 @@ def _exists(uri: str, cfg: DictConfig) -> bool:
     return bool(fs.glob(path)) if any(c in path for c in "*?[") else fs.exists(path)
 
 
-KIND = StageKind(schema=schema.PrepConfig, output="prep", inputs={}, resumable=False,
-                 output_format=OutputFormat("Parquet token tables + metadata.json (alignflow.job.data.prepared)",
-                                            (Need("metadata.json", json_file), Need("*/*.parquet", parquet))),
-                 headline=("*.train.rows", "*.train.packing_efficiency", "*.train.tokens"),
-                 reads=("data", "model.tokenizer", "model.chat_template"), sources=(*_DATA_SOURCES, "model.tokenizer"), checks=checks)
+KIND = StageKind(
+    schema=schema.PrepConfig,
+    output="prep",
+    inputs={},
+    resumable=False,
+    output_format=OutputFormat(
+        "Parquet token tables + metadata.json (alignflow.job.data.prepared)", (Need("metadata.json", json_file), Need("*/*.parquet", parquet))
+    ),
+    headline=("*.train.rows", "*.train.packing_efficiency", "*.train.tokens"),
+    reads=("data", "model.tokenizer", "model.chat_template"),
+    sources=(*_DATA_SOURCES, "model.tokenizer"),
+    checks=checks,
+)

@@ -4,7 +4,16 @@ from alignflow.orchestrator.config import schema
 from alignflow.orchestrator.kinds.spec import CACHE, StageKind, one
 from alignflow.orchestrator.verify import Need, OutputFormat, parquet
 
-KIND = StageKind(schema=schema.RefLogprobsConfig, output="ref_logprobs", inputs={"data": one("prep"), "model": one("model")}, resumable=False,
-                 output_format=OutputFormat("Parquet per-pair reference log-probs (alignflow.job.stages.ref_logprobs)",
-                                            (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False))),
-                 headline=("train.pairs", "val.pairs", "train.mean_chosen_logp"), reads=("model",), context=CACHE)
+KIND = StageKind(
+    schema=schema.RefLogprobsConfig,
+    output="ref_logprobs",
+    inputs={"data": one("prep"), "model": one("model")},
+    resumable=False,
+    output_format=OutputFormat(
+        "Parquet per-pair reference log-probs (alignflow.job.stages.ref_logprobs)",
+        (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False)),
+    ),
+    headline=("train.pairs", "val.pairs", "train.mean_chosen_logp"),
+    reads=("model",),
+    context=CACHE,
+)

@@ -3,5 +3,14 @@
 from alignflow.orchestrator.config import schema
 from alignflow.orchestrator.kinds.spec import TRAIN_HEADLINE, TRAINING, StageKind, one, one_sequence
 
-KIND = StageKind(schema=schema.SFTConfig, output="model", inputs={"data": one("prep"), "model": one("model")}, resumable=True,
-                 headline=TRAIN_HEADLINE, reads=("model",), context=TRAINING, rows=one_sequence, load_balancing=True)
+KIND = StageKind(
+    schema=schema.SFTConfig,
+    output="model",
+    inputs={"data": one("prep"), "model": one("model")},
+    resumable=True,
+    headline=TRAIN_HEADLINE,
+    reads=("model",),
+    context=TRAINING,
+    rows=one_sequence,
+    load_balancing=True,
+)

@@ -55,8 +55,10 @@ def no_checks(stage, key: str, check_paths: bool) -> list[str]:
 def global_batch_problems(section, dp: int, key: str) -> list[str]:
     """A step's global_batch_size rows split into micro batches on every data-parallel rank."""
     if "global_batch_size" in section and section.global_batch_size % (section.micro_batch_size * dp):
-        return [f"{key}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
-                f"x data-parallel size ({dp})"]
+        return [
+            f"{key}.global_batch_size: {section.global_batch_size} is not divisible by micro_batch_size ({section.micro_batch_size}) "
+            f"x data-parallel size ({dp})"
+        ]
     return []
 
 
@@ -141,17 +143,26 @@ class StageKind:
     def __post_init__(self):
         trains = "optim" in {f.name for f in fields(self.schema)}
         if trains != (self.rows is not None):
-            raise TypeError(f"StageKind({self.schema.__name__}): `rows` (what a micro batch row holds, for the memory estimate) "
-                            f"is {'required of a training kind' if trains else 'only for a training kind (a schema with optim)'}")
+            raise TypeError(
+                f"StageKind({self.schema.__name__}): `rows` (what a micro batch row holds, for the memory estimate) "
+                f"is {'required of a training kind' if trains else 'only for a training kind (a schema with optim)'}"
+            )
 
 
 # The format the kinds that make a causal LM write (convert and the training kinds).
-MODEL = OutputFormat("Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.job.checkpoint); "
-                     "with checkpoint.keep_optimizer the final training checkpoint (alignflow.job.train.checkpointing)",
-                     (Need("hf/config.json", json_file), Need("tokenizer/*", nonempty),
-                      *(Need(f"checkpoints/step-*/{part}", check, required=False)
-                        for part, check in (("model", torch_dist), ("optimizer", torch_dist), ("trainer.json", json_file)))),
-                     one_of=((Need("model", torch_dist),), (Need("adapter", torch_dist), Need("lora.json", json_file))))
+MODEL = OutputFormat(
+    "Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.job.checkpoint); "
+    "with checkpoint.keep_optimizer the final training checkpoint (alignflow.job.train.checkpointing)",
+    (
+        Need("hf/config.json", json_file),
+        Need("tokenizer/*", nonempty),
+        *(
+            Need(f"checkpoints/step-*/{part}", check, required=False)
+            for part, check in (("model", torch_dist), ("optimizer", torch_dist), ("trainer.json", json_file))
+        ),
+    ),
+    one_of=((Need("model", torch_dist),), (Need("adapter", torch_dist), Need("lora.json", json_file))),
+)
 
 CACHE = ("store.cache_dir",)  # where a job downloads input models from object stores (and trains)
 TRAINING = ("logging", *CACHE)

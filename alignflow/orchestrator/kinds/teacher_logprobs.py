@@ -16,9 +16,19 @@ def _check_teacher_logprobs(key: str, section: DictConfig) -> list[str]:
 
 
 # Its output has the teacher's tokenizer, whose token ids must index the data's vocabulary.
-KIND = StageKind(schema=schema.TeacherLogprobsConfig, output="teacher_logprobs", inputs={"data": one("prep"), "teacher": one("model")},
-                 resumable=False,
-                 output_format=OutputFormat("Parquet per-row teacher top-k token ids and log-probs at the loss positions (alignflow.job.data.teacher_topk)",
-                                            (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False))),
-                 headline=("train.rows", "train.positions", "val.rows", "train.mean_top1_logp"), reads=("model",), context=CACHE, checks=checks,
-                 tokenizer_role="teacher", same_tokenizer=("data", "teacher"))
+KIND = StageKind(
+    schema=schema.TeacherLogprobsConfig,
+    output="teacher_logprobs",
+    inputs={"data": one("prep"), "teacher": one("model")},
+    resumable=False,
+    output_format=OutputFormat(
+        "Parquet per-row teacher top-k token ids and log-probs at the loss positions (alignflow.job.data.teacher_topk)",
+        (Need("train-*.parquet", parquet), Need("val-*.parquet", parquet, required=False)),
+    ),
+    headline=("train.rows", "train.positions", "val.rows", "train.mean_top1_logp"),
+    reads=("model",),
+    context=CACHE,
+    checks=checks,
+    tokenizer_role="teacher",
+    same_tokenizer=("data", "teacher"),
+)
