@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignflow import PROJECT_ROOT, device
+from alignflow import PROJECT_ROOT
+from alignflow.job import device
 from alignflow.job.data.prepared import Prepared
 from alignflow.job.generation import EOS_CHECK_EVERY_DEFAULT, Sampling, generate
 from alignflow.job.model import runtime

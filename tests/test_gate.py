@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from alignflow import PROJECT_ROOT, gate, runs
+from alignflow import PROJECT_ROOT
+from alignflow.orchestrator import gate, runs
 from alignflow.orchestrator.store import Store
 
 # lm-eval 0.4 output published in tiebreaker4869/alpaca-lora results/mmlu_result.md (its arithmetic
