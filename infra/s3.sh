@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Bring up (or tear down) a local S3 endpoint (moto_server, in memory) with one bucket, idempotently.
-#   infra/s3.sh up       start it on 127.0.0.1:${S3_PORT:-9000}, create bucket ${S3_BUCKET:-alignflow}
+#   infra/s3.sh up       start it on this machine's first address (hostname -I; $S3_HOST), port
+#                        ${S3_PORT:-9000}, create bucket ${S3_BUCKET:-alignflow}. Not loopback: the
+#                        Slurm nodes of infra/slurm.sh (own network namespaces) reach it there
 #   infra/s3.sh status
 #   infra/s3.sh down     stop it (its contents are lost)
 # Log and pidfile in .infra/ (s3.log, s3.pid). Then, as `up` prints:
@@ -11,7 +13,8 @@ cd "$(dirname "$0")/.."
 state=.infra; mkdir -p "$state"
 pidfile=$state/s3.pid
 port=${S3_PORT:-9000} bucket=${S3_BUCKET:-alignflow}
-url=http://127.0.0.1:$port
+host=${S3_HOST:-$(hostname -I 2>/dev/null | awk '{print $1}')}; host=${host:-127.0.0.1}
+url=http://$host:$port
 export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_DEFAULT_REGION=us-east-1
 
 running() { local p; p=$(cat "$pidfile" 2>/dev/null) && kill -0 "$p" 2>/dev/null; }
@@ -21,7 +24,7 @@ case "${1:-up}" in
   up)
     if ! running; then
       set -m  # its own process group, so `down` stops it and its children
-      nohup .venv/bin/moto_server -H 127.0.0.1 -p "$port" >"$state/s3.log" 2>&1 &
+      nohup .venv/bin/moto_server -H "$host" -p "$port" >"$state/s3.log" 2>&1 &
       echo $! >"$pidfile"
       set +m
       for _ in $(seq 60); do answers && break; sleep 0.5; done

@@ -99,6 +99,7 @@ network_up() {  # the bridge; per node a network namespace named as the node, a 
     ip -n "$name" link set lo up
     ip -n "$name" addr show dev eth0 | grep "inet $addr/" >/dev/null || ip -n "$name" addr add "$addr/24" dev eth0
     ip -n "$name" link set eth0 up
+    ip -n "$name" route replace default via "$subnet.1"  # the host's own addresses (an S3 endpoint, a store server) are reachable
   done
 }
 network_down() {  # keep <names...>: every other node's namespace and veth go; with none kept, the bridge too

@@ -79,7 +79,9 @@ def prefect_server():
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    """A real S3 protocol endpoint on loopback (moto server) with a `test` bucket."""
+    """A real S3 protocol endpoint (moto server) with a `test` bucket, on this machine's first
+    address (as infra/s3.sh): Slurm jobs on infra/slurm.sh's nodes, each in its own network
+    namespace, reach it there, not on loopback."""
     import socket
     import subprocess
     import sys
@@ -87,14 +89,15 @@ def s3_endpoint():
     import urllib.request
     from pathlib import Path
 
+    host = (subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split() or ["127.0.0.1"])[0]
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         port = s.getsockname()[1]
     os.environ.update(AWS_ACCESS_KEY_ID="test-key-id", AWS_SECRET_ACCESS_KEY="test-secret-value", AWS_DEFAULT_REGION="us-east-1")
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [str(Path(sys.executable).parent / "moto_server"), "-H", host, "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     for _ in range(100):
         try:
             urllib.request.urlopen(url, timeout=1)
