@@ -22,7 +22,7 @@ def model_scores(chunks: list, rows: list[list[int]], pad_id: int, micro_batch_s
     micro = [range(i, min(i + micro_batch_size, len(rows))) for i in range(0, len(rows), micro_batch_size)]
     batches = [
         vars(packed_rows([(np.asarray(rows[i]), np.zeros(len(rows[i])), np.asarray([0, len(rows[i])])) for i in m], length, pad_id))
-        | {"last": torch.tensor([last[i] for i in m])}
+        | {"last": torch.tensor([last[i] for i in m], device="cpu")}  # host, as packed_rows' rows
         for m in micro
     ]
 
@@ -31,7 +31,7 @@ def model_scores(chunks: list, rows: list[list[int]], pad_id: int, micro_batch_s
         return logits_forward(model, batch), lambda out: (
             out.sum() * 0,
             torch.tensor(1, device=out.device),
-            {"scores": out[torch.arange(len(batch["last"])), batch["last"], 0].double()},
+            {"scores": out[torch.arange(len(batch["last"]), device=out.device), batch["last"].to(out.device), 0].double()},
         )
 
     with eval_mode(chunks), torch.no_grad():

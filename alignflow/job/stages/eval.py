@@ -193,7 +193,8 @@ def reward_model_metrics(chunks: list, rows: dict[str, list], baseline: str | No
     baseline, but the baseline's, its win rate against the baseline's completions of the same
     prompts (`rm_win_rate`, ties one half); `rows`: model -> this rank's prompt + completion rows."""
     scores = {
-        name: model_scores(chunks, mine, pad_id, micro_batch_size) if mine else torch.zeros(0, dtype=torch.float64) for name, mine in rows.items()
+        name: model_scores(chunks, mine, pad_id, micro_batch_size) if mine else torch.zeros(0, dtype=torch.float64, device="cpu")
+        for name, mine in rows.items()
     }
     metrics = {}
     for name, mine in scores.items():
