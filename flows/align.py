@@ -16,7 +16,8 @@ import fsspec
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
-from prefect.runtime import deployment, flow_run
+from prefect.context import FlowRunContext
+from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed, Failed, State
 
 from alignflow.orchestrator import gate, runs
@@ -191,8 +192,12 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
 
 
 def _deployment() -> str | None:
-    """`align/nightly` for a deployment's flow run: its series for the gate's `last` baseline and the trend."""
-    return f"align/{deployment.name}" if deployment.id else None
+    """The deployment's id for a deployment's flow run: its series for the gate's `last` baseline
+    and the trend. From the run's context, not `prefect.runtime.deployment`, which asks the API:
+    a run's end must not need the API (it may be down; the run ends from the store all the same)."""
+    context = FlowRunContext.get()
+    deployment_id = context.flow_run.deployment_id if context and context.flow_run else None
+    return str(deployment_id) if deployment_id else None
 
 
 def _judge(section, store, record: dict) -> gate.Verdict | None:
