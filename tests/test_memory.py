@@ -114,18 +114,19 @@ def plan_memory(overrides: list[str], pipeline: str = "sft_dpo", check_paths: bo
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_plans_its_memory_and_fits_its_gpus(preset, base_overrides, capsys):
-    memory = plan_memory([*base_overrides, f"model={preset}"], "sft_grpo")
-    limit = compose("sft_grpo", [*base_overrides, f"model={preset}"], check_paths=False).launcher.gpu_memory_gib
+    on_slurm = [*base_overrides, f"model={preset}", "launcher=slurm"]  # presets of several nodes need a cluster
+    memory = plan_memory(on_slurm, "sft_grpo")
+    limit = compose("sft_grpo", on_slurm, check_paths=False).launcher.gpu_memory_gib
     assert set(memory) == {"sft", "grpo"} and all(m.shape_from == "model.architecture" for m in memory.values())
     assert all(0.3 * limit * GIB < m.footprint.total < 0.9 * limit * GIB for m in memory.values())  # headroom for CUDA
     # `align plan` prints the estimate before refusing the hub id that is not in this machine's cache.
-    assert main(["plan", *base_overrides, f"model={preset}"]) == 2
+    assert main(["plan", *on_slurm]) == 2
     out = capsys.readouterr().out
     assert "estimated memory per rank in GiB" in out and "model.source:" in out and "is not in the local Hugging Face cache" in out
 
 
 def test_presets_cover_the_families_of_the_issue():
-    sources = {preset: compose(None, [f"model={preset}"], check_paths=False).model.source for preset in PRESETS}
+    sources = {preset: compose(None, [f"model={preset}", "launcher=slurm"], check_paths=False).model.source for preset in PRESETS}
     assert set(sources.values()) >= {
         "meta-llama/Llama-3.1-8B",
         "meta-llama/Llama-3.1-70B",
