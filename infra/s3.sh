@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 state=.infra; mkdir -p "$state"
 pidfile=$state/s3.pid
 port=${S3_PORT:-9000} bucket=${S3_BUCKET:-alignflow}
-host=${S3_HOST:-$(hostname -I 2>/dev/null | awk '{print $1}')}; host=${host:-127.0.0.1}
+host=${S3_HOST:-$(hostname -I 2>/dev/null | tr ' ' '\n' | grep -v : | head -n 1)}; host=${host:-127.0.0.1}  # first IPv4
 url=http://$host:$port
 export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_DEFAULT_REGION=us-east-1
 

@@ -89,7 +89,8 @@ def s3_endpoint():
     import urllib.request
     from pathlib import Path
 
-    host = (subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split() or ["127.0.0.1"])[0]
+    addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    host = next((a for a in addresses if ":" not in a), "127.0.0.1")  # the first IPv4 address
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
