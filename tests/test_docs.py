@@ -3,6 +3,7 @@ so the documentation cannot drift from what works. (The keys those commands set 
 test_config's `test_every_documented_command_composes`.)"""
 
 import ast
+import os
 import re
 import shlex
 import subprocess
@@ -99,7 +100,10 @@ def test_make_demo_runs_the_documented_demo_commands(demo_dir, tmp_path):
     built = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert built == sorted(str(p.relative_to(demo_dir)) for p in Path(demo_dir).rglob("*") if p.is_file())
     assert all((tmp_path / name).read_bytes() == (Path(demo_dir) / name).read_bytes() for name in built)
-    recipe = subprocess.run(["make", "-n", "demo"], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # CI runs this under `make test`
+    recipe = subprocess.run(
+        ["make", "--no-print-directory", "-n", "demo"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert recipe == ["./install.sh", ".venv/bin/align demo", ".venv/bin/align run pipeline=sft_dpo"], recipe
     gpu = [command for _, command in documented_commands() if command.startswith("python3 -m flows.cli")]
     assert gpu == ["python3 -m flows.cli demo", "python3 -m flows.cli run pipeline=sft_dpo"], gpu  # the same two, without the script
