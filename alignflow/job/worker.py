@@ -29,7 +29,7 @@ import fsspec
 import psutil
 from omegaconf import DictConfig, OmegaConf
 
-from alignflow.orchestrator.fingerprint import NUMERIC_PACKAGES, code_identity, package_versions
+from alignflow.orchestrator.fingerprint import code_identity, package_versions
 from alignflow.orchestrator.lease import holds, watch
 from alignflow.orchestrator.orphans import reap_on_exit
 from alignflow.orchestrator.kinds import AlignConfig, job_paths, user_imports, worker_module
@@ -152,8 +152,8 @@ _CODE_CHANGE = {(True, True): "changed", (True, False): "not found here", (False
 
 
 def _check_packages(planned: dict) -> None:
-    """The numeric packages here must be the versions its run fingerprinted."""
-    here = package_versions(NUMERIC_PACKAGES)
+    """The packages its run fingerprinted (the numeric ones, and its kind's) must be those versions here."""
+    here = package_versions(tuple(planned))
     differ = [
         f"{name} {here.get(name)} here, {planned.get(name)} in the run"
         for name in sorted(planned.keys() | here.keys())

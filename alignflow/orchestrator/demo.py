@@ -1,7 +1,8 @@
 """Deterministic offline demo assets: a byte-level BPE tokenizer, a tiny random Llama (and a
 smaller one sharing its tokenizer: the distill pipeline's student; a tiny Qwen3; and a tiny
 Qwen3-MoE, the mixture-of-experts demo model: conf/model/tiny_qwen3_moe.yaml) and an arithmetic task
-("What is 17 + 25?" -> "42") whose answers a reward function can check.
+("What is 17 + 25?" -> "42") whose answers a reward function can check; and the same task as two
+lm-evaluation-harness tasks over local files (`benchmarks/`, the benchmark stage's demo).
 
 There is no model hub here, so the demo and the tests build everything they need from seeds.
 Runs on the orchestrator side: no torch, no transformers; only tokenizers, numpy and
@@ -110,6 +111,8 @@ def build(dest: str | Path) -> Path:
             write_if_changed(dest / folder / name, data)
     for name, data in data_files().items():
         write_if_changed(dest / "data" / name, data)
+    for name, data in benchmark_files(dest.resolve() / "benchmarks").items():
+        write_if_changed(dest / "benchmarks" / name, data)
     return dest
 
 
@@ -170,6 +173,99 @@ def data_files() -> dict[str, bytes]:
             lines = [json.dumps(row, ensure_ascii=False) for row in make_rows(kind, problems, rng)]
             files[f"{stem}_{split}.jsonl"] = ("\n".join(lines) + "\n").encode()
     return files
+
+
+# ---------------------------------------------------------------- the task as lm-eval tasks
+
+BENCHMARK_DOCS = 50  # per task, from the held-out problems: a quick run, a standard error of ~0.07
+
+# lm-eval's arithmetic_2da form (loglikelihood of the answer, `acc`: is it the greedy continuation).
+ARITHMETIC_TASK = """\
+# The demo's held-out arithmetic problems in lm-eval's arithmetic_2da form, over a local file
+# (written by `align demo`, alignflow/orchestrator/demo.py).
+task: arithmetic_demo
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {data}
+output_type: loglikelihood
+validation_split: validation
+test_split: null
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{completion}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+# lm-eval's gsm8k task (its metric and its two answer filters) on GSM8K-format rows of the
+# demo's held-out problems; a question is the demo's prompt as the chat models were trained on it.
+GSM8K_TASK = """\
+# The demo's held-out arithmetic problems as GSM8K-format rows ("#### N" answers), scored as
+# lm-eval's gsm8k task scores GSM8K, over a local file (written by `align demo`).
+task: gsm8k_demo
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: generate_until
+test_split: test
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: false
+    regexes_to_ignore:
+      - ","
+      - "\\\\$"
+      - "(?s).*#### "
+      - "\\\\.$"
+generation_kwargs:
+  until:
+    - "Question:"
+  do_sample: false
+  temperature: 0.0
+  max_gen_toks: 16
+repeats: 1
+num_fewshot: 0
+filter_list:
+  - name: "strict-match"
+    filter:
+      - function: "regex"
+        regex_pattern: "#### (\\\\-?[0-9\\\\.\\\\,]+)"
+      - function: "take_first"
+  - name: "flexible-extract"
+    filter:
+      - function: "regex"
+        group_select: -1
+        regex_pattern: "(-?[$0-9.,]{{2,}})|(-?[0-9]+)"
+      - function: "take_first"
+metadata:
+  version: 1.0
+"""
+
+
+def benchmark_files(folder: Path) -> dict[str, bytes]:
+    """An lm-eval task folder (`--include_path`): arithmetic_demo and gsm8k_demo, each a YAML
+    naming its jsonl in `folder` by absolute path (datasets reads a relative one from the cwd)."""
+    _, val = split_problems(0, SEED)
+    arithmetic, gsm8k = val[:BENCHMARK_DOCS], val[BENCHMARK_DOCS : 2 * BENCHMARK_DOCS]
+    rows = {
+        "arithmetic_demo": [{"context": question(*p), "completion": str(answer(*p))} for p in arithmetic],
+        "gsm8k_demo": [{"question": question(*p), "answer": f"{p[0]} {p[1]} {p[2]} = {answer(*p)}\n#### {answer(*p)}"} for p in gsm8k],
+    }
+    files = {f"{name}.jsonl": ("\n".join(json.dumps(row) for row in docs) + "\n").encode() for name, docs in rows.items()}
+    return files | {
+        "arithmetic_demo.yaml": ARITHMETIC_TASK.format(data=folder / "arithmetic_demo.jsonl").encode(),
+        "gsm8k_demo.yaml": GSM8K_TASK.format(data=folder / "gsm8k_demo.jsonl").encode(),
+    }
 
 
 # ---------------------------------------------------------------- tokenizer

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from alignflow import __version__
 from alignflow.orchestrator.config.slices import for_job, identity, masked, stage_paths
-from alignflow.orchestrator.fingerprint import code_identity, differences, digest, fingerprint, package_versions, source_identity
+from alignflow.orchestrator.fingerprint import NUMERIC_PACKAGES, code_identity, differences, digest, fingerprint, package_versions, source_identity
 from alignflow.orchestrator.launch import JobError, JobRecord, adoptable, job_record, reattach, stop, submit, time_limit, wait
 from alignflow.orchestrator.lease import Lease
 from alignflow.orchestrator.pipeline import Pipeline, Stage
@@ -63,10 +63,12 @@ def stage_identity(stage: Stage, upstream: dict[str, str]) -> dict:
         uri = OmegaConf.select(cfg, path)
         if uri is not None:
             sources[path] = digest(source_identity(uri, options_for(uri, cfg)))
+    for uri in spec.source_files(stage.section):
+        sources[uri] = digest(source_identity(uri, options_for(uri, cfg)))
     return {
         "kind": stage.kind,
         "code": code_identity(worker_module(stage.kind), user_imports(stage.kind, stage.section)),
-        "packages": package_versions(),
+        "packages": package_versions((*NUMERIC_PACKAGES, *spec.packages)),
         "config": identity(cfg, stage_paths(stage.kind, spec.reads)),
         "sources": sources,
         "inputs": _by_role(stage, upstream),

@@ -29,12 +29,10 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from alignflow.job.checkpoint import ADAPTER_DIR, TOKENIZER_FILES, ModelOutput, copy_files
-from alignflow.job.checkpoint.safetensors_io import write_sharded
+from alignflow.job.checkpoint import ADAPTER_DIR, ModelOutput
 from alignflow.orchestrator.config.destinations import MARKER, destination_key, open_destination, previous_export
-from alignflow.job.convert.families import model_shape
-from alignflow.job.convert.peft import model_reader, write_adapter
-from alignflow.job.convert.streaming import dist_to_hf
+from alignflow.job.convert.hf_folder import write_hf_folder
+from alignflow.job.convert.peft import write_adapter
 from alignflow.orchestrator.store import staging_owner
 
 log = logging.getLogger("alignflow.export")
@@ -45,20 +43,12 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "M
 def run(cfg, inputs: dict, out: str) -> dict:
     started = time.time()
     model = ModelOutput(inputs["model"])
-    hf_config = model.hf_config
-    shape = model_shape(hf_config)
     dtype_name = cfg.export.dtype
     weights = model if model.lora is None else ModelOutput(model.lora["base"])  # a LoRA output exports its base + adapter/
-    specs, tensors = dist_to_hf(model_reader(weights, shape), shape, getattr(torch, dtype_name))
-    files = write_sharded(out, specs, tensors, parse_size(cfg.export.max_shard_size))
+    shape, specs, files = write_hf_folder(model, weights, out, dtype_name, parse_size(cfg.export.max_shard_size))
     adapter = {}
     if model.lora is not None:
         adapter = write_adapter(f"{out.rstrip('/')}/{ADAPTER_DIR}", model, shape, getattr(torch, dtype_name), cfg.export.destination)
-    copy_files(model.hf, ("generation_config.json",), out)
-    copy_files(model.tokenizer, TOKENIZER_FILES, out)
-    dtype_key = "torch_dtype" if "torch_dtype" in hf_config and "dtype" not in hf_config else "dtype"
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.pipe(f"{root.rstrip('/')}/config.json", json.dumps({**hf_config, dtype_key: dtype_name}, indent=2).encode())
     if cfg.export.destination:
         instance, fingerprint = staging_owner(out)
         publish(

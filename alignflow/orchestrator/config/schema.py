@@ -604,6 +604,23 @@ class EvalConfig(ModelStageBase):
 
 
 @dataclass
+class BenchmarkConfig(StageBase):
+    """lm-evaluation-harness on each input model (`alignflow.job.stages.benchmark`); the knobs are
+    `lm_eval.simple_evaluate`'s (the CLI's flags of the same names)."""
+
+    tasks: List[str] = field(default_factory=list)  # lm-eval task, group or tag names (`lm_eval ls tasks`)
+    include_path: Optional[str] = None  # a folder of extra task YAMLs (lm-eval's --include_path); its files are in the fingerprint
+    num_fewshot: Optional[int] = None  # None: each task's own
+    limit: Optional[float] = None  # docs per task (>= 1) or a fraction of them (< 1); None: all
+    batch_size: int = 16
+    apply_chat_template: bool = False  # prompts through the model's chat template (chat-trained models)
+    fewshot_as_multiturn: Optional[bool] = None  # few-shot examples as chat turns; None: lm-eval's default (with apply_chat_template)
+    system_instruction: Optional[str] = None
+    gen_kwargs: Dict[str, Any] = field(default_factory=dict)  # generate_until settings over the tasks' own (e.g. {temperature: 0.7, do_sample: true})
+    dtype: ExportDtype = ExportDtype.float32  # the HF model's weights and lm-eval's model_args dtype
+
+
+@dataclass
 class ExportConfig(StageBase):
     destination: Optional[str] = None  # also publish the export here (local path or s3://)
     dtype: ExportDtype = ExportDtype.float32

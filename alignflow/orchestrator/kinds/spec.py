@@ -80,6 +80,10 @@ def no_table(metrics: dict) -> Table | None:
     return None
 
 
+def no_source_files(section) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageKind:
     """One kind's declaration (README "Adding a stage kind"). Fields without a default must be
@@ -101,6 +105,10 @@ class StageKind:
       the local cache for object-store inputs), so they stay out of its identity.
     - `sources`: config paths holding URIs of external inputs, whose content identity is part
       of the fingerprint.
+    - `source_files(section)`: further external files its config leads to (e.g. the data files a
+      task YAML names), whose content identity is part of the fingerprint as `sources`' is.
+    - `packages`: installed packages besides `NUMERIC_PACKAGES` whose versions change its output
+      (in its fingerprint).
     - `resumable`: a training stage checkpoints in its staging area and resumes from it when
       retried, so its staging is kept between attempts; other stages start clean.
     - `imports`: paths in its section that may name user code by import path
@@ -129,6 +137,8 @@ class StageKind:
     reads: tuple[str, ...] = ()
     context: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
+    source_files: Callable[[Any], list[str]] = no_source_files
+    packages: tuple[str, ...] = ()
     imports: tuple[str, ...] = ()
     checks: Callable[[Any, str, bool], list[str]] = no_checks
     batch_problems: Callable[[Any, int, str], list[str]] = global_batch_problems

@@ -1,0 +1,115 @@
+"""The benchmark stage: lm-evaluation-harness tasks on each model of the pipeline, run as
+lm-eval's own `hf` model runs them on our HF export.
+
+For each model of `inputs["models"]` (named by its stage instance): its checkpoint written as an
+HF folder in the job's scratch (`alignflow.job.convert.hf_folder`, the export stage's writer; a
+LoRA output with its adapter merged), then `lm_eval.simple_evaluate(model="hf", ...)` with
+`benchmark`'s settings, offline: HF_HUB_OFFLINE and HF_DATASETS_OFFLINE are set before datasets
+is imported, so task data come from local files or the local datasets cache, never the network.
+Its numbers are those of `lm_eval run --model hf --model_args pretrained=<export>,dtype=<dtype>`
+with the same flags (tests/test_benchmark.py runs both).
+
+Metrics are `{model}.{task}.{metric}`, the metric as lm-eval names it, `@{filter}` where the task
+filters answers (gsm8k's `exact_match@strict-match`), with `{...}_stderr` where lm-eval gives one
+(the nightly gate weighs a drop by it). Writes benchmark.json (per model x task: the metrics with
+their stderr, n-samples, the task's version and shots; lm-eval's version) and lm_eval/<model>.json
+(lm-eval's results, its samples left out).
+
+Simplified: one process on this rank's device (no TP/PP/DP: lm-eval's hf model holds the whole
+model); each model is written to HF once per run, not cached across runs.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets and huggingface_hub read them at import
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import json  # noqa: E402
+import logging  # noqa: E402
+import tempfile  # noqa: E402
+from importlib.metadata import version  # noqa: E402
+
+import fsspec  # noqa: E402
+import lm_eval  # noqa: E402
+from lm_eval.utils import handle_non_serializable  # noqa: E402
+
+from alignflow.job.checkpoint import ModelOutput  # noqa: E402
+from alignflow.job.convert.hf_folder import write_hf_folder  # noqa: E402
+from alignflow.job.device import device  # noqa: E402
+from alignflow.job.forward.models import cache_dir  # noqa: E402
+from alignflow.orchestrator.kinds.benchmark import STDERR, task_manager  # noqa: E402
+
+log = logging.getLogger("alignflow.benchmark")
+OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_SHARD_BYTES = 2 * 10**9
+
+
+def run(cfg, inputs: dict, out: str) -> dict:
+    section = cfg.benchmark
+    if offline := [name for name in OFFLINE if os.environ[name] not in ("1", "true", "True")]:
+        raise RuntimeError(f"benchmark: {', '.join(offline)} is not 1 in this job's environment; benchmarks run offline")
+    tasks = task_manager(section.include_path, list(section.tasks))
+    summary, metrics = {"lm_eval": version("lm-eval"), "models": {}}, {}
+    fs, root = fsspec.core.url_to_fs(out)
+    root = root.rstrip("/")
+    fs.makedirs(f"{root}/lm_eval", exist_ok=True)
+    for uri in inputs["models"]:
+        name = uri.rstrip("/").split("/")[-2]  # `{root}/{stage}/{fingerprint}`
+        results = evaluate(ModelOutput(uri), section, tasks, cache_dir(cfg))
+        fs.pipe(f"{root}/lm_eval/{name}.json", json.dumps(results, indent=2, default=handle_non_serializable).encode())
+        summary["models"][name] = {"uri": uri, "tasks": per_task(results)}
+        metrics |= {
+            f"{name}.{task}.{metric}": value for task, row in summary["models"][name]["tasks"].items() for metric, value in row["metrics"].items()
+        }
+        log.info("%s: %s", name, {k: v for k, v in metrics.items() if k.startswith(f"{name}.")})
+    fs.pipe(f"{root}/benchmark.json", json.dumps(summary, indent=2).encode())
+    return metrics
+
+
+def evaluate(model: ModelOutput, section, tasks, scratch) -> dict:
+    """lm-eval's results (samples left out) of `model`, written as an HF folder under `scratch`."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="benchmark-hf-", dir=scratch) as folder:
+        write_hf_folder(model, model, folder, section.dtype, _SHARD_BYTES)
+        results = lm_eval.simple_evaluate(
+            model="hf",
+            model_args={"pretrained": folder, "dtype": str(section.dtype)},
+            tasks=list(section.tasks),
+            num_fewshot=section.num_fewshot,
+            limit=_limit(section.limit),
+            batch_size=section.batch_size,
+            device=str(device()),
+            apply_chat_template=section.apply_chat_template,
+            fewshot_as_multiturn=section.apply_chat_template if section.fewshot_as_multiturn is None else section.fewshot_as_multiturn,
+            system_instruction=section.system_instruction,
+            gen_kwargs=dict(section.gen_kwargs) or None,
+            task_manager=tasks,
+            log_samples=False,
+        )
+    return {k: v for k, v in results.items() if k != "samples"}
+
+
+def _limit(limit: float | None) -> int | float | None:
+    """lm-eval's: a count of docs when >= 1, a fraction of them below."""
+    return int(limit) if limit is not None and limit >= 1 else limit
+
+
+def per_task(results: dict) -> dict:
+    """{task: {metrics: {name: value}, n_samples, version, n_shot}} from lm-eval's results, a
+    metric `name` as `{metric}[@{filter}][_stderr]` (lm-eval's key: `{metric}[_stderr],{filter}`)."""
+    rows = {}
+    for task, values in results["results"].items():
+        found = {}
+        for key, value in values.items():
+            metric, comma, kept = key.partition(",")
+            if not comma or not isinstance(value, (int, float)):  # alias, sample_len; "N/A" stderr
+                continue
+            base, stderr = metric.removesuffix(STDERR), metric.endswith(STDERR)
+            found[f"{base}{'' if kept == 'none' else f'@{kept}'}{STDERR if stderr else ''}"] = float(value)
+        rows[task] = {
+            "metrics": found,
+            "n_samples": results.get("n-samples", {}).get(task),
+            "version": results.get("versions", {}).get(task),
+            "n_shot": results.get("n-shot", {}).get(task),
+        }
+    return rows
