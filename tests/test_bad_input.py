@@ -184,6 +184,8 @@ def an_export_marker(files_listed: list[str]) -> Callable[[Path, Path], None]:
 NEW_EXPORT = "pipeline.stages.export_hf={kind: export, inputs: {model: sft}, destination: {W}/models}"
 CONVERT = ("pipeline=convert", "model.tokenizer={D}/tokenizer")
 RM = "pipeline.stages.rm={kind: reward_model, inputs: {data: prep, model: sft}}"
+BENCH = "pipeline=sft_bench"
+LM_EVAL_TASK = "task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\noutput_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{{{context}}}}'\ndoc_to_target: '{{{{completion}}}}'\n"
 ERR_SECRET = "a secret must not be written in the config or an override"
 
 CASES = {
@@ -572,6 +574,34 @@ CASES = {
     ),
     "expert-parallel-zero": Case(
         ("model=tiny_qwen3_moe", "sft.parallel.expert_model_parallel_size=0"), ("sft.parallel.expert_model_parallel_size: must be >= 1, got 0",)
+    ),
+    # lm-eval benchmarks: task names and their data checked against lm-eval's task index, before any job
+    "benchmark-unknown-task": Case(
+        (BENCH, "benchmark.tasks=[arithmetic_demo,gsm8k_demoo]"),
+        ("benchmark.tasks: gsm8k_demoo is not a task, group or tag of lm-eval 0.4.13's tasks or {D}/benchmarks",),
+    ),
+    "benchmark-remote-data": Case(
+        (BENCH, "benchmark.include_path={W}/tasks", "benchmark.tasks=[remote_arithmetic]"),
+        ("benchmark.tasks: remote_arithmetic reads hf://datasets/EleutherAI/arithmetic/data/two_digit_addition.jsonl, not a local file",),
+        files(
+            (
+                "tasks/remote.yaml",
+                LM_EVAL_TASK.format(name="remote_arithmetic", data="hf://datasets/EleutherAI/arithmetic/data/two_digit_addition.jsonl"),
+            )
+        ),
+    ),
+    "benchmark-missing-data": Case(
+        (BENCH, "benchmark.include_path={W}/tasks", "benchmark.tasks=[gone]"),
+        ("benchmark.tasks: gone reads /nonexistent/arithmetic.jsonl, which does not exist",),
+        files(("tasks/gone.yaml", LM_EVAL_TASK.format(name="gone", data="/nonexistent/arithmetic.jsonl"))),
+    ),
+    "benchmark-include-path-missing": Case(
+        (BENCH, "benchmark.include_path={W}/my_tasks"), ("benchmark.include_path: {W}/my_tasks is not a local folder of lm-eval task YAMLs",)
+    ),
+    "benchmark-no-task": Case((BENCH, "benchmark.tasks=[]"), ("benchmark.tasks: name at least one lm-eval task",)),
+    "benchmark-multiturn-without-chat-template": Case(
+        (BENCH, "benchmark.apply_chat_template=false", "benchmark.fewshot_as_multiturn=true"),
+        ("benchmark.fewshot_as_multiturn: few-shot examples as chat turns need benchmark.apply_chat_template: true",),
     ),
     # the nightly gate
     "gate-threshold-on-no-stage": Case(

@@ -179,7 +179,8 @@ def data_files() -> dict[str, bytes]:
 
 BENCHMARK_DOCS = 50  # per task, from the held-out problems: a quick run, a standard error of ~0.07
 
-# lm-eval's arithmetic_2da form (loglikelihood of the answer, `acc`: is it the greedy continuation).
+# lm-eval's arithmetic_2da form (loglikelihood of the answer, `acc`: is it the greedy continuation),
+# with lm-eval's `perplexity` of the answers beside it, a measure that moves before accuracy does.
 ARITHMETIC_TASK = """\
 # The demo's held-out arithmetic problems in lm-eval's arithmetic_2da form, over a local file
 # (written by `align demo`, alignflow/orchestrator/demo.py).
@@ -198,6 +199,9 @@ metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
 metadata:
   version: 1.0
 """

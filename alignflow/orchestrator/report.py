@@ -84,12 +84,14 @@ def svg_chart(name: str, steps: list[int], values: list[float], width: int = 420
     )
 
 
-def stage_report(stage: str, manifest: dict, records: list[dict]) -> str:
+def stage_report(stage: str, manifest: dict, records: list[dict], table=None) -> str:
+    """`table`: the kind's table of its output (`alignflow.orchestrator.kinds.spec.Table`), shown first."""
     charts = "".join(svg_chart(name, steps, values) for name, (steps, values) in series(records).items())
     metrics = manifest.get("metrics", {})
     return _page(
         f"{stage} {manifest.get('fingerprint', '')}",
         f"<h1>{html.escape(stage)} <small>{html.escape(manifest.get('kind', ''))} {manifest.get('fingerprint', '')}</small></h1>"
+        f"{rows_table(table.title, table.rows) if table is not None else ''}"
         f"<div class='charts'>{charts or '<p>no curves: the stage logs no steps</p>'}</div>"
         f"{hardware_table(metrics)}<h2>metrics</h2>{_table(metrics)}"
         f"<h2>config</h2><pre>{html.escape(json.dumps(manifest.get('config', {}), indent=2))}</pre>",
@@ -100,6 +102,14 @@ def hardware_table(metrics: dict) -> str:
     """How well the stage used its hardware, from the metrics that say it (training and forward stages)."""
     shown = {k: ("n/a (no known peak: CPU or an unlisted device)" if metrics[k] is None else metrics[k]) for k in HARDWARE_METRICS if k in metrics}
     return f"<h2>hardware use</h2>{_table(shown)}<p>MFU against the {PEAK_SOURCE}.</p>" if shown else ""
+
+
+def rows_table(title: str, rows: list[dict]) -> str:
+    """A titled table of `rows`, a column per key any row has."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(row.get(c, '')))}</td>" for c in columns) + "</tr>" for row in rows)
+    return f"<h2>{html.escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
 
 
 def _table(metrics: dict) -> str:

@@ -139,8 +139,9 @@ def _execute(
         raise
     summary = {"stage": name, "kind": stage.kind, "fingerprint": fp, "metrics": headline_first(metrics, spec.headline), "config": masked(cfg, paths)}
     records = read_metrics(staging, options_for(staging, cfg))  # a training stage's curves
-    if records or any(k in metrics for k in HARDWARE_METRICS):  # training and forward stages: a report beside the output
-        store.fs.pipe(f"{store.staging_path(name, fp)}/{REPORT}", stage_report(name, summary, records).encode())
+    table = spec.table(metrics)  # the kind's own table of its output
+    if records or table is not None or any(k in metrics for k in HARDWARE_METRICS):  # training, forward and tabled stages: a report beside the output
+        store.fs.pipe(f"{store.staging_path(name, fp)}/{REPORT}", stage_report(name, summary, records, table).encode())
     kept, leave_out = store.committed_checkpoint(name, fp, keep_latest=keeps_optimizer(stage))  # IncompleteOutput: not retried
     manifest = {
         **summary,

@@ -26,6 +26,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import json  # noqa: E402
 import logging  # noqa: E402
+import signal  # noqa: E402
 import tempfile  # noqa: E402
 from importlib.metadata import version  # noqa: E402
 
@@ -46,6 +47,9 @@ _SHARD_BYTES = 2 * 10**9
 
 def run(cfg, inputs: dict, out: str) -> dict:
     section = cfg.benchmark
+    # lm-eval bootstraps some standard errors (perplexity's) in a pool of forked workers; they would
+    # inherit submitit's handler that ignores SIGTERM, and the pool's terminate() wait on them forever.
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     if offline := [name for name in OFFLINE if os.environ[name] not in ("1", "true", "True")]:
         raise RuntimeError(f"benchmark: {', '.join(offline)} is not 1 in this job's environment; benchmarks run offline")
     tasks = task_manager(section.include_path, list(section.tasks))
