@@ -14,7 +14,8 @@ import pytest
 
 from alignflow import PROJECT_ROOT
 from alignflow.orchestrator.config.compose import build
-from alignflow.orchestrator.runner import plan
+from alignflow.orchestrator.launch import StageFailed
+from alignflow.orchestrator.runner import plan, run_stage
 from flows.align import align
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
@@ -118,3 +119,18 @@ def test_the_numbers_are_lm_evals_own_cli_on_the_exported_model(bench, tmp_path)
     metrics = results["benchmark"].metrics
     assert metrics["sft.arithmetic_demo.perplexity"] == cli["arithmetic_demo"]["perplexity,none"] > 1
     assert metrics["sft.gsm8k_demo.exact_match@flexible-extract_stderr"] == cli["gsm8k_demo"]["exact_match_stderr,flexible-extract"]
+
+
+def test_a_task_whose_hub_dataset_is_not_cached_fails_at_job_start_naming_the_key(bench, tmp_path):
+    results, overrides, _, _, _ = bench
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub.yaml").write_text(
+        "task: hub_only\ndataset_path: nonexistent-org/no-such-dataset\noutput_type: loglikelihood\ntest_split: test\n"
+        "doc_to_text: '{{context}}'\ndoc_to_target: '{{completion}}'\n"
+    )
+    committed = sorted(Path(results["benchmark"].uri).parent.glob("*/_SUCCESS.json"))
+    stage = build("sft_bench", [*overrides, f"benchmark.include_path={tmp_path / 'tasks'}", "benchmark.tasks=[hub_only]"])["benchmark"]
+    with pytest.raises(StageFailed) as err:
+        run_stage(stage, {name: results[name] for name in ("convert", "sft")}, log=lambda line: None)
+    assert "benchmark.tasks: hub_only: a task's data could not be read offline" in str(err.value).splitlines()[0]
+    assert sorted(Path(results["benchmark"].uri).parent.glob("*/_SUCCESS.json")) == committed  # nothing committed

@@ -18,7 +18,7 @@ from flows.cli import main
 # no `bash `) -> (the file that runs it, the test or fixture there, a string that test holds)
 RUN_BY = {
     r"make test": (".ci/run", None, "make test"),
-    r"make demo": ("tests/test_docs.py", "test_make_demo_runs_the_documented_demo_commands", '"make", "-n", "demo"'),
+    r"make demo": ("tests/test_docs.py", "test_make_demo_runs_the_documented_demo_commands", '"-n", "demo"'),
     r"align demo": ("tests/test_docs.py", "test_make_demo_runs_the_documented_demo_commands", 'main(["demo"'),
     r"align plan ": ("tests/test_flow.py", "test_plan_marks_committed_stages", 'main(["plan"'),
     r"align config ": ("tests/test_config.py", "test_secret_from_env_is_masked_and_never_resolved_for_jobs", 'main(["config"'),

@@ -53,6 +53,13 @@ def run(cfg, inputs: dict, out: str) -> dict:
     if offline := [name for name in OFFLINE if os.environ[name] not in ("1", "true", "True")]:
         raise RuntimeError(f"benchmark: {', '.join(offline)} is not 1 in this job's environment; benchmarks run offline")
     tasks = task_manager(section.include_path, list(section.tasks))
+    try:
+        tasks.load(list(section.tasks))  # every task's data read once (then cached) before any model is written
+    except Exception as err:
+        raise RuntimeError(
+            f"benchmark.tasks: {', '.join(section.tasks)}: a task's data could not be read offline ({type(err).__name__}: {err}); "
+            "point its data_files at local files or put its dataset into this machine's HF datasets cache"
+        ) from err
     summary, metrics = {"lm_eval": version("lm-eval"), "models": {}}, {}
     fs, root = fsspec.core.url_to_fs(out)
     root = root.rstrip("/")

@@ -90,17 +90,17 @@ def _version() -> str:
     return version("lm-eval")
 
 
-def table(metrics: dict) -> Table:
+def table(metrics: dict) -> Table | None:
     """A row per model, a column per task metric: `value ± stderr` (metrics are `{model}.{task}.{metric}`)."""
     models: dict[str, dict] = {}
     for key, value in metrics.items():
         model, _, rest = key.partition(".")
         task, _, metric = rest.rpartition(".")
-        if metric.endswith(STDERR):
+        if not task or metric.endswith(STDERR):
             continue
         stderr = metrics.get(f"{key}{STDERR}")
         models.setdefault(model, {"model": model})[f"{task} {metric}"] = f"{value:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
-    return Table("benchmarks", "models x lm-eval tasks (± standard error)", list(models.values()))
+    return Table("benchmarks", "models x lm-eval tasks (± standard error)", list(models.values())) if models else None
 
 
 KIND = StageKind(
