@@ -9,6 +9,7 @@ YAMLs without loading any data; a task whose data files are remote is refused he
 dataset is a Hub id at job start (`HF_DATASETS_OFFLINE`: only the local datasets cache).
 """
 
+from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -24,11 +25,18 @@ def task_manager(include_path: str | None, tasks: list[str]):
     task is not found there (indexing the ~15,000 built-in ones takes seconds)."""
     from lm_eval.tasks import TaskManager  # datasets, no torch
 
-    if include_path:
-        local = TaskManager(include_path=include_path, include_defaults=False)
-        if all(task in local.all_tasks for task in tasks):
-            return local
-    return TaskManager(include_path=include_path)
+    if not include_path:
+        return _built_in()
+    local = TaskManager(include_path=include_path, include_defaults=False)
+    return local if all(task in local.all_tasks for task in tasks) else TaskManager(include_path=include_path)
+
+
+@lru_cache(maxsize=1)
+def _built_in():
+    """lm-eval's own tasks, indexed once per process (they change only with its version)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
 
 
 def data_files(entry_cfg: dict) -> list[str]:
