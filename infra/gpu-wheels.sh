@@ -20,9 +20,11 @@ SITE=${SITE:-/tmp/site}
 # The pins CI resolves (constraints of pyproject's dev/bench extras); the closure beyond the image:
 # hydra-core and omegaconf need antlr4-python3-runtime 4.9.* (only an sdist on PyPI: built here,
 # pure Python); datasets needs dill and multiprocess; math-verify needs latex2sympy2_extended (and
-# sympy, torch's own dependency).
+# sympy, torch's own dependency); lm-eval (the benchmark stage) imports sacrebleu, which needs
+# portalocker, lxml, tabulate and colorama.
 PINS=(megatron-core==0.16.1 omegaconf==2.3.1 hydra-core==1.3.8 submitit==1.5.4 trl==1.16.0 datasets==5.2.0 dill==0.4.1
-      multiprocess==0.70.19 math-verify==0.9.0 latex2sympy2_extended==1.11.0)
+      multiprocess==0.70.19 math-verify==0.9.0 latex2sympy2_extended==1.11.0 lm-eval==0.4.13 sacrebleu==2.6.0
+      portalocker==3.2.0 lxml==6.1.3 tabulate==0.10.0 colorama==0.4.6)
 SDISTS=(antlr4-python3-runtime==4.9.3)
 # pyproject's Prefect pin; its server breaks on fastapi >= 0.151 (constraints.txt says why).
 PREFECT=(prefect==3.8.8 "fastapi<0.151")
