@@ -50,16 +50,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     # lm-eval bootstraps some standard errors (perplexity's) in a pool of forked workers; they would
     # inherit submitit's handler that ignores SIGTERM, and the pool's terminate() wait on them forever.
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-    if offline := [name for name in OFFLINE if os.environ[name] not in ("1", "true", "True")]:
-        raise RuntimeError(f"benchmark: {', '.join(offline)} is not 1 in this job's environment; benchmarks run offline")
-    tasks = task_manager(section.include_path, list(section.tasks))
-    try:
-        tasks.load(list(section.tasks))  # every task's data read once (then cached) before any model is written
-    except Exception as err:
-        raise RuntimeError(
-            f"benchmark.tasks: {', '.join(section.tasks)}: a task's data could not be read offline ({type(err).__name__}: {err}); "
-            "point its data_files at local files or put its dataset into this machine's HF datasets cache"
-        ) from err
+    tasks = offline_tasks(section)
     summary, metrics = {"lm_eval": version("lm-eval"), "models": {}}, {}
     fs, root = fsspec.core.url_to_fs(out)
     root = root.rstrip("/")
@@ -75,6 +66,22 @@ def run(cfg, inputs: dict, out: str) -> dict:
         log.info("%s: %s", name, {k: v for k, v in metrics.items() if k.startswith(f"{name}.")})
     fs.pipe(f"{root}/benchmark.json", json.dumps(summary, indent=2).encode())
     return metrics
+
+
+def offline_tasks(section):
+    """lm-eval's task manager for `section.tasks`, each task's data read once (then cached) offline
+    before any model is written; a task whose data is not here fails naming benchmark.tasks."""
+    if offline := [name for name in OFFLINE if os.environ[name] not in ("1", "true", "True")]:
+        raise RuntimeError(f"benchmark: {', '.join(offline)} is not 1 in this job's environment; benchmarks run offline")
+    tasks = task_manager(section.include_path, list(section.tasks))
+    try:
+        tasks.load(list(section.tasks))
+    except Exception as err:
+        raise RuntimeError(
+            f"benchmark.tasks: {', '.join(section.tasks)}: a task's data could not be read offline ({type(err).__name__}: {err}); "
+            "point its data_files at local files or put its dataset into this machine's HF datasets cache"
+        ) from err
+    return tasks
 
 
 def evaluate(model: ModelOutput, section, tasks, scratch) -> dict:
