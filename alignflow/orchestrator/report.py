@@ -92,7 +92,7 @@ def stage_report(stage: str, manifest: dict, records: list[dict], table=None) ->
         f"{stage} {manifest.get('fingerprint', '')}",
         f"<h1>{html.escape(stage)} <small>{html.escape(manifest.get('kind', ''))} {manifest.get('fingerprint', '')}</small></h1>"
         f"{rows_table(table.title, table.rows) if table is not None else ''}"
-        f"<div class='charts'>{charts or '<p>no curves: the stage logs no steps</p>'}</div>"
+        f"<div class='charts'>{charts or ('' if table is not None else '<p>no curves: the stage logs no steps</p>')}</div>"
         f"{hardware_table(metrics)}<h2>metrics</h2>{_table(metrics)}"
         f"<h2>config</h2><pre>{html.escape(json.dumps(manifest.get('config', {}), indent=2))}</pre>",
     )

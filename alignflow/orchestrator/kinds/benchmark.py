@@ -107,7 +107,7 @@ def table(metrics: dict) -> Table | None:
         if not task or metric.endswith(STDERR):
             continue
         stderr = metrics.get(f"{key}{STDERR}")
-        models.setdefault(model, {"model": model})[f"{task} {metric}"] = f"{value:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
+        models.setdefault(model, {"model": model})[f"{task} {metric}"] = f"{value:.4g}" + (f" ± {stderr:.2g}" if stderr is not None else "")
     return Table("benchmarks", "models x lm-eval tasks (± standard error)", list(models.values())) if models else None
 
 
