@@ -3,7 +3,8 @@
 from omegaconf import DictConfig
 
 from alignflow.orchestrator.config import schema
-from alignflow.orchestrator.kinds.spec import CACHE, StageKind, Table, many, one, optional
+from alignflow.job.train.utilization import FORWARD
+from alignflow.orchestrator.kinds.spec import CACHE, Count, StageKind, Table, Work, many, one, optional
 from alignflow.orchestrator.verify import Need, OutputFormat, json_file
 
 
@@ -33,12 +34,35 @@ def eval_sampling_problems(section: DictConfig, key: str = "eval") -> list[str]:
 
 
 def table(metrics: dict) -> Table:
-    """Every metric of every model, one row per model (metrics are named `{model}.{metric}`)."""
+    """Every metric of every model, one row per model (metrics are named `{model}.{metric}`; the
+    job's own, its cost, have no model)."""
     models: dict[str, dict] = {}
     for key, value in metrics.items():
         model, _, metric = key.rpartition(".")
-        models.setdefault(model, {"model": model})[metric] = value
+        if model:
+            models.setdefault(model, {"model": model})[metric] = value
     return Table("models", "every metric of every model", list(models.values()))
+
+
+def work(stage, count: Count) -> list[Work]:
+    """Per model (the model and each baseline), forward passes over: limit_batches micro batches
+    of SFT val rows, every val pair, and num_generation_samples val prompts (n each more when
+    sampling) with max_new_tokens generated (an upper bound: EOS stops a completion earlier).
+    The reward model's scoring is not counted."""
+    section, models = stage.section, 1 + len(stage.inputs.get("baselines", ()))
+
+    def per_model(dataset: str, most: int | None) -> int | None:
+        bounds = [n for n in (count(dataset, "val"), most) if n is not None]
+        return models * min(bounds) if bounds else None
+
+    prompts = per_model("prompts", section.num_generation_samples)
+    sampled = None if prompts is None else prompts * section.sampling.n * bool(section.sampling.k)
+    return [
+        Work("sft", "val", per_model("sft", section.limit_batches * section.micro_batch_size), FORWARD),
+        Work("preference", "val", per_model("preference", None), FORWARD),
+        Work("prompts", "val", prompts, FORWARD, section.max_new_tokens),
+        Work("prompts", "val", sampled, FORWARD, section.max_new_tokens),
+    ]
 
 
 KIND = StageKind(
@@ -53,4 +77,5 @@ KIND = StageKind(
     context=CACHE,
     checks=checks,
     table=table,
+    work=work,
 )
