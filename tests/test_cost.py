@@ -45,6 +45,14 @@ def test_time_is_the_measured_start_up_plus_flops_at_the_measured_rate():
     assert model.start_s + 20e9 / model.rate + model.around_s == pytest.approx(6.0 + 10.0 + 1.5)
 
 
+def test_decoding_is_timed_per_step_and_the_rest_by_flops():
+    """Generating jobs: their generation seconds over their decoding steps give the time a step;
+    the rest of their compute seconds the FLOP rate."""
+    rows = [job("CPU B", 1e9, 0.5 + 0.01 * n, 4.0, 1.0, kind="eval") | {"generation_s": 0.01 * n, "decode_steps": n} for n in (100, 300)]
+    model = throughput(rows, KEY | {"kind": "eval"}, devices=2)
+    assert model.step_s == pytest.approx(0.01) and model.rate == pytest.approx(2e9 / 1.0) and model.start_s == pytest.approx(4.0)
+
+
 def test_without_history_the_prediction_says_its_default():
     for unit, devices, rate in ((CORE_HOURS, 2, DEFAULTS[CORE_HOURS].rate), (GPU_HOURS, 8, 8 * DEFAULTS[GPU_HOURS].rate)):
         model = throughput([job("CPU B", 1e9, 1.0, 5.0, 1.0)], KEY | {"unit": unit, "kind": "dpo"}, devices)

@@ -12,12 +12,16 @@ Predicted: a stage's FLOPs from the model's shape (the config.json of `model.hf_
 token counts of its prep stage's committed output (items from the Parquet footers; tokens and
 squared document lengths per item from the first SAMPLED items of each split), else the
 config's upper bounds (full rows of `data.seq_length`, one document each; a split of unknown
-size counts nothing). Its time is a job's start-up plus its passes, both measured rather than
-fitted (a tiny CPU job is mostly start-up, which a FLOPs-only model would miss):
-    job wall = median(wall_s - compute_s) + FLOPs / (sum of FLOPs / sum of compute_s)
+size counts nothing). Its time is a job's start-up plus its passes plus its decoding, each
+measured rather than fitted (a tiny CPU job is mostly start-up, which a FLOPs-only model would
+miss; generation goes a token at a time, whatever its FLOPs):
+    job wall = median(wall_s - compute_s) + FLOPs / (sum of FLOPs / sum of (compute_s - generation_s))
+               + decoding steps x (sum of generation_s / sum of decoding steps)
     stage seconds = job wall + median(stage seconds - wall_s)   (submission, queue, commit)
 over the last HISTORY jobs of its key on the hardware the latest of them ran on; without one,
-the stated DEFAULTS. Device-hours = job wall x the devices such a job held. A committed stage is
+the stated DEFAULTS (no default for decoding: said as unknown). Decoding steps are counted as a
+plan counts them (max_new_tokens a batch, the bound EOS may cut short), for the jobs measured
+and the stage predicted alike. Device-hours = job wall x the devices such a job held. A committed stage is
 predicted 0 (a cache hit) and shown as saved: the cost its manifest recorded. The total's time
 is the longest path through the DAG (independent stages run at once), its device-hours the sum.
 
@@ -25,6 +29,7 @@ Orchestrator side: no torch.
 """
 
 import json
+import math
 import os
 import statistics
 from dataclasses import asdict, dataclass
@@ -126,7 +131,10 @@ def record(store: Store, stage: Stage, manifest: dict) -> None:
     if "wall_s" not in m:
         return
     row = key_of(stage) | {"unit": m["device_hours_of"]}
-    row |= {k: m.get(k) for k in ("hardware", "devices", "device_hours", "wall_s", "flops", "tokens", "compute_s")}
+    row |= {k: m.get(k) for k in ("hardware", "devices", "device_hours", "wall_s", "flops", "tokens", "compute_s", "generation_s")}
+    prep = stage.inputs.get("data")
+    data = Data(store, prep and store.output_path(prep, manifest["inputs"][prep]["fingerprint"]), stage.cfg.data.seq_length)
+    row["decode_steps"] = work_of(stage, data)[0].decode_steps  # as a plan counts them: the upper bound the time per step is of
     row |= {"stage": stage.name, "fingerprint": manifest["fingerprint"], "seconds": manifest["seconds"], "committed_at": manifest["committed_at"]}
     store.fs.makedirs(store.path(COMPUTE), exist_ok=True)
     store.fs.pipe(store.path(COMPUTE, f"{stage.name}-{manifest['fingerprint']}-{manifest['job']['job_id']}.json"), json.dumps(row).encode())
@@ -143,7 +151,8 @@ def history(store: Store) -> list[dict]:
 class Throughput:
     """How a key's jobs ran: the model behind a prediction."""
 
-    rate: float | None  # model FLOP/s while computing
+    rate: float | None  # model FLOP/s while computing, generation aside
+    step_s: float | None  # seconds a decoding step (of a plan's count)
     start_s: float  # a job's seconds besides its passes
     around_s: float  # a stage's seconds besides its job's
     devices: float
@@ -156,12 +165,14 @@ def throughput(rows: list[dict], key: dict, devices: int) -> Throughput:
     if not same:
         default = DEFAULTS[key["unit"]]
         rate = default.rate * (devices if key["unit"] == GPU_HOURS else 1)
-        return Throughput(rate, default.start_s, 0.0, devices, f"default: {default.source}")
+        return Throughput(rate, None, default.start_s, 0.0, devices, f"default: {default.source}")
     hardware = same[-1]["hardware"]
     latest = [r for r in same if r["hardware"] == hardware][-HISTORY:]
-    flops, busy = sum(r["flops"] or 0 for r in latest), sum(r["compute_s"] or 0 for r in latest)
+    generating, steps = sum(r.get("generation_s") or 0 for r in latest), sum(r.get("decode_steps") or 0 for r in latest)
+    flops, busy = sum(r["flops"] or 0 for r in latest), sum(r["compute_s"] or 0 for r in latest) - generating
     return Throughput(
-        flops / busy if flops and busy else None,
+        flops / busy if flops and busy > 0 else None,
+        generating / steps if generating and steps else None,
         statistics.median(r["wall_s"] - (r["compute_s"] or 0) for r in latest),
         statistics.median(r["seconds"] - r["wall_s"] for r in latest),
         latest[-1]["devices"],
@@ -241,18 +252,41 @@ class Data:
         return self.split(dataset, split).items
 
 
-def work_flops(shape: ModelShape, data: Data, work: list[Work]) -> tuple[float | None, float | None]:
-    """(model FLOPs, tokens) of a stage's work; None where an item count is unknown."""
-    flops = tokens = 0.0
+@dataclass(frozen=True)
+class Amount:
+    """A stage's work in the units its time goes by: model FLOPs (and tokens), decoding steps."""
+
+    flops: float | None  # None: a split's size is unknown
+    tokens: float | None
+    decode_steps: int
+
+
+def amount(shape: ModelShape | None, data: Data, work: list[Work], dp: int) -> Amount:
+    """A stage's work on `data` at `dp` data-parallel ranks: FLOPs and tokens over every rank,
+    decoding steps on the busiest (ranks decode their shares at once)."""
+    flops, tokens, steps = 0.0, 0.0, 0
     for w in work:
         s = data.split(w.dataset, w.split)
         items = s.items if w.items is None else w.items
-        if items is None:
-            return None, None
+        if items is None or shape is None:
+            return Amount(None, None, 0)
         per_item_tokens, per_item_squares = s.tokens + w.extra, s.squares + 2 * w.extra * s.tokens + w.extra**2  # one document an item gets `extra`
-        flops += items * flops_of(shape, per_item_tokens, per_item_squares, w.passes)
-        tokens += items * per_item_tokens
-    return flops, tokens
+        flops += w.repeat * items * flops_of(shape, per_item_tokens, per_item_squares, w.passes)
+        tokens += w.repeat * items * per_item_tokens
+        steps += w.repeat * math.ceil(math.ceil(items / dp) / w.batch) * w.extra if w.batch else 0
+    return Amount(flops, tokens, steps)
+
+
+def data_parallel(section) -> int:
+    res = section.resources
+    tp, pp = (OmegaConf.select(section, f"parallel.{size}_model_parallel_size", default=1) for size in ("tensor", "pipeline"))
+    return max(res.nodes * res.tasks_per_node // (tp * pp), 1)
+
+
+def work_of(stage: Stage, data: Data) -> tuple[Amount, bool]:
+    """The stage's work (`StageKind.work`) priced on `data`; and whether it has any."""
+    work = STAGES[stage.kind].work(stage, data.count)
+    return amount(model_shape(stage.cfg), data, work, data_parallel(stage.section)), bool(work)
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -295,18 +329,19 @@ def _data(stage: Stage, store: Store, planned: dict) -> Data:
 
 
 def _estimate(stage: Stage, row, rows: list[dict], data: Data) -> Estimate:
-    key, shape = key_of(stage), model_shape(stage.cfg)
-    work = STAGES[stage.kind].work(stage, data.count)
-    flops, tokens = work_flops(shape, data, work) if work and shape is not None else (None, None)
+    key, (work, any_work) = key_of(stage), work_of(stage, data)
     model = throughput(rows, key, _devices(stage, key["unit"]))
-    busy = flops / model.rate if flops and model.rate else 0.0
-    wall = model.start_s + busy
+    busy = work.flops / model.rate if work.flops and model.rate else 0.0
+    wall = model.start_s + busy + (work.decode_steps * model.step_s if model.step_s else 0.0)
     basis = model.basis
-    if work:
+    if any_work:
         basis += "; tokens of prep's output" if data.measured else "; tokens: upper bounds from the config (prep not committed)"
-    if work and flops is None:
+    if any_work and work.flops is None:
         basis += "; FLOPs unknown (a split's size: run prep first)"
-    return Estimate(stage.name, stage.kind, row.status, flops, tokens, wall + model.around_s, wall * model.devices / 3600, 0.0, key["unit"], basis)
+    if work.decode_steps and model.step_s is None:
+        basis += "; decoding time unknown (no generation measured yet)"
+    seconds, hours = wall + model.around_s, wall * model.devices / 3600
+    return Estimate(stage.name, stage.kind, row.status, work.flops, work.tokens, seconds, hours, 0.0, key["unit"], basis)
 
 
 def _devices(stage: Stage, unit: str) -> int:

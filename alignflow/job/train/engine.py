@@ -145,6 +145,7 @@ class Run:
     flops: float = 0.0  # model FLOPs of this job's steps
     val_seconds: float = 0.0  # time in validation passes
     val_flops: float = 0.0  # their model FLOPs
+    generation_seconds: float = 0.0  # of the step time, in generation (GRPO's rollouts)
     checkpointed_at: float = field(default_factory=time.monotonic)  # when this job last saved (or started)
 
     @property
@@ -410,6 +411,7 @@ def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> Train
     footprint = {"trainable_params": lora.trainable_params(run.chunks), "optimizer_state_bytes": optimizer_state_bytes(run.optimizer)}
     footprint |= hardware_use(run.flops, run.step_seconds)
     footprint |= {"flops": run.flops + run.val_flops, "compute_s": round(run.step_seconds + run.val_seconds, 3)}  # what the job cost
+    footprint |= {"generation_s": round(run.generation_seconds, 3)} if run.generation_seconds else {}
     return TrainResult(
         steps=state.step,
         train_loss=state.last_loss,

@@ -47,22 +47,23 @@ def table(metrics: dict) -> Table:
 def work(stage, count: Count) -> list[Work]:
     """Per model (the model and each baseline), forward passes over: limit_batches micro batches
     of SFT val rows, every val pair, and num_generation_samples val prompts (n each more when
-    sampling) with max_new_tokens generated (an upper bound: EOS stops a completion earlier).
-    The reward model's scoring is not counted."""
-    section, models = stage.section, 1 + len(stage.inputs.get("baselines", ()))
+    sampling) with max_new_tokens generated in micro batches (an upper bound: EOS stops a
+    completion earlier). The reward model's scoring is not counted."""
+    section = stage.section
 
-    def per_model(dataset: str, most: int | None) -> int | None:
+    def at_most(dataset: str, most: int | None) -> int | None:
         bounds = [n for n in (count(dataset, "val"), most) if n is not None]
-        return models * min(bounds) if bounds else None
+        return min(bounds) if bounds else None
 
-    prompts = per_model("prompts", section.num_generation_samples)
+    prompts, new, micro = at_most("prompts", section.num_generation_samples), section.max_new_tokens, section.micro_batch_size
     sampled = None if prompts is None else prompts * section.sampling.n * bool(section.sampling.k)
-    return [
-        Work("sft", "val", per_model("sft", section.limit_batches * section.micro_batch_size), FORWARD),
-        Work("preference", "val", per_model("preference", None), FORWARD),
-        Work("prompts", "val", prompts, FORWARD, section.max_new_tokens),
-        Work("prompts", "val", sampled, FORWARD, section.max_new_tokens),
+    one_model = [
+        Work("sft", "val", at_most("sft", section.limit_batches * micro), FORWARD),
+        Work("preference", "val", at_most("preference", None), FORWARD),
+        Work("prompts", "val", prompts, FORWARD, new, micro),
+        Work("prompts", "val", sampled, FORWARD, new, micro),
     ]
+    return one_model * (1 + len(stage.inputs.get("baselines", ())))
 
 
 KIND = StageKind(

@@ -107,8 +107,8 @@ def work(stage, count: Count) -> list[Work]:
         1 + (loss.ref_policy_kl_penalty > 0 and loss.kl_type != "none") + (s.num_optimizer_steps_per_batch > 1) + ("reward_model" in stage.inputs)
     )
     passes = (TRAINING_PASSES if s.finetuning_type == "all_weights" else LORA_TRAINING) + FORWARD * forwards
-    samples = None if steps is None else steps * s.num_prompts_per_step * s.num_generations_per_prompt
-    return [Work("prompts", "train", samples, passes, s.max_new_tokens)]
+    samples = s.num_prompts_per_step * s.num_generations_per_prompt
+    return [Work("prompts", "train", None if steps is None else samples, passes, s.max_new_tokens, s.generation_batch_size, steps or 1)]
 
 
 KIND = StageKind(

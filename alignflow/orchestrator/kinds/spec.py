@@ -83,15 +83,19 @@ def no_table(metrics: dict) -> Table | None:
 
 
 class Work(NamedTuple):
-    """Model passes a stage will run, for `align plan`'s FLOPs (`alignflow.orchestrator.cost`):
-    `items` of a split of prep's `dataset` (packed rows, pairs, prompts; None: all of the split),
-    each through `passes` forward-equivalents, each document `extra` tokens longer (generated)."""
+    """Model passes a stage will run, for `align plan` (`alignflow.orchestrator.cost`): `items`
+    of a split of prep's `dataset` (packed rows, pairs, prompts; None: all of the split), `repeat`
+    times, each through `passes` forward-equivalents; a generated item is one document `extra`
+    tokens longer, decoded in batches of `batch` on each data-parallel rank (`extra` steps a
+    batch: decoding is step by step, its time not bound by FLOPs)."""
 
     dataset: str
     split: str
     items: float | None
     passes: Passes
     extra: int = 0
+    batch: int = 0  # 0: not generated
+    repeat: int = 1
 
 
 Count = Callable[[str, str], int | None]  # (dataset, split) -> items in prep's output, None where unknown
