@@ -50,6 +50,7 @@ from alignflow.orchestrator.pipeline import Pipeline, Stage
 from alignflow.orchestrator.store import Store, options_for, store_of
 
 COMPUTE = "_compute"  # the throughput table: one JSON row per job that ran
+METRICS = ("flops", "wall_s", "device_hours", "device_hours_of", "hardware")  # what a stage's artifact shows of its cost
 HISTORY = 5  # the latest jobs of a key a prediction reads
 SAMPLED = 1024  # items of a split whose token counts stand for the split's
 
@@ -62,8 +63,12 @@ class Default:
 
 
 DEFAULTS = {
-    GPU_HOURS: Default(0.35 * 989e12, 60.0, "H100 dense bf16 peak 989 TFLOP/s x MFU 0.35 a rank (bench/gpu.py: SFT 0.34), 60 s start-up"),
-    CORE_HOURS: Default(80e9, 30.0, "80 GFLOP/s a job (bench/train_vs_trl.py: mid-shape SFT on 2 cores, 544 tok/s x 6 x 25.7M), 30 s start-up"),
+    GPU_HOURS: Default(
+        0.35 * 989e12, 60.0, "H100 dense bf16 peak 989 TFLOP/s x MFU 0.35 a rank (bench/gpu.py: SFT 0.34), 60 s start-up (a guess, not measured)"
+    ),
+    CORE_HOURS: Default(
+        80e9, 10.0, "80 GFLOP/s a job (bench/train_vs_trl.py: mid-shape SFT on 2 cores, 544 tok/s x 6 x 25.7M), 10 s start-up (demo jobs: 4-12 s)"
+    ),
 }
 
 
@@ -95,8 +100,7 @@ def _read_json(uri: str, options: dict) -> dict | None:
 def shape_key(shape: ModelShape | None) -> str:
     if shape is None:
         return "unknown"
-    s = shape
-    return f"L{s.layers} h{s.hidden} ffn{s.ffn} heads{s.heads}/{s.kv_heads}x{s.head_dim} V{s.vocab}"
+    return f"L{shape.layers} h{shape.hidden} ffn{shape.ffn} heads{shape.heads}/{shape.kv_heads}x{shape.head_dim} V{shape.vocab}"
 
 
 def layout_key(section) -> str:
@@ -235,8 +239,8 @@ def bound_split(dataset: str, seq_length: int) -> Split:
 class Data:
     """The token counts a stage's work is priced on: its prep stage's committed output, else bounds."""
 
-    def __init__(self, store: Store, prep_uri: str | None, seq_length: int):
-        self.fs, self.root, self.seq_length, self.splits = store.fs, prep_uri, seq_length, {}
+    def __init__(self, store: Store, prep_path: str | None, seq_length: int):
+        self.fs, self.root, self.seq_length, self.splits = store.fs, prep_path, seq_length, {}
 
     @property
     def measured(self) -> bool:
@@ -263,7 +267,9 @@ class Amount:
 
 def amount(shape: ModelShape | None, data: Data, work: list[Work], dp: int) -> Amount:
     """A stage's work on `data` at `dp` data-parallel ranks: FLOPs and tokens over every rank,
-    decoding steps on the busiest (ranks decode their shares at once)."""
+    decoding steps on the busiest (ranks decode their shares at once). No work: no FLOPs."""
+    if not work:
+        return Amount(None, None, 0)
     flops, tokens, steps = 0.0, 0.0, 0
     for w in work:
         s = data.split(w.dataset, w.split)
