@@ -157,7 +157,7 @@ def _execute(
     log(f"{name} {fp}: committed {uri}")
     try:
         cost.record(store, stage, manifest)  # the store's throughput table, which `align plan` predicts from
-    except OSError as err:  # the output is committed all the same; only a prediction will know less
+    except (OSError, ValueError) as err:  # the output is committed all the same; only a prediction will know less
         log(f"{name} {fp}: its row of {store.uri(store.path(cost.COMPUTE))} was not written: {err}")
     return _result(store, name, fp, manifest, cached=False)
 
