@@ -20,7 +20,7 @@ from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed, Failed, State
 
-from alignflow.orchestrator import gate, runs
+from alignflow.orchestrator import cost, gate, runs
 from alignflow.orchestrator.config.compose import build
 from alignflow.orchestrator.launch import cancel_jobs_on_interrupt, cpu_warning
 from alignflow.orchestrator.orphans import reap_on_exit
@@ -149,6 +149,7 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
                 "fingerprint": result.fingerprint if done else "",
                 "uri": result.uri if done else "",
                 "metrics": result.metrics if done else {},
+                "cached": result.cached if done else None,
             }
         )
         metrics = ", ".join(f"{k}={format_value(v)}" for k, v in list(rows[-1]["metrics"].items())[:3])
@@ -161,6 +162,7 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
         "deployment": _deployment(),
         "overrides": list(flow_run.parameters.get("overrides") or []),
         "stages": rows,
+        "compute": cost.usage(rows),
     }
     verdict = _judge(stages.cfg.gate, store, record)
     record |= {"gate": verdict.as_dict()} if verdict else {}
@@ -168,6 +170,8 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
     report = _write_report(stages, rows, trend, verdict.message() if verdict else "")
     uri = runs.write(store, name, record)
     lines += [
+        "",
+        cost.usage_line(record["compute"]),
         "",
         f"report: `{report}` (every stage's curves and config)",
         f"compare with another run: `align compare '{flow_run.name}' OTHER_RUN` (record: `{uri}`)",

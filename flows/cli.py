@@ -2,7 +2,8 @@
 
   align demo                          build the offline demo assets (tokenizer, tiny model, data)
   align plan   [--json] [overrides...] the DAG: fingerprints, output URIs, what would run and why;
-                                      each training stage's estimated memory per rank
+                                      each training stage's estimated memory per rank; each
+                                      stage's predicted FLOPs, time and device-hours, and the total
   align config [overrides...]         the resolved config and each stage instance's, secrets masked
   align run    [overrides...]         run the `align` flow (Prefect; ephemeral without PREFECT_API_URL);
                                       exits 1 where the gate (gate.thresholds) finds a regression
@@ -38,6 +39,7 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from alignflow import __version__  # noqa: E402
+from alignflow.orchestrator import cost  # noqa: E402
 from alignflow.orchestrator.config.compose import ConfigError, build, compose  # noqa: E402
 from alignflow.orchestrator.config.slices import masked  # noqa: E402
 from alignflow.orchestrator.config.validate import memory_estimates  # noqa: E402
@@ -98,6 +100,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = stages.cfg
     memory = memory_estimates(stages)
     planned = plan(stages)
+    predicted = cost.predict(stages, planned)
+    summed = cost.total(stages, predicted)
     store = survey(store_of(cfg), cfg)
     if args.json:
         print(
@@ -105,6 +109,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 {
                     "stages": [asdict(row) for row in planned],
                     "store": store.as_dict(items=False),
+                    "cost": cost.as_dict(predicted, summed),
                     "memory": {
                         name: {**m.footprint.gib(), "stage": m.footprint.stage, "layout": asdict(m.layout), "shape_from": m.shape_from}
                         for name, m in memory.items()
@@ -122,8 +127,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
         style = _STATUS_STYLE.get(row.status, "")
         table.add_row(row.stage, row.kind, f"[{style}]{row.status}[/]", row.fingerprint, row.uri, row.reason)
     Console(width=max(console.width, 160)).print(table)
+    _print_cost(predicted, summed)
     console.print(store.line(), markup=False, highlight=False)
     return 0
+
+
+def _print_cost(predicted: list, summed) -> None:
+    """Each stage's predicted model FLOPs, time and device-hours (`alignflow.orchestrator.cost`), and the total."""
+    table = Table(title="predicted compute (alignflow/orchestrator/cost.py)", title_justify="left")
+    for column in ("stage", "FLOPs", "tokens", "time", "device-hours", "saved (cache hit)", "from"):
+        table.add_column(column, overflow="fold", justify="left" if column in ("stage", "from") else "right")
+    for e in predicted:
+        table.add_row(
+            e.stage,
+            _si(e.flops),
+            _si(e.tokens),
+            _duration(e.seconds),
+            f"{e.device_hours:.3g} {e.unit}" if e.device_hours else "-",
+            f"{e.saved:.3g} {e.unit}" if e.saved else "-",
+            e.basis,
+        )
+    hours = ", ".join(f"{v:.3g} {u}" for u, v in summed.device_hours.items()) or "-"
+    saved = ", ".join(f"{v:.3g} {u}" for u, v in summed.saved.items()) or "-"
+    table.add_row("[bold]total[/]", _si(summed.flops or None), "", _duration(summed.seconds), hours, saved, "time: the longest path of the DAG")
+    Console(width=max(console.width, 160)).print(table)
+
+
+def _si(value: float | None) -> str:
+    """1.23e15 -> `1.23 P`."""
+    if value is None:
+        return "-"
+    for scale, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}"
+    return f"{value:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    return "-" if not seconds else f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def _together(*errors: ConfigError) -> str:
@@ -182,6 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print("\n[bold]outputs[/]")
     for stage, result in results.items():
         console.print(f"  {stage:<13} {'cache hit' if result.cached else 'ran':<9} {result.uri}")
+    console.print(cost.usage_line(cost.usage([{"metrics": r.metrics, "cached": r.cached} for r in results.values()])), highlight=False)
     return 0
 
 

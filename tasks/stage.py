@@ -4,8 +4,9 @@ Policy lives here: retries only for infrastructure failures (preemption, node lo
 timeouts, a killed job); a config error or an exception in the stage's code is never
 retried. The UI is best effort (`tasks.dashboard`): no API error fails or stops a stage. A cache hit ends Cached, a stage of a cancelled flow run Cancelled. Each stage
 publishes one table artifact with its output URI, its job (id, final state, stdout/stderr
-paths: also when the job failed), headline metrics and hardware use (tokens/s, TFLOP/s, MFU,
-peak memory, where the stage measures them); training stages also publish their
+paths: also when the job failed), headline metrics, hardware use (tokens/s, TFLOP/s, MFU,
+peak memory, where the stage measures them) and cost (FLOPs, wall time, device-hours,
+hardware: `alignflow.orchestrator.cost`); training stages also publish their
 curves (sparklines in markdown; report.html in the output has the charts) and their metrics
 per step as a table.
 """
@@ -18,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.states import Cancelled, Completed, State
 
+from alignflow.orchestrator import cost
 from alignflow.orchestrator.kinds import STAGES
 from alignflow.orchestrator.launch import InfrastructureError, JobCancelled, JobError
 from alignflow.orchestrator.pipeline import Stage
@@ -141,7 +143,7 @@ def _publish(result: StageResult, kind: str) -> None:
         *_job_rows(result.job),
     ]
     shown = list(result.metrics)[:HEADLINE_METRICS]  # headline first, then how well it used the hardware
-    shown += [k for k in HARDWARE_METRICS if k in result.metrics and k not in shown]
+    shown += [k for k in (*HARDWARE_METRICS, *cost.METRICS) if k in result.metrics and k not in shown]
     rows += [{"field": k, "value": format_value(result.metrics[k])} for k in shown]
     _publish_table(result.stage, rows)
     if (table := STAGES[kind].table(result.metrics)) is not None:  # the kind's own table of its output

@@ -73,6 +73,10 @@ def test_eval_reports_each_model(outputs, tmp_path):
         "convert.accuracy",
         "convert.preference_accuracy_stderr",
         "convert.accuracy_stderr",
+        "flops",  # what the job cost: its passes' model FLOPs, tokens and seconds
+        "tokens",
+        "compute_s",
+        "generation_s",
     }
     assert metrics["convert.perplexity"] == pytest.approx(torch.tensor(metrics["convert.val_loss"]).exp().item(), rel=1e-6)
     assert 0 <= metrics["convert.preference_accuracy"] <= 1 and metrics["convert.accuracy"] == 0.0  # random weights

@@ -96,6 +96,7 @@ def test_grpo_trains_and_logs_every_metric(demo_dir, inputs, tmp_path):
     assert list(result)[:4] == ["reward_first_tenth", "reward_last_tenth", "reward_mean", "accuracy"] and result["steps"] == 3
     assert result["reward_first_tenth"] == lines[0]["reward_mean"] and result["reward_last_tenth"] == lines[-1]["reward_mean"]
     assert_hardware_use(result, Path(inputs["model"]), 32 + 4, passes=1 + 1 + 3)  # prompt + completion; generation, reference, update
+    assert 0 < result["generation_s"] < result["compute_s"]  # what `align plan` times by the decoding step (alignflow.orchestrator.cost)
     first = lines[0]
     assert first["kl"] == 0.0 and first["ratio"] == pytest.approx(1.0) and first["clip_fraction"] == 0.0  # on-policy, policy = reference
     assert lines[-1]["kl"] > 0  # the policy moved away from the reference

@@ -85,8 +85,10 @@ JOB_DECLARATIONS = {
     "alignflow.job.convert.families": "which HF architectures convert, and how (compose-time checks)",
     "alignflow.job.convert.lora": "which modules LoRA targets (schema, memory estimate)",
     "alignflow.job.data.formats": "the data formats prep reads (prep's checks)",
+    "alignflow.job.data.prepared": "prep's output format (align plan's token counts)",
     "alignflow.job.rewards": "the reward functions by name (grpo's checks)",
-    "alignflow.job.train.utilization": "the hardware metrics' names (report, UI)",
+    "alignflow.job.train.utilization": "the hardware metrics' names (report, UI), the FLOPs formula (align plan's cost)",
+    "alignflow.job.usage": "the device-hour units' names (align plan's cost, the run summary)",
     "alignflow.job.worker": "the job entry point, submitted by reference",
 }
 

@@ -8,10 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from alignflow import PROJECT_ROOT
+from alignflow.orchestrator import cost
 from flows.align import align
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
@@ -166,4 +169,117 @@ def test_a_new_stage_kind_is_its_two_modules_its_schema_class_and_its_name(base_
     ]
     ran = subprocess.run([sys.executable, "-c", RUN_PIPELINE, *overrides], cwd=checkout, capture_output=True, text=True, check=True)
     counted = json.loads(ran.stdout.strip().splitlines()[-1])
-    assert counted["count"] == {"rows": 3 * counted["packs"]} and counted["packs"] > 0
+    assert counted["count"]["rows"] == 3 * counted["packs"] and counted["packs"] > 0
+    assert counted["count"]["device_hours"] > 0  # every job's wall time and device-hours (alignflow.job.usage)
+
+
+SFT_DPO = ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"]
+
+
+def plan_json(overrides) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=sft_dpo", *overrides],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def committed_manifests(overrides) -> dict[str, dict]:
+    """Each stage's manifest in the store of `overrides` (one committed output a stage)."""
+    store = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("store.root=")))
+    found = {stage: list(store.glob(f"{stage}/*/_SUCCESS.json")) for stage in SFT_DPO}
+    assert all(len(paths) == 1 for paths in found.values()), found
+    return {stage: json.loads(paths[0].read_text()) for stage, paths in found.items()}
+
+
+def longest_path(seconds: dict[str, float], manifests: dict[str, dict]) -> float:
+    """The run's time through its DAG: a stage starts when its last upstream stage is committed."""
+    done: dict[str, float] = {}
+    for stage in SFT_DPO:  # in run order
+        done[stage] = seconds[stage] + max((done[up] for up in manifests[stage]["inputs"]), default=0.0)
+    return max(done.values())
+
+
+def test_a_forward_stages_flops_are_torchs_count_of_its_passes(committed):
+    """ref_logprobs's reported FLOPs against torch's FlopCounterMode on HF's Llama of its model's
+    config.json (meta device: shapes only), each chosen and each rejected sequence of every pair
+    of prep's train and val splits run on its own; eager attention computes the whole score
+    matrix, of which the causal half is what Megatron-LM counts."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    manifests = committed_manifests(committed)
+    prep, model = manifests["prep"], manifests["ref_logprobs"]["inputs"]["sft"]["uri"]
+    prep_dir = Path(manifests["ref_logprobs"]["inputs"]["prep"]["uri"])
+    lengths = [
+        n
+        for shard in sorted((prep_dir / "preference").glob("*.parquet"))
+        for side in ("chosen", "rejected")
+        for n in pc.list_value_length(pq.read_table(shard).column(f"{side}_input_ids")).to_pylist()
+    ]
+    assert len(lengths) == 2 * (prep["metrics"]["preference.train.rows"] + prep["metrics"]["preference.val.rows"])
+    config = LlamaConfig(**{**json.loads((Path(model) / "hf" / "config.json").read_text()), "attn_implementation": "eager"})
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(config)
+    counted = 0
+    for n, times in Counter(lengths).items():  # a length's count once, times the sequences of that length
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            llama(torch.zeros(1, n, dtype=torch.long, device="meta"))
+        found = counter.get_flop_counts()["Global"]
+        counted += times * (found[torch.ops.aten.mm] + found[torch.ops.aten.bmm] / 2)
+    assert manifests["ref_logprobs"]["metrics"]["flops"] == counted
+
+
+def test_plan_predicts_what_the_run_took_per_stage_and_in_total(committed):
+    """After the run, `align plan` of the same pipeline with every stage forced predicts from the
+    throughput table the run wrote: each stage's time within 25% of what it took (its manifest's
+    seconds: submission to commit), the total within 25% of the run's longest path, and each
+    model stage's FLOPs within 25% of what its job counted (prep's token counts against the
+    batches the job drew)."""
+    planned = plan_json([*committed, f"force=[{','.join(SFT_DPO)}]"])
+    manifests = committed_manifests(committed)
+    predicted = {row["stage"]: row for row in planned["cost"]["stages"]}
+    seconds = {stage: m["seconds"] for stage, m in manifests.items()}
+    ratios = {stage: predicted[stage]["seconds"] / seconds[stage] for stage in SFT_DPO}
+    flops = {stage: predicted[stage]["flops"] / m["metrics"]["flops"] for stage, m in manifests.items() if "flops" in m["metrics"]}
+    total = planned["cost"]["total"]["seconds"] / longest_path(seconds, manifests)
+    print(f"predicted / measured time: {ratios}, total {total:.3f}; FLOPs: {flops}")
+    assert all(predicted[s]["basis"].startswith("measured: 1 job on") for s in SFT_DPO), predicted
+    assert all(0.75 <= r <= 1.25 for r in ratios.values()) and 0.75 <= total <= 1.25, (ratios, total)
+    assert set(flops) == {"sft", "ref_logprobs", "dpo", "eval"} and all(0.75 <= r <= 1.25 for r in flops.values()), flops
+    hours = planned["cost"]["total"]["device_hours"]["core-hours"]
+    assert hours == pytest.approx(sum(m["metrics"]["device_hours"] for m in manifests.values()), rel=0.25)
+
+
+def test_the_run_summary_shows_device_hours_used_and_saved(committed, capsys):
+    """A second run with export forced: export's job is what it used, the other stages' recorded
+    cost what the cache saved; in the run record, the printed summary and the summary artifact."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from flows.cli import main
+
+    assert main(["run", "pipeline=sft_dpo", *committed, "force=[export]"]) == 0
+    manifests, store = committed_manifests(committed), Path(next(o.split("=", 1)[1] for o in committed if o.startswith("store.root=")))
+    record = json.loads(max((store / "_runs").glob("*.json"), key=lambda p: p.stat().st_mtime).read_text())
+    assert record["compute"]["used"] == {"core-hours": manifests["export"]["metrics"]["device_hours"]}
+    saved = sum(m["metrics"]["device_hours"] for stage, m in manifests.items() if stage != "export")
+    assert record["compute"]["saved"] == {"core-hours": pytest.approx(saved, rel=1e-9)}
+    line = cost.usage_line(record["compute"])
+    assert line in capsys.readouterr().out and line.startswith("device-hours: used ")
+
+    async def summary() -> str:
+        async with get_client() as client:
+            key = ArtifactFilter(key=ArtifactFilterKey(any_=["align-sft-dpo"]))
+            return (await client.read_artifacts(artifact_filter=key, sort=ArtifactSort.CREATED_DESC))[0].data
+
+    assert line in asyncio.run(summary())

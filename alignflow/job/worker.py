@@ -33,6 +33,7 @@ from alignflow.orchestrator.fingerprint import code_identity, package_versions
 from alignflow.orchestrator.lease import holds, watch
 from alignflow.orchestrator.orphans import reap_on_exit
 from alignflow.orchestrator.kinds import AlignConfig, job_paths, user_imports, worker_module
+from alignflow.job.usage import job_usage
 
 FENCED_EXIT_CODE = 75  # EX_TEMPFAIL: the job was stopped because its run is gone; nothing of it is committed
 
@@ -50,7 +51,8 @@ EXPECTED_WARNINGS = (
 def run_stage_job(
     kind: str, cfg: dict, inputs: dict, out: str, storage_options: dict, fence: dict | None = None, identity: dict | None = None
 ) -> dict:
-    """Run `alignflow.job.stages.<kind>.run` on this rank; every rank returns its metrics.
+    """Run `alignflow.job.stages.<kind>.run` on this rank; every rank returns its metrics, with
+    the job's wall time, hardware and device-hours (`alignflow.job.usage`).
 
     `fence` is the lease of the run that submitted the job: the job starts only while that run
     or one that adopted the job holds it, and stops once neither does (`alignflow.orchestrator.lease`).
@@ -80,7 +82,7 @@ def run_stage_job(
     except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         raise StageError(_cause_first(err, out)) from err
     sys.stdout.flush()
-    return metrics
+    return {**metrics, **job_usage(psutil.Process().create_time())}
 
 
 class StageError(RuntimeError):

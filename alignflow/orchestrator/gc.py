@@ -41,6 +41,7 @@ from omegaconf import DictConfig
 from rich.filesize import decimal
 
 from alignflow.orchestrator.fingerprint import FINGERPRINT_CHARS
+from alignflow.orchestrator.cost import COMPUTE
 from alignflow.orchestrator.runs import REPORTS, RUNS
 from alignflow.orchestrator.store import CHECKPOINTS, MANIFEST, TRAINING_STATE, Store
 
@@ -221,8 +222,8 @@ def _place(parts: list[str], is_file: bool) -> tuple | None:
     top, depth = parts[0], len(parts)
     if top == RUNS and depth == 2 and is_file and parts[1].endswith(".json"):
         return ("run", "/".join(parts))
-    if top in (RUNS, REPORTS):
-        return ("records", top) if top == REPORTS or depth == 1 else None
+    if top in (RUNS, REPORTS, COMPUTE):  # COMPUTE: the throughput table `align plan` predicts from, kept
+        return ("records", top) if top != RUNS or depth == 1 else None
     if depth == 1:
         return None if is_file else ("instance", top)
     stage, name = top, parts[1]

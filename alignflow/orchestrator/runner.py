@@ -17,6 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from omegaconf import OmegaConf
 
 from alignflow import __version__
+from alignflow.orchestrator import cost
 from alignflow.orchestrator.config.slices import for_job, identity, masked, stage_paths
 from alignflow.orchestrator.fingerprint import NUMERIC_PACKAGES, code_identity, differences, digest, fingerprint, package_versions, source_identity
 from alignflow.orchestrator.launch import JobError, JobRecord, adoptable, job_record, reattach, stop, submit, time_limit, wait
@@ -157,6 +158,10 @@ def _execute(
     lease.check()  # a run whose lease was taken over commits nothing
     uri = store.commit(name, fp, manifest, OUTPUTS[spec.output], leave_out)  # IncompleteOutput: the stage's bug or the disk's, not retried
     log(f"{name} {fp}: committed {uri}")
+    try:
+        cost.record(store, stage, manifest)  # the store's throughput table, which `align plan` predicts from
+    except (OSError, ValueError) as err:  # the output is committed all the same; only a prediction will know less
+        log(f"{name} {fp}: its row of {store.uri(store.path(cost.COMPUTE))} was not written: {err}")
     return _result(store, name, fp, manifest, cached=False)
 
 

@@ -138,7 +138,8 @@ def forward_only_splits(cfg, section, model_uri: str, dataset: type, data: Prepa
     """The frame of a forward-only stage (ref_logprobs, teacher_logprobs): the model at
     `model_uri` frozen at `section.parallel` in `section.precision`, then `each(model, chunks,
     rows, split)` for each split of `data` that has `dataset` rows, its metrics merged, and the
-    hardware use of these passes (their writes included); the ranks meet before teardown."""
+    hardware use of these passes (their writes included) with their FLOPs, tokens and seconds;
+    the ranks meet before teardown."""
     model = local_model(model_uri, cache_dir(cfg))
     runtime.init_parallel(section.parallel, seed=0)
     try:
@@ -153,6 +154,7 @@ def forward_only_splits(cfg, section, model_uri: str, dataset: type, data: Prepa
                 tokens += rows.num_tokens(everything)
                 flops += utilization.model_flops(shape, rows.document_lengths(everything), utilization.FORWARD)
         metrics |= {"tokens_per_s": round(tokens / max(seconds, 1e-9), 1)} | hardware_use(flops, seconds)
+        metrics |= {"flops": flops, "tokens": tokens, "compute_s": round(seconds, 3)}  # what the job cost
         dist.barrier()
     finally:
         runtime.teardown()

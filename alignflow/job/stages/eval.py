@@ -25,11 +25,18 @@ Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`
 rows, pairs and prompts shared among the DP ranks (the last micro batch may be smaller) and
 the results gathered, so every layout scores the same rows (tests/test_eval.py).
 Greedy decoding is `alignflow.job.generation`'s (KV-cached, prompts of mixed lengths left-padded into batches).
+What the job cost: `flops` (model FLOPs, `alignflow.job.train.utilization`: each validation row,
+pair and generated prompt + completion one forward pass, as KV-cached generation computes each
+token once; left padding and the reward model's scoring are not counted), `tokens` and
+`compute_s` (the time in these passes, rank 0's), of which `generation_s` generating (and
+scoring) completions: decoding is step by step, not bound by FLOPs.
 """
 
 import json
 import logging
 import math
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -50,6 +57,7 @@ from alignflow.job.forward.objectives import SFT, pair_logprobs
 from alignflow.job.forward.passes import loss_sums, resolve_precision
 from alignflow.job.forward.scores import model_scores
 from alignflow.job.train.datasets import PackedSFT, PreferencePairs, Prompts, optional
+from alignflow.job.train.utilization import FORWARD, ModelShape, model_flops
 
 log = logging.getLogger("alignflow.eval")
 SINGLE_RANK = {
@@ -68,12 +76,17 @@ def run(cfg, inputs: dict, out: str) -> dict:
     runtime.init_parallel(section.parallel, seed=0)
     models = {_stage_name(uri): uri for uri in [inputs["model"], *inputs["baselines"]]}
     metrics, samples, completions = {}, {}, {}
+    cost = torch.zeros(4, dtype=torch.float64, device=device())  # flops, tokens, seconds, generation seconds
     try:
         for name, uri in models.items():
             chunks, decode = load_chunks(
                 uri, section.parallel, cfg.model.make_vocab_size_divisible_by, resolve_precision(section.precision), cache_dir(cfg)
             )
-            results, samples[name], completions[name] = evaluate(chunks, decode, data, section)
+            started = time.perf_counter()
+            results, samples[name], completions[name], passes = evaluate(chunks, decode, data, section)
+            shape, seconds = ModelShape.of(local_model(uri, cache_dir(cfg)).hf_config), time.perf_counter() - started
+            figures = [model_flops(shape, passes.documents, FORWARD), sum(passes.documents), seconds, passes.generation_s]
+            cost += torch.tensor(figures, dtype=torch.float64, device=device())
             metrics |= {f"{name}.{k}": v for k, v in results.items()}
             if dist.get_rank() == 0:
                 log.info("%s: %s", name, results)
@@ -83,6 +96,9 @@ def run(cfg, inputs: dict, out: str) -> dict:
             )
             baseline = _stage_name(inputs["baselines"][0]) if inputs["baselines"] else None
             metrics |= reward_model_metrics(chunks, completions, baseline, data.pad_id, section.micro_batch_size)
+        seconds, generation_s = cost[2].item(), cost[3].item()
+        dist.all_reduce(cost, group=parallel_state.get_data_parallel_group())  # each DP rank's share of the passes
+        metrics |= {"flops": cost[0].item(), "tokens": int(cost[1].item()), "compute_s": round(seconds, 3), "generation_s": round(generation_s, 3)}
         dist.barrier()
     finally:
         runtime.teardown()
@@ -115,21 +131,37 @@ def load_model(uri: str, divisible_by: int, cache: Path | None = None):
 
 
 @torch.no_grad()
-def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list, list]:
+@dataclass
+class Forwarded:
+    """What a rank ran a model on: its documents' lengths and the seconds it spent generating."""
+
+    documents: list[int] = field(default_factory=list)
+    generation_s: float = 0.0
+
+
+def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list, list, Forwarded]:
     """The metrics of one model, the same on every rank, at any TP/PP/DP layout: the data are
-    shared among the DP ranks (the last share may be smaller) and the sums gathered; and this
-    rank's greedy prompt + completion token rows."""
-    results, samples, rows, outcomes = {}, [], [], {}  # outcomes: share -> how many 0/1 outcomes it is the mean of
+    shared among the DP ranks (the last share may be smaller) and the sums gathered; this
+    rank's greedy prompt + completion token rows; and what this rank forwarded (for the
+    stage's cost)."""
+    results, samples, rows, outcomes, done = {}, [], [], {}, Forwarded()  # outcomes: share -> how many 0/1 outcomes it is the mean of
     if val := optional(PackedSFT, data, "val"):
         results |= sft_val_loss(chunks, val, cfg.micro_batch_size, cfg.limit_batches)
+        done.documents += val.document_lengths(_my_share(min(len(val), cfg.micro_batch_size * cfg.limit_batches))).tolist()
     if pairs := optional(PreferencePairs, data, "val"):
         results["preference_accuracy"], outcomes["preference_accuracy"] = preference_accuracy(chunks, pairs, cfg.micro_batch_size), len(pairs)
+        done.documents += pairs.document_lengths(_my_share(len(pairs))).tolist()
     if prompts := optional(Prompts, data, "val"):
+        started = time.perf_counter()
         results["accuracy"], samples, rows = task_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
         outcomes["accuracy"] = min(len(prompts), cfg.num_generation_samples)
+        done.documents += [len(row) for row in rows]
         if cfg.sampling.k:
-            results |= sampled_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
-    return results | {f"{k}_stderr": binomial_stderr(results[k], n) for k, n in outcomes.items() if n > 1}, samples, rows
+            sampled, generated = sampled_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
+            results |= sampled
+            done.documents += generated
+        done.generation_s = time.perf_counter() - started
+    return results | {f"{k}_stderr": binomial_stderr(results[k], n) for k, n in outcomes.items() if n > 1}, samples, rows, done
 
 
 def binomial_stderr(share: float, n: int) -> float:
@@ -208,9 +240,10 @@ def reward_model_metrics(chunks: list, rows: dict[str, list], baseline: str | No
     return metrics
 
 
-def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> dict:
+def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[dict, list[int]]:
     """pass@k and maj@k for each k of `cfg.sampling`, over n sampled completions of each of the
-    first num_generation_samples prompts; each DP rank draws its share from its own seed."""
+    first num_generation_samples prompts; each DP rank draws its share from its own seed. And
+    the lengths of this rank's prompt + completion rows."""
     s, share = cfg.sampling, _my_share(min(len(prompts), cfg.num_generation_samples))
     sampling = Sampling(
         max_new_tokens=cfg.max_new_tokens,
@@ -224,7 +257,8 @@ def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cf
     answers = [extract_answer(decode(c.tokens)) for c in completions]
     mine = [prompt_scores(gold_answer(prompts.answer[int(i)]), answers[j * s.n : (j + 1) * s.n], s.k) for j, i in enumerate(share)]
     scored = [row for part in _gather_dp(mine) for row in part]
-    return {name: float(np.mean([row[name] for row in scored])) for name in scored[0]} if scored else {}
+    lengths = [len(prompts.tokens(int(i))) + len(completions[j * s.n + t].tokens) for j, i in enumerate(share) for t in range(s.n)]
+    return ({name: float(np.mean([row[name] for row in scored])) for name in scored[0]} if scored else {}), lengths
 
 
 def prompt_scores(gold: list, answers: list[list], ks: list[int]) -> dict:

@@ -300,6 +300,7 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     engine.gather_weights(run.model)  # the sampler reads the weights directly, not through the DDP hooks
     kept, stats, rounds = rollout(run, prompts, env)
     generation_s = time.perf_counter() - started
+    run.generation_seconds += generation_s
     rollouts = kept.rollouts(cfg, env.pad_id)
     samples = np.arange(len(rollouts))
     micro = [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]

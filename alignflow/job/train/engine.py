@@ -143,6 +143,9 @@ class Run:
     last_val_metrics: dict = field(default_factory=dict)
     step_seconds: float = 0.0  # time in training steps (validation and checkpoints are I/O)
     flops: float = 0.0  # model FLOPs of this job's steps
+    val_seconds: float = 0.0  # time in validation passes
+    val_flops: float = 0.0  # their model FLOPs
+    generation_seconds: float = 0.0  # of the step time, in generation (GRPO's rollouts)
     checkpointed_at: float = field(default_factory=time.monotonic)  # when this job last saved (or started)
 
     @property
@@ -331,9 +334,11 @@ def validate(run: Run, objective: Objective, val: Dataset, seq_length: int, rows
     rows -= rows % (micro_size * run.dp_size)
     if rows <= 0:
         return None
-    micro = dp_micro_batches(val, np.arange(rows), micro_size, run.dp_rank, run.dp_size)
+    micro, started = dp_micro_batches(val, np.arange(rows), micro_size, run.dp_rank, run.dp_size), time.perf_counter()
     with eval_mode(run.chunks), torch.no_grad():
         total, count, metrics = forward_backward(run, objective, micro, val, seq_length, rows_per_item, forward_only=True)
+    run.val_seconds += time.perf_counter() - started
+    run.val_flops += utilization.model_flops(utilization.ModelShape.of(run.hf_config), val.document_lengths(np.arange(rows)), utilization.FORWARD)
     run.state.last_val_loss = total / max(count, 1.0)
     run.last_val_metrics = {f"val_{k}": v / max(count, 1.0) for k, v in metrics.items()}
     track_early_stopping(run, run.state.last_val_loss)
@@ -405,6 +410,8 @@ def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> Train
     checkpoint = checkpointing.step_dir(run.checkpoints, state.step)
     footprint = {"trainable_params": lora.trainable_params(run.chunks), "optimizer_state_bytes": optimizer_state_bytes(run.optimizer)}
     footprint |= hardware_use(run.flops, run.step_seconds)
+    footprint |= {"flops": run.flops + run.val_flops, "compute_s": round(run.step_seconds + run.val_seconds, 3)}  # what the job cost
+    footprint |= {"generation_s": round(run.generation_seconds, 3)} if run.generation_seconds else {}
     return TrainResult(
         steps=state.step,
         train_loss=state.last_loss,

@@ -105,7 +105,11 @@ LORA_TRAINING = Passes(2, 3)
 def model_flops(shape: ModelShape, documents: Iterable[int], passes: Passes = TRAINING) -> float:
     """Model FLOPs of `passes` over documents of these lengths (each attends within itself)."""
     lengths = [int(n) for n in documents]
-    tokens, squares = sum(lengths), sum(n * n for n in lengths)
+    return flops_of(shape, sum(lengths), sum(n * n for n in lengths), passes)
+
+
+def flops_of(shape: ModelShape, tokens: float, squares: float, passes: Passes) -> float:
+    """Model FLOPs of `passes` over `tokens` tokens whose documents' squared lengths sum to `squares`."""
     return passes.weights * tokens * shape.weight_flops_per_token() + passes.attention * shape.attention_flops_per_token(1) * squares
 
 

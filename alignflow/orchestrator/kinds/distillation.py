@@ -3,7 +3,7 @@
 from omegaconf import DictConfig
 
 from alignflow.orchestrator.config import schema
-from alignflow.orchestrator.kinds.spec import TRAIN_HEADLINE, TRAINING, StageKind, one, one_sequence
+from alignflow.orchestrator.kinds.spec import TRAIN_HEADLINE, TRAINING, StageKind, one, one_sequence, trained_on
 
 
 def checks(stage, key: str, check_paths: bool) -> list[str]:
@@ -36,4 +36,5 @@ KIND = StageKind(
     rows=one_sequence,
     same_tokenizer=("model", "teacher_logprobs"),
     same_upstream=(("data", "teacher_logprobs", "data"),),
+    work=trained_on("sft"),
 )

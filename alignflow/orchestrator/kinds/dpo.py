@@ -4,7 +4,7 @@ from omegaconf import DictConfig
 
 from alignflow.orchestrator.config import schema
 from alignflow.orchestrator.config.schema import DPO_REFERENCE_FREE, DPO_SMOOTHED, DPOLoss
-from alignflow.orchestrator.kinds.spec import TRAIN_HEADLINE, TRAINING, StageKind, one, pair_rows
+from alignflow.orchestrator.kinds.spec import TRAIN_HEADLINE, TRAINING, StageKind, one, pair_rows, trained_on
 
 
 def checks(stage, key: str, check_paths: bool) -> list[str]:
@@ -49,4 +49,5 @@ KIND = StageKind(
     checks=checks,
     rows=pair_rows,
     load_balancing=True,
+    work=trained_on("preference"),
 )

@@ -3,7 +3,8 @@
 from omegaconf import DictConfig
 
 from alignflow.orchestrator.config import schema
-from alignflow.orchestrator.kinds.spec import CACHE, StageKind, Table, many, one, optional
+from alignflow.job.train.utilization import FORWARD
+from alignflow.orchestrator.kinds.spec import CACHE, Count, StageKind, Table, Work, many, one, optional
 from alignflow.orchestrator.verify import Need, OutputFormat, json_file
 
 
@@ -33,12 +34,36 @@ def eval_sampling_problems(section: DictConfig, key: str = "eval") -> list[str]:
 
 
 def table(metrics: dict) -> Table:
-    """Every metric of every model, one row per model (metrics are named `{model}.{metric}`)."""
+    """Every metric of every model, one row per model (metrics are named `{model}.{metric}`; the
+    job's own, its cost, have no model)."""
     models: dict[str, dict] = {}
     for key, value in metrics.items():
         model, _, metric = key.rpartition(".")
-        models.setdefault(model, {"model": model})[metric] = value
+        if model:
+            models.setdefault(model, {"model": model})[metric] = value
     return Table("models", "every metric of every model", list(models.values()))
+
+
+def work(stage, count: Count) -> list[Work]:
+    """Per model (the model and each baseline), forward passes over: limit_batches micro batches
+    of SFT val rows, every val pair, and num_generation_samples val prompts (n each more when
+    sampling) with max_new_tokens generated in micro batches (an upper bound: EOS stops a
+    completion earlier). The reward model's scoring is not counted."""
+    section = stage.section
+
+    def at_most(dataset: str, most: int | None) -> int | None:
+        bounds = [n for n in (count(dataset, "val"), most) if n is not None]
+        return min(bounds) if bounds else None
+
+    prompts, new, micro = at_most("prompts", section.num_generation_samples), section.max_new_tokens, section.micro_batch_size
+    sampled = None if prompts is None else prompts * section.sampling.n * bool(section.sampling.k)
+    one_model = [
+        Work("sft", "val", at_most("sft", section.limit_batches * micro), FORWARD),
+        Work("preference", "val", at_most("preference", None), FORWARD),
+        Work("prompts", "val", prompts, FORWARD, new, micro),
+        Work("prompts", "val", sampled, FORWARD, new, micro),
+    ]
+    return one_model * (1 + len(stage.inputs.get("baselines", ())))
 
 
 KIND = StageKind(
@@ -53,4 +78,5 @@ KIND = StageKind(
     context=CACHE,
     checks=checks,
     table=table,
+    work=work,
 )

@@ -3,7 +3,9 @@
 from omegaconf import DictConfig
 
 from alignflow.orchestrator.config import schema
-from alignflow.orchestrator.kinds.spec import TRAINING, StageKind, one, optional
+from alignflow.job.train.utilization import FORWARD, LORA_TRAINING
+from alignflow.job.train.utilization import TRAINING as TRAINING_PASSES
+from alignflow.orchestrator.kinds.spec import TRAINING, Count, StageKind, Work, one, optional
 from alignflow.job.rewards import SCORE, resolve
 
 
@@ -93,6 +95,22 @@ def frozen_models(section, inputs, lora: int | None) -> int:
     return int(second_reference) + int("reward_model" in inputs)
 
 
+def work(stage, count: Count) -> list[Work]:
+    """Per step, num_prompts_per_step x num_generations_per_prompt samples of max_new_tokens (an
+    upper bound: EOS stops a completion earlier), each generated (one forward: KV-cached), scored
+    by the reward model where there is one, through the reference and, with several optimizer
+    steps per batch, the old policy (one forward each), and trained on once (as
+    `alignflow.job.stages.grpo` counts a step). Dynamic sampling's extra rounds are not counted."""
+    s, loss = stage.section, stage.section.loss
+    steps = s.trainer.max_steps if s.trainer.max_steps > 0 else None
+    forwards = (
+        1 + (loss.ref_policy_kl_penalty > 0 and loss.kl_type != "none") + (s.num_optimizer_steps_per_batch > 1) + ("reward_model" in stage.inputs)
+    )
+    passes = (TRAINING_PASSES if s.finetuning_type == "all_weights" else LORA_TRAINING) + FORWARD * forwards
+    samples = s.num_prompts_per_step * s.num_generations_per_prompt
+    return [Work("prompts", "train", None if steps is None else samples, passes, s.max_new_tokens, s.generation_batch_size, steps or 1)]
+
+
 KIND = StageKind(
     schema=schema.GRPOConfig,
     output="model",
@@ -106,4 +124,5 @@ KIND = StageKind(
     batch_problems=grpo_batch_problems,
     rows=rows,
     frozen_models=frozen_models,
+    work=work,
 )

@@ -1,8 +1,15 @@
 """The `ref_logprobs` kind: the reference model's log-probs of each preference pair (`alignflow.job.stages.ref_logprobs`)."""
 
 from alignflow.orchestrator.config import schema
-from alignflow.orchestrator.kinds.spec import CACHE, StageKind, one
+from alignflow.job.train.utilization import FORWARD
+from alignflow.orchestrator.kinds.spec import CACHE, Count, StageKind, Work, one
 from alignflow.orchestrator.verify import Need, OutputFormat, parquet
+
+
+def work(stage, count: Count) -> list[Work]:
+    """One forward pass over every pair of both splits."""
+    return [Work("preference", split, None, FORWARD) for split in ("train", "val")]
+
 
 KIND = StageKind(
     schema=schema.RefLogprobsConfig,
@@ -16,4 +23,5 @@ KIND = StageKind(
     headline=("train.pairs", "val.pairs", "train.mean_chosen_logp"),
     reads=("model",),
     context=CACHE,
+    work=work,
 )

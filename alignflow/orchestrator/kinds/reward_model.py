@@ -2,7 +2,7 @@
 
 from alignflow.orchestrator.config import schema
 from alignflow.orchestrator.config.schema import FinetuningType
-from alignflow.orchestrator.kinds.spec import TRAIN_HEADLINE, TRAINING, StageKind, one, pair_rows
+from alignflow.orchestrator.kinds.spec import TRAIN_HEADLINE, TRAINING, StageKind, one, pair_rows, trained_on
 from alignflow.orchestrator.verify import Need, OutputFormat, json_file, nonempty, torch_dist
 
 
@@ -39,4 +39,5 @@ KIND = StageKind(
     context=TRAINING,
     checks=checks,
     rows=pair_rows,
+    work=trained_on("preference"),  # its head (width 1) counted as the vocabulary's: an overestimate
 )

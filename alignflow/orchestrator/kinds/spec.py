@@ -10,6 +10,8 @@ compose time (`alignflow.orchestrator.config.validate`), `batch_problems` with t
 from dataclasses import dataclass, fields
 from typing import Any, Callable, NamedTuple
 
+from alignflow.job.train.utilization import FORWARD, LORA_TRAINING, Passes
+from alignflow.job.train.utilization import TRAINING as TRAINING_PASSES
 from alignflow.orchestrator.verify import Need, OutputFormat, json_file, nonempty, torch_dist
 
 
@@ -84,6 +86,59 @@ def no_source_files(section) -> list[str]:
     return []
 
 
+class Work(NamedTuple):
+    """Model passes a stage will run, for `align plan` (`alignflow.orchestrator.cost`): `items`
+    of a split of prep's `dataset` (packed rows, pairs, prompts; None: all of the split), `repeat`
+    times, each through `passes` forward-equivalents; a generated item is one document `extra`
+    tokens longer, decoded in batches of `batch` on each data-parallel rank (`extra` steps a
+    batch: decoding is step by step, its time not bound by FLOPs)."""
+
+    dataset: str
+    split: str
+    items: float | None
+    passes: Passes
+    extra: int = 0
+    batch: int = 0  # 0: not generated
+    repeat: int = 1
+
+
+Count = Callable[[str, str], int | None]  # (dataset, split) -> items in prep's output, None where unknown
+
+
+def no_work(stage, count: Count) -> list[Work]:
+    return []
+
+
+def training_steps(section, count: Count, dataset: str) -> int | None:
+    """The optimizer steps of a training section: max_steps, else max_epochs of whole global batches."""
+    if section.trainer.max_steps > 0:
+        return section.trainer.max_steps
+    rows = count(dataset, "train")
+    return None if rows is None else section.trainer.max_epochs * (rows // section.global_batch_size)
+
+
+def trained_on(dataset: str) -> Callable[[Any, Count], list[Work]]:
+    """The work of a supervised training kind (`alignflow.job.train.loop`) on `dataset`: global
+    batches of training passes, and a validation of limit_val_batches micro batches every
+    val_check_interval steps and after the last."""
+
+    def work(stage, count: Count) -> list[Work]:
+        section = stage.section
+        steps = training_steps(section, count, dataset)
+        passes = TRAINING_PASSES if section.finetuning_type == "all_weights" else LORA_TRAINING
+        work = [Work(dataset, "train", None if steps is None else steps * section.global_batch_size, passes)]
+        interval, val = section.trainer.val_check_interval, count(dataset, "val")
+        if steps is None or interval <= 0 or val == 0:
+            return work
+        par, res = section.parallel, section.resources
+        dp = max(res.nodes * res.tasks_per_node // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size), 1)
+        rows = min(section.trainer.limit_val_batches * section.micro_batch_size, val or 1 << 62)
+        rows -= rows % (section.micro_batch_size * dp)  # as `alignflow.job.train.engine.validate`
+        return work + [Work(dataset, "val", (steps // interval + bool(steps % interval)) * rows, FORWARD)]
+
+    return work
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageKind:
     """One kind's declaration (README "Adding a stage kind"). Fields without a default must be
@@ -125,6 +180,7 @@ class StageKind:
     - `same_upstream`: (role, via, upstream role): its `role` must be the very upstream stage
       that its `via` input was computed on as `upstream role`.
     - `table(metrics)`: a further UI table of its output, or None.
+    - `work(stage, count)`: the model passes it will run (`Work`), for `align plan`'s FLOPs.
     """
 
     schema: type
@@ -149,6 +205,7 @@ class StageKind:
     same_tokenizer: tuple[str, str] | None = None
     same_upstream: tuple[tuple[str, str, str], ...] = ()
     table: Callable[[dict], Table | None] = no_table
+    work: Callable[[Any, Count], list[Work]] = no_work
 
     def __post_init__(self):
         trains = "optim" in {f.name for f in fields(self.schema)}

@@ -3,7 +3,8 @@
 from omegaconf import DictConfig
 
 from alignflow.orchestrator.config import schema
-from alignflow.orchestrator.kinds.spec import CACHE, StageKind, one
+from alignflow.job.train.utilization import FORWARD
+from alignflow.orchestrator.kinds.spec import CACHE, Count, StageKind, Work, one
 from alignflow.orchestrator.verify import Need, OutputFormat, parquet
 
 
@@ -13,6 +14,11 @@ def checks(stage, key: str, check_paths: bool) -> list[str]:
 
 def _check_teacher_logprobs(key: str, section: DictConfig) -> list[str]:
     return [] if section.topk_logits_k >= 1 else [f"{key}.topk_logits_k: must be >= 1, got {section.topk_logits_k}"]
+
+
+def work(stage, count: Count) -> list[Work]:
+    """One forward pass of the teacher over every SFT row of both splits."""
+    return [Work("sft", split, None, FORWARD) for split in ("train", "val")]
 
 
 # Its output has the teacher's tokenizer, whose token ids must index the data's vocabulary.
@@ -31,4 +37,5 @@ KIND = StageKind(
     checks=checks,
     tokenizer_role="teacher",
     same_tokenizer=("data", "teacher"),
+    work=work,
 )
