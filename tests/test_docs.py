@@ -18,7 +18,7 @@ from flows.cli import main
 # no `bash `) -> (the file that runs it, the test or fixture there, a string that test holds)
 RUN_BY = {
     r"make test": (".ci/run", None, "make test"),
-    r"make demo": ("tests/test_docs.py", "test_make_demo_runs_the_documented_demo_commands", '"make", "-n", "demo"'),
+    r"make demo": ("tests/test_docs.py", "test_make_demo_runs_the_documented_demo_commands", '"-n", "demo"'),
     r"align demo": ("tests/test_docs.py", "test_make_demo_runs_the_documented_demo_commands", 'main(["demo"'),
     r"align plan ": ("tests/test_flow.py", "test_plan_marks_committed_stages", 'main(["plan"'),
     r"align config ": ("tests/test_config.py", "test_secret_from_env_is_masked_and_never_resolved_for_jobs", 'main(["config"'),
@@ -36,7 +36,7 @@ RUN_BY = {
     r"prefect flow-run ls --state Scheduled": ("tests/integration/test_deployments.py", "test_nightly_is_scheduled_at_two_utc", '"ls", "--state"'),
     r"prefect automation create --from-file deployments/automations\.yaml": (
         "tests/test_gate.py",
-        "test_the_documented_automation_notifies_on_the_nightlys_regressed_state",
+        "test_a_redeployed_nightly_keeps_its_baseline_and_its_regression_fires_the_documented_automation",
         '"automation", "create", "--from-file"',
     ),
     r"infra/slurm\.sh up": ("tests/conftest.py", "slurm_cluster", '"up"'),
