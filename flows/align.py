@@ -9,6 +9,7 @@ is best effort (`tasks.dashboard`). With `gate.thresholds` set, the run ends by 
 metrics with a baseline run's (`alignflow.orchestrator.gate`): a regression ends it Failed, named Regressed.
 """
 
+import os
 import time
 from fnmatch import fnmatch
 
@@ -196,12 +197,18 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
 
 
 def _deployment() -> str | None:
-    """The deployment's id for a deployment's flow run: its series for the gate's `last` baseline
-    and the trend. From the run's context, not `prefect.runtime.deployment`, which asks the API:
-    a run's end must not need the API (it may be down; the run ends from the store all the same)."""
+    """`align/nightly` for a deployment's flow run: its series for the gate's `last` baseline and
+    the trend, kept when `prefect deploy` recreates the deployment under a new id. From the run's
+    context: the flow's name and the deployment's name, which Prefect's workers and runners put in
+    the run's environment (PREFECT__DEPLOYMENT_NAME); not `prefect.runtime.deployment`, which asks
+    the API: a run's end must not need the API (it may be down; the run ends from the store all the
+    same). A deployment run started without that variable is keyed by its deployment's id."""
     context = FlowRunContext.get()
     deployment_id = context.flow_run.deployment_id if context and context.flow_run else None
-    return str(deployment_id) if deployment_id else None
+    if deployment_id is None:
+        return None
+    name = os.environ.get("PREFECT__DEPLOYMENT_NAME")
+    return f"{context.flow.name}/{name}" if name else str(deployment_id)
 
 
 def _judge(section, store, record: dict) -> gate.Verdict | None:

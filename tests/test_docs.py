@@ -36,7 +36,7 @@ RUN_BY = {
     r"prefect flow-run ls --state Scheduled": ("tests/integration/test_deployments.py", "test_nightly_is_scheduled_at_two_utc", '"ls", "--state"'),
     r"prefect automation create --from-file deployments/automations\.yaml": (
         "tests/test_gate.py",
-        "test_the_documented_automation_notifies_on_the_nightlys_regressed_state",
+        "test_a_redeployed_nightly_keeps_its_baseline_and_its_regression_fires_the_documented_automation",
         '"automation", "create", "--from-file"',
     ),
     r"infra/slurm\.sh up": ("tests/conftest.py", "slurm_cluster", '"up"'),

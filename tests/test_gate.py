@@ -2,12 +2,17 @@
 worked numbers, the baseline a series picks, and nights played through the flow."""
 
 import asyncio
+import json
 import math
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -103,76 +108,110 @@ def test_the_last_baseline_is_the_last_successful_run_of_the_same_deployment_or_
     assert [r["name"] for r in gate.series(store, tonight)] == ["n1", "n2", "n3"]
 
 
-# Nights on the demo through the flow. The demo's task accuracy is 0 at any step count a CPU test
-# can afford, so the night that regresses does so on its validation loss (2 SFT steps instead
-# of 8: a real, higher loss), and the night within the noise on its preference accuracy (another
-# SFT seed: a real drop, smaller than 2 standard errors of the difference). No export: the gate reads eval.
+# Nights on the demo through the flow, gated on the SFT model's held-out task accuracy (greedy
+# exact match, with its standard error). Night A trains SFT far enough to answer some held-out
+# problems; night B trains much less and answers none: a drop beyond the threshold and 2
+# standard errors; night C differs from A only by SFT's seed: a real drop, within the noise.
+# One store: prep and convert run once, every night after reruns only the stages that differ.
+# No export, no baseline model in eval (the gate reads the SFT model's accuracy).
 NIGHT = [
     "~pipeline.stages.export",
-    "sft.optim.warmup_steps=1",
-    "sft.trainer.val_check_interval=1",
+    "~pipeline.stages.eval.inputs.baselines",
     "sft.trainer.limit_val_batches=1",
-    "eval.num_generation_samples=4",
     "eval.limit_batches=1",
+    "eval.num_generation_samples=200",
 ]
-GATE = "+gate.thresholds={eval.sft.val_loss: 0.3, eval.sft.preference_accuracy: 0.0}"
+GATE = "+gate.thresholds={eval.sft.accuracy: 0.0}"
+A = ["sft.trainer.max_steps=100"]
+B = ["sft.trainer.max_steps=10", "sft.optim.warmup_steps=2"]
+C = [*A, "sft.trainer.seed=7"]
+
+
+@dataclass
+class Night:
+    state: object  # the flow run's final prefect State
+    record: dict  # its run record (`alignflow.orchestrator.runs`)
+
+    @property
+    def accuracy(self) -> float:
+        return gate.metrics_of(self.record)["eval.sft.accuracy"]
 
 
 def last_record(store_root: Path) -> dict:
     return runs.history(Store(str(store_root), {}))[-1]
 
 
+@pytest.fixture(scope="module")
+def nights(prefect_server, demo_dir, tmp_path_factory) -> tuple[list[str], dict[str, Night]]:
+    """Nights A, B and C played in this order through the flow in one store; the overrides they share."""
+    from flows.align import align
+
+    root = tmp_path_factory.mktemp("nights")
+    shared = [f"paths.demo={demo_dir}", f"store.root={root / 'store'}", f"launcher.folder={root / 'jobs'}", *NIGHT]
+    played = {}
+    for name, extra in (("A", A), ("B", B), ("C", C)):
+        state = align(pipeline="demo", overrides=[*shared, GATE, *extra], return_state=True)
+        played[name] = Night(state, last_record(root / "store"))
+    return shared, played
+
+
 @pytest.mark.slow
-@pytest.mark.usefixtures("prefect_server")
-def test_a_night_that_drops_beyond_threshold_and_noise_ends_regressed_one_within_the_noise_completes(base_overrides, tmp_path, capsys):
+def test_a_night_whose_accuracy_drops_beyond_threshold_and_noise_ends_regressed_one_within_the_noise_completes(nights, capsys):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
 
-    from flows.align import align
     from flows.cli import main
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_flow import artifact
+    shared, played = nights
+    a, b, c = played["A"], played["B"], played["C"]
+    assert a.state.is_completed() and "no baseline run yet" in a.state.message and a.record["gate"]["state"] == "Completed"
+    assert a.accuracy >= 0.04 and b.accuracy == 0.0  # A answers some held-out problems, B none
 
-    def night(*extra: str):
-        state = align(pipeline="demo", overrides=[*base_overrides, *NIGHT, *extra], return_state=True)
-        return state, last_record(tmp_path / "store")
-
-    first, r1 = night(GATE, "sft.trainer.max_steps=8")
-    assert first.is_completed() and "no baseline run yet" in first.message and r1["gate"]["state"] == "Completed"
-
-    worse, r2 = night(GATE, "sft.trainer.max_steps=2")
-    before, after = (gate.metrics_of(r)["eval.sft.val_loss"] for r in (r1, r2))
-    assert after - before > 0.3  # fewer steps: a real rise of the validation loss
-    assert worse.type == StateType.FAILED and worse.name == "Regressed"
-    regressed = regressed_event(worse.state_details.flow_run_id)  # what deployments/automations.yaml's trigger expects
+    assert b.state.type == StateType.FAILED and b.state.name == "Regressed"
+    [dropped] = b.record["gate"]["checks"]
+    assert dropped["drop"] == pytest.approx(a.accuracy) and dropped["drop"] > 2 * dropped["stderr"] > 0 and dropped["regressed"]
+    assert b.state.message.startswith(f"gate: regressed against run '{a.record['name']}': eval.sft.accuracy {a.accuracy:.4g} -> 0")
+    flow_run_id = b.state.state_details.flow_run_id
+    regressed = regressed_event(flow_run_id)  # what deployments/automations.yaml's trigger expects
     assert {"prefect.resource.role": "flow", "prefect.resource.name": "align"}.items() <= regressed["related"][0].items()
-    assert worse.message.startswith(f"gate: regressed against run '{r1['name']}': eval.sft.val_loss {before:.4g} -> {after:.4g}")
     with get_client(sync_client=True) as client:  # what the UI and an automation see
-        shown = client.read_flow_run(worse.state_details.flow_run_id).state
+        shown = client.read_flow_run(flow_run_id).state
     assert (shown.type, shown.name) == (StateType.FAILED, "Regressed")
-    table = asyncio.run(artifact("regression")).data
-    assert f"| eval.sft.val_loss | {before:.4g} | {after:.4g} | {after - before:+.4g} | 0.3 | - | **regressed** |" in table, table
+    table = asyncio.run(artifact_of(flow_run_id, "regression")).data
+    row = f"| eval.sft.accuracy | {a.accuracy:.4g} | 0 | {a.accuracy:+.4g} | 0 | {dropped['stderr']:.4g} | **regressed** |"
+    assert row in table, table
 
-    noisy, r3 = night(GATE, "sft.trainer.max_steps=8", "sft.trainer.seed=7")
-    assert noisy.is_completed() and f"against run '{r1['name']}'" in noisy.message  # the regressed night is no baseline
-    [check] = [c for c in r3["gate"]["checks"] if c["metric"] == "eval.sft.preference_accuracy"]
-    now, then = gate.metrics_of(r3), gate.metrics_of(r1)
-    assert (check["baseline"], check["value"]) == (then["eval.sft.preference_accuracy"], now["eval.sft.preference_accuracy"])
-    assert now["eval.sft.preference_accuracy_stderr"] > 0 and then["eval.sft.preference_accuracy_stderr"] > 0
-    assert check["threshold"] < check["drop"] <= 2 * check["stderr"] and not check["regressed"], check  # a real drop, within the noise
+    assert c.state.is_completed() and f"against run '{a.record['name']}'" in c.state.message  # the regressed night is no baseline
+    [noisy] = c.record["gate"]["checks"]
+    assert (noisy["baseline"], noisy["value"]) == (a.accuracy, c.accuracy)
+    assert noisy["threshold"] < noisy["drop"] <= 2 * noisy["stderr"] and not noisy["regressed"], noisy  # a real drop, within the noise
 
-    trend = asyncio.run(artifact("trend-demo")).data
-    assert [line.split(" | ")[0].lstrip("| ") for line in trend.splitlines()[4:7]] == [r1["name"], r2["name"], r3["name"]], trend
-    report = Path(tmp_path / "store" / runs.REPORTS / f"{runs.slug(r3['name'])}.html").read_text()
-    assert report.count("<svg") == 2 and 'aria-label="eval.sft.val_loss"' in report and all(r["name"] in report for r in (r1, r2, r3))
+    trend = asyncio.run(artifact_of(c.state.state_details.flow_run_id, "trend-demo")).data
+    assert [line.split(" | ")[0].lstrip("| ") for line in trend.splitlines()[4:7]] == [n.record["name"] for n in (a, b, c)], trend
+    store = Store(shared[1].removeprefix("store.root="), {})
+    report = Path(store.root, runs.REPORTS, f"{runs.slug(c.record['name'])}.html").read_text()
+    assert report.count("<svg") == 1 and 'aria-label="eval.sft.accuracy"' in report and all(n.record["name"] in report for n in (a, b, c))
 
-    assert main(["run", "pipeline=demo", *base_overrides, *NIGHT, GATE, "sft.trainer.max_steps=2"]) == 1  # cache hits; baseline: r3
+    assert main(["run", "pipeline=demo", *shared, GATE, *B]) == 1  # cache hits; the baseline: C, the last successful night
     out = capsys.readouterr().out
-    assert f"Regressed gate: regressed against run '{r3['name']}'" in out and "| eval.sft.val_loss |" in out
+    assert f"Regressed gate: regressed against run '{c.record['name']}'" in out and "| eval.sft.accuracy |" in out
 
-    typo, _ = night("+gate.thresholds={eval.sft.val_los: 0.3}", "sft.trainer.max_steps=8")
-    assert typo.type == StateType.FAILED and typo.name == "Failed" and typo.message.startswith("gate.thresholds: eval.sft.val_los matches no metric")
+    from flows.align import align
+
+    typo = align(pipeline="demo", overrides=[*shared, "+gate.thresholds={eval.sft.acuracy: 0.0}", *A], return_state=True)
+    assert typo.type == StateType.FAILED and typo.name == "Failed" and typo.message.startswith("gate.thresholds: eval.sft.acuracy matches no metric")
+
+
+async def artifact_of(flow_run_id, key: str):
+    """The flow run's artifact `key`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    async with get_client() as client:
+        [found] = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return found
 
 
 def regressed_event(flow_run_id) -> dict:
@@ -188,20 +227,72 @@ def regressed_event(flow_run_id) -> dict:
     raise AssertionError(f"no prefect.flow-run.Regressed event for flow run {flow_run_id}")
 
 
-@pytest.mark.usefixtures("prefect_server")
-def test_the_documented_automation_notifies_on_the_nightlys_regressed_state(tmp_path):
-    """deployments/automations.yaml, its block id filled in as README says, created with README's
-    `prefect automation create --from-file`: the trigger the Regressed state's event matches."""
-    from prefect.blocks.notifications import SlackWebhook
+class Webhook(ThreadingHTTPServer):
+    """A local HTTP endpoint that keeps the JSON bodies POSTed to it: where the notification block sends."""
+
+    def __init__(self):
+        self.received: "queue.Queue[dict]" = queue.Queue()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(handler):
+                self.received.put(json.loads(handler.rfile.read(int(handler.headers["Content-Length"]))))
+                handler.send_response(200)
+                handler.end_headers()
+
+            def log_message(handler, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/alerts"
+
+
+async def deployment_run(name: str, overrides: list[str]):
+    """A flow run of deployment `align/<name>` as a Prefect runner (what `flow.serve` and workers
+    use) executes it, in its own process; the run once final, and its deployment's id."""
+    from prefect.client.orchestration import get_client
+    from prefect.runner import Runner
+
+    from flows.align import align
+
+    runner = Runner(name=f"gate-{name}", query_seconds=1)
+    deployment_id = await runner.aadd_flow(align, name=name, parameters={"pipeline": "demo", "overrides": overrides})
+    serving = asyncio.create_task(runner.start())
+    try:
+        async with get_client() as client:
+            run = await client.create_flow_run_from_deployment(deployment_id)
+            deadline = time.time() + 300
+            while not (run := await client.read_flow_run(run.id)).state.is_final() and time.time() < deadline:
+                await asyncio.sleep(0.5)
+            return run, deployment_id
+    finally:
+        await runner.astop()
+        serving.cancel()
+
+
+@pytest.mark.slow
+def test_a_redeployed_nightly_keeps_its_baseline_and_its_regression_fires_the_documented_automation(nights, tmp_path):
+    """deployments/automations.yaml, its block id filled in as README says (a webhook block to a
+    local endpoint), created with README's `prefect automation create --from-file`; the nightly
+    deployment run twice, recreated in between by its name (a new id, as `prefect deploy` after
+    a delete gives): the second night's baseline is the first, by the deployment's name, and its
+    regression reaches the endpoint through the server's trigger and action."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    block_id = SlackWebhook(url="https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX").save(
+    shared, played = nights
+    hook = Webhook()
+    block_id = CustomWebhookNotificationBlock(name="nightly-alerts", url=hook.url, json_data={"subject": "{{subject}}", "body": "{{body}}"}).save(
         "nightly-alerts", overwrite=True
     )
-    text = (PROJECT_ROOT / "deployments" / "automations.yaml").read_text()
     filled = tmp_path / "automations.yaml"
-    filled.write_text(text.replace("REPLACE-WITH-YOUR-NOTIFICATION-BLOCK-ID", str(block_id)))
+    filled.write_text(
+        (PROJECT_ROOT / "deployments" / "automations.yaml").read_text().replace("REPLACE-WITH-YOUR-NOTIFICATION-BLOCK-ID", str(block_id))
+    )
     created = subprocess.run(
         [str(Path(sys.executable).parent / "prefect"), "automation", "create", "--from-file", str(filled)],
         env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
@@ -210,12 +301,20 @@ def test_the_documented_automation_notifies_on_the_nightlys_regressed_state(tmp_
         timeout=180,
     )
     assert created.returncode == 0, created.stdout + created.stderr
+
+    store = shared[1].removeprefix("store.root=")
+    first, first_id = asyncio.run(deployment_run("nightly", [*shared, GATE, *A]))  # cache hits: night A's stages
+    tonight = last_record(Path(store))
+    assert first.state.name == "Completed" and (tonight["deployment"], tonight["gate"]["baseline"]) == ("align/nightly", None)
+    assert hook.received.empty()
     with get_client(sync_client=True) as client:
-        [automation] = client.read_automations_by_name("align-nightly-regressed")
-    trigger, [action] = automation.trigger, automation.actions
-    assert trigger.expect == {"prefect.flow-run.Regressed"} and trigger.posture == "Reactive"
-    assert [dict(spec.items()) for spec in trigger.match_related] == [
-        {"prefect.resource.role": ["flow"], "prefect.resource.name": ["align"]},
-        {"prefect.resource.role": ["deployment"], "prefect.resource.name": ["nightly"]},
-    ]
-    assert (action.type, action.block_document_id) == ("send-notification", block_id) and "{{ flow_run.state.message }}" in action.body
+        client.delete_deployment(first_id)
+    second, second_id = asyncio.run(deployment_run("nightly", [*shared, GATE, *B]))  # cache hits: night B's stages
+    regressed = last_record(Path(store))
+    assert second_id != first_id and regressed["deployment"] == "align/nightly"
+    assert second.state.name == "Regressed" and regressed["gate"]["baseline"] == tonight["name"], second.state.message
+
+    alert = hook.received.get(timeout=60)
+    assert alert["subject"] == f"align/nightly regressed: {second.name}", alert
+    assert f"gate: regressed against run '{tonight['name']}'" in alert["body"] and "| eval.sft.accuracy |" in alert["body"], alert
+    assert hook.received.empty()  # once, for the regressed night only
