@@ -1,8 +1,8 @@
 """Faults injected for real, each with the run's outcome asserted.
 
 - The Prefect server dies mid-training (the ephemeral one of `align run`, and a real one from
-  infra/prefect-server.sh) and comes back 90 s later: the run completes, with the same weights
-  as an undisturbed run.
+  infra/prefect-server.sh, both in one test: their outages overlap) and comes back 90 s later:
+  each run completes, with the same weights as an undisturbed run.
 - `align run` is SIGKILLed mid-training and run again: the rerun adopts the running job; no
   training step runs twice.
 - `align run` gets SIGTERM, SIGINT or SIGHUP: it exits within 10 s and leaves no process behind.
@@ -164,56 +164,50 @@ def alive(processes: list[psutil.Process]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_ephemeral_server_dies_mid_training_and_comes_back(seeded, reference, tmp_path):
-    run = AlignRun(seeded, tmp_path / "run.log")
-    try:
-        run.wait_until(training(tmp_path / "store"), what="sft's first step")
-        (server,) = [p for p in run.descendants() if "uvicorn" in " ".join(p.cmdline())]
-        argv, env, cwd = server.cmdline(), server.environ(), server.cwd()
-        server.kill()
-        time.sleep(OUTAGE_S)
-        restarted = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            assert run.finish() == 0, run.text()[-4000:]
-            caught_up(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}/api", tmp_path / "store")
-        finally:
-            restarted.terminate()
-            restarted.wait(timeout=30)
-    finally:
-        run.finish(timeout=1)
-    output = committed_sft(tmp_path / "store")
-    assert same_weights(weights(output), reference)
-    assert steps_of(output) == list(range(1, 41)) and sft_jobs(tmp_path) == 1
-
-
-@pytest.mark.slow
-def test_a_real_server_dies_mid_training_and_comes_back(seeded, reference, tmp_path):
-    """infra/prefect-server.sh's server, SIGKILLed with its process group and started again on
-    the same port and database 90 s later."""
+def test_the_prefect_server_dies_mid_training_and_comes_back(upstream, demo_dir, reference, tmp_path):
+    """Two runs, each with its server SIGKILLed mid-training and started again on the same port and
+    database 90 s later: one `align run` on its ephemeral server, one on infra/prefect-server.sh's
+    server (killed with its process group). Both outages at once: the 90 s are a wait, shared."""
+    ephemeral, real = tmp_path / "ephemeral", tmp_path / "real"
+    for folder in (ephemeral, real):
+        shutil.copytree(upstream, folder / "store", ignore=shutil.ignore_patterns("_leases", "_staging"))
     port = free_port()
-    infra = {
-        **os.environ,
-        "ALIGNFLOW_INFRA_DIR": str(tmp_path / "infra"),
-        "PREFECT_SERVER_PORT": str(port),
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-    }
+    infra = {**os.environ, "ALIGNFLOW_INFRA_DIR": str(real / "infra"), "PREFECT_SERVER_PORT": str(port), "PREFECT_HOME": str(real / "prefect-home")}
     script = str(REPO / "infra" / "prefect-server.sh")
     subprocess.run([script, "up"], env=infra, check=True, capture_output=True, timeout=300)
-    api = {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    run = AlignRun(seeded, tmp_path / "run.log", env=api)
+    api = {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_HOME": str(real / "prefect-home")}
+    runs = {folder: AlignRun(own_store(demo_dir, folder), folder / "run.log", env=api if folder == real else None) for folder in (ephemeral, real)}
+    restarted = None
     try:
-        run.wait_until(training(tmp_path / "store"), what="sft's first step")
-        os.killpg(int((tmp_path / "infra" / "prefect-server.pid").read_text()), signal.SIGKILL)
+        for folder, run in runs.items():
+            run.wait_until(training(folder / "store"), what=f"sft's first step ({folder.name} server)")
+        (server,) = [p for p in runs[ephemeral].descendants() if "uvicorn" in " ".join(p.cmdline())]
+        argv, env, cwd = server.cmdline(), server.environ(), server.cwd()
+        server.kill()
+        os.killpg(int((real / "infra" / "prefect-server.pid").read_text()), signal.SIGKILL)
         time.sleep(OUTAGE_S)
+        restarted = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         subprocess.run([script, "up"], env=infra, check=True, capture_output=True, timeout=300)
-        assert run.finish() == 0, run.text()[-4000:]
-        caught_up(api["PREFECT_API_URL"], tmp_path / "store")
+        for folder, run in runs.items():
+            assert run.finish() == 0, f"{folder.name}: " + run.text()[-4000:]
+        caught_up(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}/api", ephemeral / "store")
+        caught_up(api["PREFECT_API_URL"], real / "store")
     finally:
-        run.finish(timeout=1)
+        for run in runs.values():
+            run.finish(timeout=1)
+        if restarted is not None:
+            restarted.terminate()
+            restarted.wait(timeout=30)
         subprocess.run([script, "down"], env=infra, capture_output=True, timeout=120)
-    output = committed_sft(tmp_path / "store")
-    assert same_weights(weights(output), reference)
-    assert steps_of(output) == list(range(1, 41)) and sft_jobs(tmp_path) == 1
+    for folder in (ephemeral, real):
+        output = committed_sft(folder / "store")
+        assert same_weights(weights(output), reference), folder.name
+        assert steps_of(output) == list(range(1, 41)) and sft_jobs(folder) == 1, folder.name
+
+
+def own_store(demo_dir, folder: Path) -> list[str]:
+    """`align run`'s overrides for a store and job folder under `folder`."""
+    return [f"paths.demo={demo_dir}", f"store.root={folder / 'store'}", f"launcher.folder={folder / 'jobs'}", *PIPELINE, *SFT]
 
 
 def caught_up(api: str, store: Path) -> None:
