@@ -182,6 +182,12 @@ def training(
     try:
         run = setup(kind, cfg, inputs, out, num_rows, rows_per_step, model_config)
         yield run
+    except BaseException:
+        if run is not None:
+            run.workspace.close(failed=True)
+        raise
+    else:
+        run.workspace.close(failed=False)
     finally:
         if run is not None and run.metrics is not None:
             run.metrics.close()
@@ -241,10 +247,9 @@ def setup(
 
 def resume_or_start(run: Run) -> TrainerState:
     """The latest complete checkpoint, or the input model (with resume off, old checkpoints are removed)."""
-    if run.rank == 0:
+    if run.workspace.leader:  # of this node's scratch (object stores), else rank 0
         run.workspace.restore(run.cfg.checkpoint.resume)
     dist.barrier()
-    run.workspace.check_shared()
     steps = checkpointing.complete_steps(run.checkpoints)
     if steps:
         path = checkpointing.step_dir(run.checkpoints, steps[-1])
@@ -386,12 +391,13 @@ def checkpoint_due(run: Run) -> bool:
 def save_checkpoint(run: Run) -> None:
     run.checkpointed_at = time.monotonic()
     gather_weights(run.model)
-    path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state, run.trained)
-    if run.rank == 0:
-        ckpt = run.cfg.checkpoint
+    path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state, run.trained, leader=run.workspace.leader)
+    ckpt = run.cfg.checkpoint
+    if run.workspace.leader:
         deleted = checkpointing.prune(run.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
-        log.debug("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
-        run.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
+        if run.rank == 0:
+            log.debug("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
+    run.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
     dist.barrier()
 
 
@@ -405,6 +411,8 @@ def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> Train
     checkpoint = checkpointing.step_dir(run.checkpoints, state.step)
     footprint = {"trainable_params": lora.trainable_params(run.chunks), "optimizer_state_bytes": optimizer_state_bytes(run.optimizer)}
     footprint |= hardware_use(run.flops, run.step_seconds)
+    weights = final_weights(run, checkpoint)
+    run.workspace.gather(weights)  # rank 0 publishes them (`finish`): its copy must hold every node's files
     return TrainResult(
         steps=state.step,
         train_loss=state.last_loss,
@@ -414,7 +422,7 @@ def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> Train
         stopped_early=state.stopped_early,
         checkpoint=checkpoint,
         summary=(summary or {}) | footprint,
-        weights=final_weights(run, checkpoint),
+        weights=weights,
     )
 
 
@@ -427,7 +435,7 @@ def final_weights(run: Run, checkpoint: Path) -> Path:
     if run.cfg.finetuning_type != "lora_merged":
         return checkpoint / "model"
     merged = run.out / MERGED
-    if run.rank == 0:
+    if run.workspace.leader:
         shutil.rmtree(merged, ignore_errors=True)
     dist.barrier()
     gather_weights(run.model)
