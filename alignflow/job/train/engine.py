@@ -239,7 +239,11 @@ def setup(
         batches,
         trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * batches.per_epoch,
     )
-    run.state = resume_or_start(run)
+    try:
+        run.state = resume_or_start(run)
+    except BaseException:
+        run.workspace.close(failed=True)
+        raise
     if run.rank == 0:
         run.metrics = MetricsLog(run.out, run.checkpoints, run.state.step, OmegaConf.select(cfg, "logging.wandb"), kind)
     return run
