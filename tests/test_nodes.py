@@ -288,9 +288,12 @@ def test_a_node_killed_mid_training_is_retried_by_the_flow_and_resumes_with_node
         state = align(pipeline="demo", overrides=overrides, return_state=True)
         print(f"flow with a node's job killed: {time.time() - started:.1f} s")
         APILogHandler().flush()  # the run's last logs reach the API
+        messages = []
         with get_client(sync_client=True) as client:
             this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
-            logs = "\n".join(log.message for log in client.read_logs(log_filter=this_run, limit=1000))
+            while page := client.read_logs(log_filter=this_run, limit=200, offset=len(messages)):  # the API's most a call
+                messages += [log.message for log in page]
+        logs = "\n".join(messages)
         assert state.is_completed() and int(pid_file.read_text()) in killed.get("pids", ()), logs[-4000:]
         sft = state.result()["sft"]
         assert re.search(r"job \d+ lost rank\(s\) 1 \(killed, or their node failed\), then rank 0 failed", logs), logs[-4000:]
