@@ -1,15 +1,21 @@
 """Jobs across the nodes of the real 2-node cluster (infra/slurm.sh, `slurm_cluster`): each node
 a slurmd in its own network, UTS and mount namespace. Ranks meet at the first node's address
 over the interface that routes there, training at DP2 and PP2 with one rank per node gives
-the single-node run's losses, and a store a node cannot see is refused before any rank starts."""
+the single-node run's losses, a store a node cannot see is refused before any rank starts, and
+a flow run whose training job loses a node mid-training retries the stage, which resumes from its
+checkpoint, each node with its own scratch in a node-local `store.cache_dir`."""
 
+import json
+import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import cloudpickle
+import fsspec
 import pytest
 from omegaconf import OmegaConf
 
@@ -20,11 +26,12 @@ from alignflow.orchestrator.pipeline import Pipeline
 from alignflow.orchestrator.runner import run_stage
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_demo, metrics_lines, prep_demo, sft_cfg, stage_cfg  # noqa: E402
+from train_ranks import assert_same_steps, convert_demo, prep_demo, sft_cfg, stage_cfg  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this file's functions by value
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
-NODE_LOCAL = Path("/var/lib/alignflow-slurm/node-local")  # each node's own tmpfs there (infra/slurm.sh); the host's folder is another
+SLURM_STATE = Path("/var/lib/alignflow-slurm")  # infra/slurm.sh's state: the slurmds' pid files
+NODE_LOCAL = SLURM_STATE / "node-local"  # each node's own tmpfs there (infra/slurm.sh); the host's folder is another
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,53 +165,147 @@ def test_a_store_a_node_cannot_see_is_refused_at_job_start_and_nothing_is_commit
         subprocess.run(["rm", "-rf", str(store.parent)], check=True)
 
 
-def pausing_rank_1_after_a_checkpoint(pid_file: str, *args):
-    """`run_stage_job` whose rank 1 writes its pid to `pid_file` after its first checkpoint and
-    sleeps, for the test to kill it there; once that file exists (a later attempt), plain."""
-    import os
-    import time
+PAUSE_RANK_1 = """\
+# sitecustomize of the test's jobs (launcher.setup puts it on PYTHONPATH): rank 1 writes its pid
+# to $AF_TEST_PID_FILE after its first checkpoint (saved and uploaded) and sleeps there, for the
+# test to kill its node's processes; once that file exists (the retry), nothing.
+import importlib.abc, importlib.util, os, sys, time
 
-    from alignflow.job.train import checkpointing
-    from alignflow.job.worker import run_stage_job
+PID_FILE = os.environ.get("AF_TEST_PID_FILE", "")
 
-    if os.environ["SLURM_PROCID"] == "1" and not os.path.exists(pid_file):
-        save = checkpointing.save
 
-        def save_then_sleep(*a, **kw):
-            path = save(*a, **kw)
-            Path(pid_file).write_text(str(os.getpid()))
-            time.sleep(120)
-            return path
+class PauseAfterTheFirstCheckpoint(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "alignflow.job.train.engine":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
 
-        checkpointing.save = save_then_sleep
-    return run_stage_job(*args)
+        def exec_module(module):
+            load(module)
+            save = module.save_checkpoint
+
+            def save_then_sleep(run):
+                save(run)  # written and uploaded
+                open(PID_FILE, "w").write(str(os.getpid()))
+                time.sleep(300)
+
+            module.save_checkpoint = save_then_sleep
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("SLURM_PROCID") == "1" and PID_FILE and not os.path.exists(PID_FILE):
+    sys.meta_path.insert(0, PauseAfterTheFirstCheckpoint())
+"""
+
+
+def on_node(node: str, command: str) -> str:
+    """`command` in `node`'s mount namespace, where its node-local tmpfs is, as its jobs see it."""
+    pid = (SLURM_STATE / f"slurmd-{node}.pid").read_text().strip()
+    return subprocess.run(["nsenter", "-t", pid, "-m", "sh", "-c", command], capture_output=True, text=True, check=True).stdout
+
+
+def kill_the_job_on_the_node_of(pid: int) -> tuple[str, list[int]]:
+    """SIGKILL every process of pid's Slurm job on pid's node (its rank, the checkpoint writer
+    it spawned): as if the node died under the job. The node's name and the pids killed."""
+    import psutil
+
+    env = psutil.Process(pid).environ()
+    job, node = env["SLURM_JOB_ID"], env["SLURMD_NODENAME"]
+    victims = []
+    for process in psutil.process_iter():
+        try:
+            other = process.environ()
+        except psutil.Error:
+            continue
+        if other.get("SLURM_JOB_ID") == job and other.get("SLURMD_NODENAME") == node:
+            victims.append(process)
+    for process in victims:
+        process.kill()
+    return node, [p.pid for p in victims]
 
 
 @pytest.mark.slow
-def test_a_rank_killed_on_its_node_fails_the_job_for_a_retry_that_resumes_from_the_checkpoint(demo_dir, inputs, tmp_path):
-    """Rank 1's process on the second node is killed (SIGKILL) after the step-3 checkpoint: rank 0
-    fails on its lost peer, and the job fails as an infrastructure error (retried), not as the
-    stage's; the retry (a new job on the same output, as the runner submits it) resumes from step
-    3 and completes, each step once in metrics.jsonl."""
-    import os
-    import signal
+def test_a_node_killed_mid_training_is_retried_by_the_flow_and_resumes_with_node_local_scratch(
+    prefect_server, s3_endpoint, base_overrides, two_nodes, tmp_path
+):
+    """The flow (`align`, launcher=slurm) runs prep, convert and sft at DP2 over the two nodes,
+    the store on S3 and `store.cache_dir` on each node's own tmpfs. After sft's step-3
+    checkpoint every process of its job on rank 1's node is killed: rank 0 fails on its lost
+    peer, the job fails as an infrastructure error, the stage's task is retried, and its new job
+    resumes from step 3 on both nodes and completes, each step once in metrics.jsonl; the flow
+    run ends Completed. Each node downloaded the input model into its own cache and keeps it
+    there; the training scratch of each node is gone (the killed node's too, emptied by the
+    retry), and a file of the user's in the cache is left alone."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
 
-    from alignflow.orchestrator.launch import InfrastructureError
+    from flows.align import align
 
-    cfg = sft_cfg(
-        demo_dir, resources={"nodes": 2, "tasks_per_node": 1}, trainer={"max_steps": 6, "val_check_interval": 3}, checkpoint={"every_n_steps": 3}
-    )
-    out, pid_file, lines = tmp_path / "out", tmp_path / "rank1.pid", []
-    args = (str(pid_file), "sft", cfg, inputs, str(out), {})
-    job = submit(launcher(tmp_path), section(2, 1), "sft", pausing_rank_1_after_a_checkpoint, *args, resumable=True)
-    deadline = time.time() + 300
-    while not pid_file.exists() and time.time() < deadline and not job.done():
-        time.sleep(0.5)
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    with pytest.raises(InfrastructureError, match=rf"job {job.job_id} lost rank\(s\) 1 \(killed, or their node failed\), then rank 0 failed"):
-        wait(job, lines.append)
-    retry = submit(launcher(tmp_path), section(2, 1), "sft", pausing_rank_1_after_a_checkpoint, *args, resumable=True)
-    retried = []
-    assert wait(retry, retried.append)["steps"] == 6
-    assert any(f"resumed from {out / 'checkpoints' / 'step-00000003'} (step 3 of 6)" in line for line in retried), retried[-30:]
-    assert [line["step"] for line in metrics_lines(out)] == [1, 2, 3, 4, 5, 6]
+    hook, pid_file, tag = tmp_path / "hook", tmp_path / "rank1.pid", uuid.uuid4().hex[:8]
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PAUSE_RANK_1)
+    cache, bucket = NODE_LOCAL / f"cache-{tag}", f"test/nodes-{tag}"
+    for node in two_nodes:
+        on_node(node, f"mkdir -p {cache} && echo mine > {cache}/users-file")
+    overrides = [
+        *(o for o in base_overrides if not o.startswith("store.root=")),
+        "~pipeline.stages.eval",
+        "~pipeline.stages.export",  # prep -> convert -> sft
+        "launcher=slurm",
+        "launcher.partition=debug",
+        f"launcher.setup=['export PYTHONPATH={hook}:$PYTHONPATH AF_TEST_PID_FILE={pid_file}']",
+        f"store.root=s3://{bucket}/store",
+        f"+store.storage_options.client_kwargs.endpoint_url={s3_endpoint}",
+        f"store.cache_dir={cache}",
+        "sft.resources.nodes=2",
+        "sft.resources.tasks_per_node=1",
+        "sft.retries=1",
+        "sft.trainer.max_steps=6",
+        "sft.optim.warmup_steps=1",
+        "sft.trainer.val_check_interval=3",
+        "sft.trainer.limit_val_batches=1",
+        "sft.trainer.log_every_n_steps=1",
+        "sft.checkpoint.every_n_steps=3",
+    ]
+    killed = {}
+
+    def kill_when_paused():
+        deadline = time.time() + 600
+        while not pid_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.2)  # the pid is written
+        killed["node"], killed["pids"] = kill_the_job_on_the_node_of(int(pid_file.read_text()))
+
+    killer = threading.Thread(target=kill_when_paused, daemon=True)
+    killer.start()
+    started = time.time()
+    try:
+        state = align(pipeline="demo", overrides=overrides, return_state=True)
+        print(f"flow with a node's job killed: {time.time() - started:.1f} s")
+        APILogHandler().flush()  # the run's last logs reach the API
+        messages = []
+        with get_client(sync_client=True) as client:
+            this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+            while page := client.read_logs(log_filter=this_run, limit=200, offset=len(messages)):  # the API's most a call
+                messages += [log.message for log in page]
+        logs = "\n".join(messages)
+        assert state.is_completed() and int(pid_file.read_text()) in killed.get("pids", ()), logs[-4000:]
+        sft = state.result()["sft"]
+        assert re.search(r"job \d+ lost rank\(s\) 1 \(killed, or their node failed\), then rank 0 failed", logs), logs[-4000:]
+        assert "(step 3 of 6)" in logs and "resumed from" in logs, logs[-4000:]
+        fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_endpoint})
+        steps = [json.loads(line)["step"] for line in fs.cat_file(f"{sft.uri}/metrics.jsonl").decode().splitlines()]
+        assert steps == [1, 2, 3, 4, 5, 6] and sft.metrics["steps"] == 6
+        for node in two_nodes:
+            left = on_node(node, f"cd {cache} && find . | sort").split()
+            assert "./users-file" in left and on_node(node, f"cat {cache}/users-file") == "mine\n"
+            assert not [p for p in left if p.startswith("./scratch/")], (node, left)  # no training scratch left
+            assert any(p.startswith("./inputs/s3/") and p.endswith("/model/.metadata") for p in left), (node, left)  # its own copy, kept
+    finally:
+        for node in two_nodes:
+            on_node(node, f"rm -rf {cache}")

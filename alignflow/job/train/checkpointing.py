@@ -22,14 +22,15 @@ They live in the staging area: the commit leaves them out, or keeps the final on
 `checkpoint.keep_optimizer` (`alignflow.orchestrator.store.Store.committed_checkpoint`).
 
 Every rank writes into the temp folder; after a barrier rank 0 writes trainer.json,
-renames the folder to `step-N` and writes `complete`. Weights and optimizer state reshard on
+renames the folder to `step-N` and writes `complete` (where each node writes into a scratch
+of its own, each node's lowest rank does so in its copy). Weights and optimizer state reshard on
 load: a job resumes at another TP, PP or DP size (with the same precision and the same
 `use_distributed_optimizer`). At the same layout a resumed run continues bit-exactly; at
 another one the RNG states are not restored (they belong to ranks that no longer exist), so
 dropout draws other masks from there on. A checkpoint written on the other device type (CPU
 <-> GPU) resumes too: the host's RNG states are restored, the device's (Megatron's tracker,
 CUDA's) are re-seeded, and the job log says so. On a filesystem (local or shared POSIX); when the
-store is an object store, `alignflow.job.train.workspace` writes them in a local scratch and
+store is an object store, `alignflow.job.train.workspace` writes them in a scratch on each node and
 uploads each complete one.
 
 `prune` keeps the latest checkpoint (for resume) and the `save_top_k` best by the monitored
@@ -149,12 +150,15 @@ def layout() -> dict:
     }
 
 
-def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, select: str = "all") -> Path:
+def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, select: str = "all", leader: bool | None = None) -> Path:
     """Write `step-N` atomically (every rank calls this); returns its path. `select`: the
-    weights it holds (`alignflow.job.model.checkpoint.SELECT`; a LoRA run's: its adapters)."""
+    weights it holds (`alignflow.job.model.checkpoint.SELECT`; a LoRA run's: its adapters).
+    `leader`: whether this rank manages its copy of `root` (default rank 0; where each node
+    writes into a scratch of its own, each node's lowest rank: `alignflow.job.train.workspace`)."""
     rank = dist.get_rank()
+    leader = rank == 0 if leader is None else leader
     final, tmp = step_dir(root, state.step), root / f".tmp-step-{state.step:08d}"
-    if rank == 0:
+    if leader:
         for stale in (tmp, final):  # a half-written attempt, or a renamed one that never got `complete`
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -163,7 +167,7 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, 
     megatron_checkpoint.save_optimizer(optimizer, chunks, str(tmp / "optimizer"), select)
     torch.save({"layout": layout(), "rng": rng_states()}, tmp / f"rank-{rank:05d}.pt")
     dist.barrier()
-    if rank == 0:
+    if leader:
         (tmp / "trainer.json").write_text(json.dumps(state.to_json(), indent=2) + "\n")
         os.replace(tmp, final)
         fsync(root)

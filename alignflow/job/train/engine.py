@@ -185,6 +185,12 @@ def training(
     try:
         run = setup(kind, cfg, inputs, out, num_rows, rows_per_step, model_config)
         yield run
+    except BaseException:
+        if run is not None:
+            run.workspace.close(failed=True)
+        raise
+    else:
+        run.workspace.close(failed=False)
     finally:
         if run is not None and run.metrics is not None:
             run.metrics.close()
@@ -236,7 +242,11 @@ def setup(
         batches,
         trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * batches.per_epoch,
     )
-    run.state = resume_or_start(run)
+    try:
+        run.state = resume_or_start(run)
+    except BaseException:
+        run.workspace.close(failed=True)
+        raise
     if run.rank == 0:
         run.metrics = MetricsLog(run.out, run.checkpoints, run.state.step, OmegaConf.select(cfg, "logging.wandb"), kind)
     return run
@@ -244,10 +254,9 @@ def setup(
 
 def resume_or_start(run: Run) -> TrainerState:
     """The latest complete checkpoint, or the input model (with resume off, old checkpoints are removed)."""
-    if run.rank == 0:
+    if run.workspace.leader:  # of this node's scratch (object stores), else rank 0
         run.workspace.restore(run.cfg.checkpoint.resume)
     dist.barrier()
-    run.workspace.check_shared()
     steps = checkpointing.complete_steps(run.checkpoints)
     if steps:
         path = checkpointing.step_dir(run.checkpoints, steps[-1])
@@ -391,12 +400,13 @@ def checkpoint_due(run: Run) -> bool:
 def save_checkpoint(run: Run) -> None:
     run.checkpointed_at = time.monotonic()
     gather_weights(run.model)
-    path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state, run.trained)
-    if run.rank == 0:
-        ckpt = run.cfg.checkpoint
+    path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state, run.trained, leader=run.workspace.leader)
+    ckpt = run.cfg.checkpoint
+    if run.workspace.leader:
         deleted = checkpointing.prune(run.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
-        log.debug("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
-        run.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
+        if run.rank == 0:
+            log.debug("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
+    run.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
     dist.barrier()
 
 
@@ -412,6 +422,8 @@ def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> Train
     footprint |= hardware_use(run.flops, run.step_seconds)
     footprint |= {"flops": run.flops + run.val_flops, "compute_s": round(run.step_seconds + run.val_seconds, 3)}  # what the job cost
     footprint |= {"generation_s": round(run.generation_seconds, 3)} if run.generation_seconds else {}
+    weights = final_weights(run, checkpoint)
+    run.workspace.gather(weights)  # rank 0 publishes them (`finish`): its copy must hold every node's files
     return TrainResult(
         steps=state.step,
         train_loss=state.last_loss,
@@ -421,7 +433,7 @@ def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> Train
         stopped_early=state.stopped_early,
         checkpoint=checkpoint,
         summary=(summary or {}) | footprint,
-        weights=final_weights(run, checkpoint),
+        weights=weights,
     )
 
 
@@ -434,7 +446,7 @@ def final_weights(run: Run, checkpoint: Path) -> Path:
     if run.cfg.finetuning_type != "lora_merged":
         return checkpoint / "model"
     merged = run.out / MERGED
-    if run.rank == 0:
+    if run.workspace.leader:
         shutil.rmtree(merged, ignore_errors=True)
     dist.barrier()
     gather_weights(run.model)
