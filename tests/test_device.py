@@ -70,7 +70,7 @@ MODULES = {
     "teacher_logprobs": teacher_logprobs,
     "eval": eval_stage,
 }
-TIMINGS = ("tokens_per_s", "tflops", "mfu", "peak_memory_gib", "peak_memory_of")  # how fast and how big, not what
+TIMINGS = ("tokens_per_s", "tflops", "mfu", "peak_memory_gib", "peak_memory_of", "compute_s", "generation_s")  # how fast and how big, not what
 # bf16 validation attends through torch's kernels: math on accel, flash on the CPU, rounding apart in bf16
 # (relative, absolute): bf16 DPO's rewards are beta x log-prob sums of a few hundredths, whose bf16
 # rounding in another summation order moves them by up to about 2e-4 (its validation metrics too)
