@@ -46,7 +46,12 @@ cluster=${SLURM_CLUSTER:-alignflow}
 dbpass=${SLURM_DB_PASS:-slurmdb}
 export DEBIAN_FRONTEND=noninteractive
 
-running() { local p; p=$(cat "$1" 2>/dev/null) && kill -0 "$p" 2>/dev/null; }
+running() {  # running <pidfile>: its process lives and is the daemon the file is named for (slurmd-afnode1.pid: slurmd);
+  # a pid file left by a machine restarted from a disk snapshot may name another process
+  local p name; p=$(cat "$1" 2>/dev/null) || return 1
+  name=$(basename "$1" .pid); name=${name%%-*}
+  [ "$(cat "/proc/$p/comm" 2>/dev/null)" = "$name" ]
+}
 stop() {  # stop <pidfile> <name>: TERM, then wait up to 15 s
   running "$1" || return 0
   kill "$(cat "$1")"
@@ -93,7 +98,9 @@ network_up() {  # the bridge; per node a network namespace named as the node, a 
   local name addr
   for name in $(node_names); do
     addr=$(node_addr "$name")
-    node_netns | grep -x "$name" >/dev/null || ip netns add "$name"
+    if ! mountpoint -q "/run/netns/$name"; then  # absent, or a file a restarted machine kept without its namespace
+      ip netns del "$name" 2>/dev/null || true; ip link del "v-$name" 2>/dev/null || true; ip netns add "$name"
+    fi
     ip link show "v-$name" >/dev/null 2>&1 || ip link add "v-$name" type veth peer name eth0 netns "$name"
     ip link set "v-$name" master "$bridge" up
     ip -n "$name" link set lo up
@@ -132,6 +139,12 @@ stop_slurmds() {  # keep <names...>: stop every other slurmd (also of a cluster 
     [ -e "$pidfile" ] || continue
     name=$(basename "$pidfile" .pid); name=${name#slurmd}; name=${name#-}
     if ! printf '%s\n' "$@" | grep -x "$name" >/dev/null; then stop "$pidfile" slurmd && rm -f "$pidfile"; fi
+  done
+}
+cancel_orphans() {  # jobs a controller restored as running whose processes are gone (every node is on this machine)
+  local id
+  for id in $(squeue -h -t RUNNING,COMPLETING -o %A); do
+    pgrep -f "^slurmstepd: \[$id\." >/dev/null || { echo "job $id: restored as running, no process left: cancelled"; scancel "$id"; }
   done
 }
 
@@ -227,9 +240,11 @@ EOF
   running "$state/slurmdbd.pid" || slurmdbd
   wait_for 30 slurmdbd sacctmgr -n list cluster
   grep -qx "$cluster" <<<"$(sacctmgr -n -P list cluster format=cluster)" || sacctmgr -i add cluster "$cluster" >/dev/null
-  running "$state/slurmctld.pid" || slurmctld
+  local cold=0
+  running "$state/slurmctld.pid" || { slurmctld; cold=1; }
   wait_for 30 slurmctld scontrol ping
   for name in $(node_names); do slurmd_up "$name"; done
+  [ "$cold" = 0 ] || cancel_orphans
   wait_for 30 "nodes $(node_names | paste -sd ' ')" nodes_idle
   wait_for 30 sacct sacct -n -X -S now-1hours
   sinfo

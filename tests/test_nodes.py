@@ -85,6 +85,33 @@ def test_ranks_on_two_nodes_meet_at_the_first_node_over_the_nodes_network(tmp_pa
     assert results[0][1][0]["master"][1] != results[1][1][0]["master"][1]  # two jobs, two ports
 
 
+def test_up_brings_the_cluster_back_on_a_machine_restarted_from_its_disk(two_nodes):
+    """A machine restarted from its disk (as a CI machine from a snapshot) keeps /run/netns's files
+    without their namespaces, pid files that name other processes, and a controller's state with
+    jobs running whose processes are gone: `up` starts it all again, those jobs cancelled."""
+    script = Path(__file__).parents[1] / "infra" / "slurm.sh"
+    job = subprocess.run(["sbatch", "--parsable", "-N1", "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+    for _ in range(60):
+        if subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip() == "RUNNING":
+            break
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "shutdown", "slurmctld"], check=True)  # its state saved with the job running
+    for daemon in ("slurmstepd", "sleep", "slurmd", "slurmctld", "slurmdbd", "mariadbd", "munged"):  # the restart: every process gone
+        subprocess.run(["pkill", "-9", "-x", daemon])
+    for node in two_nodes:
+        subprocess.run(["umount", f"/run/netns/{node}"], check=True)  # the file stays, the namespace is gone
+        subprocess.run(["ip", "link", "del", f"v-{node}"], capture_output=True)
+        (SLURM_STATE / f"slurmd-{node}.pid").write_text("1\n")  # pid 1 lives, and is no slurmd
+    subprocess.run(["ip", "link", "del", "afslurm0"], capture_output=True)
+    Path("/run/munge/munged.pid").write_text("1\n")
+
+    up = subprocess.run([str(script), "up"], capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    hosts = subprocess.run(["srun", "-N2", "-n2", "hostname"], capture_output=True, text=True, timeout=120)
+    assert sorted(hosts.stdout.split()) == sorted(two_nodes), hosts.stdout + hosts.stderr
+    assert f"job {job}: restored as running, no process left: cancelled" in up.stdout
+
+
 @pytest.fixture(scope="module")
 def inputs(demo_dir, tmp_path_factory):
     """Demo data (with preference pairs), the demo model, and its reference log-probs for DPO."""
