@@ -3,7 +3,7 @@
 import asyncio
 import json
 import re
-import threading
+import shutil
 import time
 from pathlib import Path
 
@@ -14,7 +14,9 @@ from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import ArtifactSort
 
 from alignflow.orchestrator.config import compose as compose_module
+from alignflow.orchestrator.config.compose import build
 from alignflow.orchestrator.pipeline import Pipeline
+from alignflow.orchestrator.runner import run_stage
 from flows.align import align
 from flows.cli import main
 
@@ -34,6 +36,25 @@ PROGRESS = re.compile(r"% done|: step \d+/\d+")
 @pytest.fixture
 def base_overrides(base_overrides):
     return [*base_overrides, *FAST]
+
+
+@pytest.fixture(scope="module")
+def upstream(demo_dir, tmp_path_factory) -> Path:
+    """prep, convert and sft committed once for the module (the stages every pipeline here starts with)."""
+    root = tmp_path_factory.mktemp("upstream")
+    stages = build("demo", [f"paths.demo={demo_dir}", f"store.root={root / 'store'}", f"launcher.folder={root / 'jobs'}", *FAST])
+    results = {}
+    for name in ("prep", "convert", "sft"):
+        results[name] = run_stage(stages[name], {up: results[up] for up in stages[name].upstream()}, log=lambda line: None)
+    assert not any(r.cached for r in results.values())
+    return root / "store"
+
+
+@pytest.fixture
+def seeded(upstream, base_overrides, tmp_path) -> list[str]:
+    """This test's store starting with prep's, convert's and sft's outputs: cache hits, no job."""
+    shutil.copytree(upstream, tmp_path / "store", ignore=shutil.ignore_patterns("_leases", "_staging"))
+    return base_overrides
 
 
 def jobs_submitted(tmp_path) -> int:
@@ -109,7 +130,8 @@ def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path, monkey
     assert jobs_submitted(tmp_path) == 6  # eval alone ran again
 
 
-def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(base_overrides, tmp_path, capsys):
+def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(seeded, tmp_path, capsys):
+    base_overrides = seeded
     first = align(pipeline="demo", overrides=base_overrides)
     shorter = align(pipeline="demo", overrides=[*base_overrides, "data.seq_length=128"])
     assert shorter["prep"].fingerprint != first["prep"].fingerprint and not shorter["prep"].cached
@@ -118,7 +140,7 @@ def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(base_
     forced = align(pipeline="demo", overrides=base_overrides, force=["prep"])
     assert forced["prep"].fingerprint == first["prep"].fingerprint and not forced["prep"].cached
     assert all(forced[s].cached for s in STAGES[1:])
-    assert jobs_submitted(tmp_path) == 5 + 4 + 1
+    assert jobs_submitted(tmp_path) == 2 + 4 + 1  # eval and export; prep, sft, eval, export; prep
 
     records = sorted((tmp_path / "store" / "_runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
     assert len(records) == 3
@@ -132,32 +154,47 @@ def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(base_
     assert "no run 'no-such-run'" in capsys.readouterr().out
 
 
-def test_waiting_stages_show_in_the_ui_by_name_from_the_start(base_overrides, tmp_path):
+def test_waiting_stages_show_in_the_ui_by_name_from_the_start(seeded, tmp_path):
     """While sft trains, eval and export (waiting on it) are already task runs named eval and
-    export, not Prefect's `eval-3fa` placeholder."""
-    overrides = [*base_overrides, "sft.trainer.max_steps=60"]
-    run = threading.Thread(target=align, kwargs={"pipeline": "demo", "overrides": overrides}, daemon=True)
-    run.start()
+    export, not Prefect's `eval-3fa` placeholder. `align run` is stopped once that is seen."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    overrides = [*seeded, "sft.trainer.max_steps=60"]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", "pipeline=demo", *overrides],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     seen, deadline = None, time.time() + 600
     try:
         with get_client(sync_client=True) as client:
-            while seen is None and run.is_alive() and time.time() < deadline:
+            while seen is None and run.poll() is None and time.time() < deadline:
                 for flow_run in client.read_flow_runs():
                     if flow_run.parameters.get("overrides") != overrides:
                         continue
                     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
                     states = {t.name: t.state.type if t.state else None for t in tasks}
-                    if states.get("sft") == StateType.RUNNING and len(states) == len(STAGES):
+                    if states.get("sft") == StateType.RUNNING and set(states) == set(STAGES):  # each renamed by then
                         seen = states
                 time.sleep(0.5)
     finally:
-        run.join(timeout=600)
+        run.send_signal(signal.SIGTERM)  # a stopped run leaves no process (tests/test_faults.py)
+        run.wait(timeout=60)
     assert seen is not None, "never saw sft running with every stage's task run"
-    assert set(seen) == set(STAGES) and seen["eval"] == seen["export"] == StateType.PENDING, seen
+    assert seen["eval"] == seen["export"] == StateType.PENDING, seen
 
 
-def test_plan_marks_committed_stages(base_overrides, capsys):
-    align(pipeline="demo", overrides=base_overrides)
+def test_plan_marks_committed_stages(seeded, capsys):
+    base_overrides = seeded
     assert main(["plan", "pipeline=sft_grpo", *base_overrides]) == 0
     out = capsys.readouterr().out
     for stage in ("prep", "convert", "sft", "grpo", "eval", "export"):
@@ -166,7 +203,8 @@ def test_plan_marks_committed_stages(base_overrides, capsys):
     assert "committed" in capsys.readouterr().out
 
 
-def test_sft_grpo_pipeline_publishes_per_step_rewards(base_overrides):
+def test_sft_grpo_pipeline_publishes_per_step_rewards(seeded):
+    base_overrides = seeded
     grpo_fast = [
         "grpo.trainer.max_steps=3",
         "grpo.optim.warmup_steps=1",
@@ -194,7 +232,7 @@ def test_iterative_dpo_runs_two_rounds_and_evaluates_every_model(base_overrides)
         "dpo.optim.warmup_steps=1",
         "dpo.trainer.val_check_interval=1",
         "dpo.trainer.limit_val_batches=1",
-        "data.preference.dev_choose_samples=64",
+        "data.preference.dev_choose_samples=64",  # its reference passes and eval read every pair
     ]
     results = align(pipeline="iterative_dpo", overrides=[*base_overrides, *dpo_fast])
     assert list(results) == ["prep", "convert", "sft", "ref_round1", "dpo_round1", "ref_round2", "dpo_round2", "eval", "export"]

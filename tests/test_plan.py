@@ -50,7 +50,8 @@ def checkout_copy(tmp_path):
     return copy
 
 
-def plan_in(checkout, overrides, env=None) -> dict[str, dict]:
+def plan_json(overrides, checkout=PROJECT_ROOT, env=None) -> dict:
+    """`align plan --json pipeline=sft_dpo ...` run from `checkout`, as printed."""
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=sft_dpo", *overrides],
         cwd=checkout,
@@ -59,7 +60,12 @@ def plan_in(checkout, overrides, env=None) -> dict[str, dict]:
         env=env,
         check=True,
     )
-    return {row["stage"]: row for row in json.loads(out.stdout)["stages"]}
+    return json.loads(out.stdout)
+
+
+def plan_in(checkout, overrides, env=None) -> dict[str, dict]:
+    """Each stage's row of that plan."""
+    return {row["stage"]: row for row in plan_json(overrides, checkout, env)["stages"]}
 
 
 def edit(path, old, new):
@@ -174,17 +180,6 @@ def test_a_new_stage_kind_is_its_two_modules_its_schema_class_and_its_name(base_
 
 
 SFT_DPO = ["prep", "convert", "sft", "ref_logprobs", "dpo", "eval", "export"]
-
-
-def plan_json(overrides) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "plan", "--json", "pipeline=sft_dpo", *overrides],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout)
 
 
 def committed_manifests(overrides) -> dict[str, dict]:
