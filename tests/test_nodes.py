@@ -90,7 +90,9 @@ def test_up_brings_the_cluster_back_on_a_machine_restarted_from_its_disk(two_nod
     without their namespaces, pid files that name other processes, and a controller's state with
     jobs running whose processes are gone: `up` starts it all again, those jobs cancelled."""
     script = Path(__file__).parents[1] / "infra" / "slurm.sh"
-    job = subprocess.run(["sbatch", "--parsable", "-N1", "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+    job = subprocess.run(
+        ["sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "sleep 600"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     try:
         deadline = time.time() + 300  # launched, as the controller knows (the nodes may be finishing an earlier test's jobs)
         while f"{job}.batch" not in subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True).stdout:
