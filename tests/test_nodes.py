@@ -91,7 +91,7 @@ def test_up_brings_the_cluster_back_on_a_machine_restarted_from_its_disk(two_nod
     jobs running whose processes are gone: `up` starts it all again, those jobs cancelled."""
     script = Path(__file__).parents[1] / "infra" / "slurm.sh"
     job = subprocess.run(
-        ["sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "sleep 600"], capture_output=True, text=True, check=True
+        ["sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "sleep 601"], capture_output=True, text=True, check=True
     ).stdout.strip()
     try:
         deadline = time.time() + 300  # launched, as the controller knows (the nodes may be finishing an earlier test's jobs)
@@ -114,7 +114,8 @@ def restart_from_disk(nodes: list[str]) -> None:
     subprocess.run(["scontrol", "shutdown", "slurmctld"], check=True)  # its state saved with the job running, then it exits
     while subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0:
         time.sleep(0.2)
-    for daemon in ("slurmstepd", "sleep", "slurmd", "slurmctld", "slurmdbd", "mariadbd", "munged"):
+    subprocess.run(["pkill", "-9", "-f", "^sleep 601$"])  # the job's process, no other sleep on the machine
+    for daemon in ("slurmstepd", "slurmd", "slurmctld", "slurmdbd", "mariadbd", "munged"):
         subprocess.run(["pkill", "-9", "-x", daemon])
     for node in nodes:
         subprocess.run(["umount", f"/run/netns/{node}"], check=True)  # the file stays, the namespace is gone
