@@ -141,11 +141,12 @@ stop_slurmds() {  # keep <names...>: stop every other slurmd (also of a cluster 
     if ! printf '%s\n' "$@" | grep -x "$name" >/dev/null; then stop "$pidfile" slurmd && rm -f "$pidfile"; fi
   done
 }
-cancel_orphans() {  # jobs a controller restored as running whose processes are gone (every node is on this machine)
-  local id
-  for id in $(squeue -h -t RUNNING,COMPLETING -o %A); do
+cancel_orphans() {  # cancel_orphans <epoch>: jobs started before then (restored by a controller started then)
+  local id start  # whose processes are gone (every node is on this machine)
+  while read -r id start; do
+    [ -n "$id" ] && [ "$(date -d "$start" +%s)" -lt "$1" ] || continue
     pgrep -f "^slurmstepd: \[$id\." >/dev/null || { echo "job $id: restored as running, no process left: cancelled"; scancel "$id"; }
-  done
+  done <<<"$(squeue -h -t RUNNING,COMPLETING -o '%A %S')"
 }
 
 up() {
@@ -241,10 +242,10 @@ EOF
   wait_for 30 slurmdbd sacctmgr -n list cluster
   grep -qx "$cluster" <<<"$(sacctmgr -n -P list cluster format=cluster)" || sacctmgr -i add cluster "$cluster" >/dev/null
   local cold=0
-  running "$state/slurmctld.pid" || { slurmctld; cold=1; }
+  running "$state/slurmctld.pid" || { cold=$(date +%s); slurmctld; }
   wait_for 30 slurmctld scontrol ping
   for name in $(node_names); do slurmd_up "$name"; done
-  [ "$cold" = 0 ] || cancel_orphans
+  [ "$cold" = 0 ] || cancel_orphans "$cold"
   wait_for 30 "nodes $(node_names | paste -sd ' ')" nodes_idle
   wait_for 30 sacct sacct -n -X -S now-1hours
   sinfo
