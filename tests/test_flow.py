@@ -2,8 +2,12 @@
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +16,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import ArtifactSort
+from prefect.settings import PREFECT_API_URL
 
 from alignflow.orchestrator.config import compose as compose_module
 from alignflow.orchestrator.config.compose import build
@@ -51,10 +56,9 @@ def upstream(demo_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def seeded(upstream, base_overrides, tmp_path) -> list[str]:
+def seeded(upstream, tmp_path) -> None:
     """This test's store starting with prep's, convert's and sft's outputs: cache hits, no job."""
     shutil.copytree(upstream, tmp_path / "store", ignore=shutil.ignore_patterns("_leases", "_staging"))
-    return base_overrides
 
 
 def jobs_submitted(tmp_path) -> int:
@@ -130,8 +134,8 @@ def test_demo_pipeline_runs_then_hits_the_cache(base_overrides, tmp_path, monkey
     assert jobs_submitted(tmp_path) == 6  # eval alone ran again
 
 
-def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(seeded, tmp_path, capsys):
-    base_overrides = seeded
+@pytest.mark.usefixtures("seeded")
+def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(base_overrides, tmp_path, capsys):
     first = align(pipeline="demo", overrides=base_overrides)
     shorter = align(pipeline="demo", overrides=[*base_overrides, "data.seq_length=128"])
     assert shorter["prep"].fingerprint != first["prep"].fingerprint and not shorter["prep"].cached
@@ -154,17 +158,11 @@ def test_changed_input_config_reruns_and_force_reruns_and_compare_says_why(seede
     assert "no run 'no-such-run'" in capsys.readouterr().out
 
 
-def test_waiting_stages_show_in_the_ui_by_name_from_the_start(seeded, tmp_path):
+@pytest.mark.usefixtures("seeded")
+def test_waiting_stages_show_in_the_ui_by_name_from_the_start(base_overrides):
     """While sft trains, eval and export (waiting on it) are already task runs named eval and
     export, not Prefect's `eval-3fa` placeholder. `align run` is stopped once that is seen."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from prefect.settings import PREFECT_API_URL
-
-    overrides = [*seeded, "sft.trainer.max_steps=60"]
+    overrides = [*base_overrides, "sft.trainer.max_steps=60"]
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     run = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "run", "pipeline=demo", *overrides],
@@ -193,8 +191,8 @@ def test_waiting_stages_show_in_the_ui_by_name_from_the_start(seeded, tmp_path):
     assert seen["eval"] == seen["export"] == StateType.PENDING, seen
 
 
-def test_plan_marks_committed_stages(seeded, capsys):
-    base_overrides = seeded
+@pytest.mark.usefixtures("seeded")
+def test_plan_marks_committed_stages(base_overrides, capsys):
     assert main(["plan", "pipeline=sft_grpo", *base_overrides]) == 0
     out = capsys.readouterr().out
     for stage in ("prep", "convert", "sft", "grpo", "eval", "export"):
@@ -203,8 +201,8 @@ def test_plan_marks_committed_stages(seeded, capsys):
     assert "committed" in capsys.readouterr().out
 
 
-def test_sft_grpo_pipeline_publishes_per_step_rewards(seeded):
-    base_overrides = seeded
+@pytest.mark.usefixtures("seeded")
+def test_sft_grpo_pipeline_publishes_per_step_rewards(base_overrides):
     grpo_fast = [
         "grpo.trainer.max_steps=3",
         "grpo.optim.warmup_steps=1",
