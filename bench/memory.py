@@ -104,7 +104,7 @@ def rank_main(rank: int, setting: str, results) -> None:
     )
     runtime.init_parallel(cfg.parallel, seed=1)
     baseline = kb("VmRSS")
-    chunk = build_gpt(LLAMA, cfg.parallel, params_dtype=resolve_precision(precision), calculate_per_token_loss=True, **recompute_settings(cfg))
+    [chunk] = build_gpt(LLAMA, cfg.parallel, params_dtype=resolve_precision(precision), calculate_per_token_loss=True, **recompute_settings(cfg))
     model = wrap_ddp([chunk], ddp_config(cfg.parallel))
     chunk.config.finalize_model_grads_func = None  # run apart, below
     optimizer = build_optimizer(model, cfg, resolve_precision(precision))

@@ -31,8 +31,7 @@ def build(ckpt: Path, tp: int, pp: int, ep: int = 1) -> tuple[list, dict]:
     hf_config = json.loads((ckpt / HF_DIR / "config.json").read_text())
     parallel = parallel_cfg(tp, pp, ep=ep)
     runtime.init_parallel(parallel)
-    built = build_gpt(hf_config, parallel)
-    chunks = [c.eval() for c in (built if isinstance(built, list) else [built])]
+    chunks = [c.eval() for c in build_gpt(hf_config, parallel)]
     checkpoint.load(chunks, str(ckpt / MODEL_DIR))
     return chunks, hf_config
 

@@ -279,8 +279,7 @@ def greedy_mismatches(case: str, parallel: dict, hf_state: dict) -> int:
 
 def converted_chunks(hf_config: dict, parallel: dict, hf_state: dict) -> list:
     """This rank's Megatron chunks with its share of the converted HF weights, in eval mode."""
-    built = build_gpt(hf_config, parallel)
-    chunks = built if isinstance(built, list) else [built]
+    chunks = build_gpt(hf_config, parallel)
     vp_size = parallel["virtual_pipeline_model_parallel_size"]
     for vp_stage, chunk in enumerate(chunks):
         load_megatron_state(

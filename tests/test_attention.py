@@ -69,7 +69,7 @@ def test_forward_only_log_probs_equal_the_training_forwards(one_rank, dtype, tmp
     gradients (the reference, the old policy) and train mode with them, through Megatron's
     forward and (fp32, where the engine takes it) the lean forward."""
     hf_model, config = tiny_hf_model("mistral_window", max_position_embeddings=512)
-    model = build_gpt(config, one_rank, params_dtype=dtype)
+    [model] = build_gpt(config, one_rank, params_dtype=dtype)
     load_megatron_state(model, hf_to_megatron(saved_state(hf_model, tmp_path), config, 0, 1, 0, 1))
     batch, _ = packed_batch(ROWS, LENGTH)
 
@@ -113,7 +113,7 @@ def test_no_s_by_s_tensor_for_a_long_packed_row(one_rank, case):
     on, is below 2048^2 elements (a dense mask is 2048^2; scores per head are more)."""
     s = 2048
     config = tiny_hf_model(case, max_position_embeddings=s)[1]
-    model = build_gpt(config, one_rank)
+    [model] = build_gpt(config, one_rank)
     for grad in (True, False):
         watch = LargestOutput()
         with watch, torch.set_grad_enabled(grad):
@@ -130,7 +130,7 @@ def test_thd_sequences_attend_as_the_same_documents_of_a_row(one_rank):
     THD queries [t, heads, dim] with their cu_seqlens give what the [s, b] row gives."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    model = build_gpt(tiny_hf_model("gemma2")[1], one_rank)
+    [model] = build_gpt(tiny_hf_model("gemma2")[1], one_rank)
     attention = model.decoder.layers[0].self_attention.core_attention  # a window layer, soft-capped
     assert attention.softcap == 5.0 and attention.window_size == (3, 0)
     generator = torch.Generator().manual_seed(0)

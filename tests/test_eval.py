@@ -169,7 +169,7 @@ def test_megatron_greedy_equals_hf_greedy(outputs, demo_dir):
     try:
         model, _ = eval_stage.load_model(str(root / "convert" / "c1"), 128)
         with torch.no_grad():
-            got = generate(model, prompt.tolist(), Sampling(10, eos_id=-1, vocab_size=hf.config.vocab_size), batch_size=2)
+            got = generate([model], prompt.tolist(), Sampling(10, eos_id=-1, vocab_size=hf.config.vocab_size), batch_size=2)
     finally:
         runtime.teardown()
     assert [c.tokens for c in got] == expected.tolist()

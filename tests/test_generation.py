@@ -26,7 +26,7 @@ PROMPTS = [[5, 9, 42, 7], [8, 8, 30, 2, 11, 6], [5, 9, 42, 7], [3, 3, 3, 3], [1,
 @pytest.fixture(scope="module")
 def llama(one_rank, tmp_path_factory):
     hf_model, config = tiny_hf_model("llama")
-    model = build_gpt(config, one_rank)
+    [model] = build_gpt(config, one_rank)
     load_megatron_state(model, hf_to_megatron(saved_state(hf_model, tmp_path_factory.mktemp("llama")), config, 0, 1, 0, 1))
     return model.eval()
 
@@ -38,23 +38,23 @@ def test_greedy_generation_equals_hf_generate(one_rank, case, tmp_path):
 
 def test_sampling_is_reproducible_under_a_seed(llama):
     sampling = Sampling(max_new_tokens=10, eos_id=-1, vocab_size=100, temperature=1.0, top_p=0.95, top_k=40)
-    first = generate(llama, PROMPTS, sampling, 2, seed=7)
-    other = generate(llama, PROMPTS, sampling, 2, seed=8)
+    first = generate([llama], PROMPTS, sampling, 2, seed=7)
+    other = generate([llama], PROMPTS, sampling, 2, seed=8)
     assert [c.tokens for c in first] != [c.tokens for c in other]
-    assert [c.tokens for c in first] == [c.tokens for c in generate(llama, PROMPTS, sampling, 2, seed=7)]
+    assert [c.tokens for c in first] == [c.tokens for c in generate([llama], PROMPTS, sampling, 2, seed=7)]
     assert all(len(c.tokens) == 10 and c.truncated for c in first)
 
 
 def test_top_k_1_and_a_tiny_top_p_are_greedy(llama):
-    greedy = [c.tokens for c in generate(llama, PROMPTS, Sampling(8, -1, 100), 4)]
+    greedy = [c.tokens for c in generate([llama], PROMPTS, Sampling(8, -1, 100), 4)]
     for sampling in (Sampling(8, -1, 100, temperature=1.0, top_k=1), Sampling(8, -1, 100, temperature=0.7, top_p=1e-6)):
-        assert [c.tokens for c in generate(llama, PROMPTS, sampling, 4, seed=1)] == greedy
+        assert [c.tokens for c in generate([llama], PROMPTS, sampling, 4, seed=1)] == greedy
 
 
 def test_completions_stop_after_eos(llama):
-    greedy = generate(llama, PROMPTS, Sampling(8, -1, 100), 4)
+    greedy = generate([llama], PROMPTS, Sampling(8, -1, 100), 4)
     eos = greedy[0].tokens[2]
-    stopped = generate(llama, PROMPTS, Sampling(8, eos, 100), 4)
+    stopped = generate([llama], PROMPTS, Sampling(8, eos, 100), 4)
     assert stopped[0].tokens == greedy[0].tokens[: greedy[0].tokens.index(eos) + 1] and not stopped[0].truncated
 
 
@@ -64,7 +64,7 @@ def test_logps_are_the_models_and_sampling_logps_the_filtered_tempered_ones(llam
     sampling_logps are under the distribution drawn from, softmax(logits / temperature) renormalised
     over the top 20 tokens (vLLM's processed log-probs, as NeMo-RL v0.6 trains on); greedy: logps."""
     sampling = Sampling(8, -1, 100, temperature=temperature, top_k=20)
-    for prompt, completion in zip(PROMPTS, generate(llama, PROMPTS, sampling, 3, seed=3)):
+    for prompt, completion in zip(PROMPTS, generate([llama], PROMPTS, sampling, 3, seed=3)):
         with torch.no_grad():
             ids = torch.tensor([prompt + completion.tokens], device=device())
             logits = llama(ids, None, None, runtime_gather_output=True)[0, len(prompt) - 1 : -1, :100].cpu()
@@ -101,9 +101,9 @@ def test_virtual_pipeline_chunks_are_refused(llama):
 
 
 def test_models_outside_the_llama_family_are_refused(one_rank):
-    model = build_gpt(tiny_hf_model("llama")[1], one_rank, apply_residual_connection_post_layernorm=True)
+    [model] = build_gpt(tiny_hf_model("llama")[1], one_rank, apply_residual_connection_post_layernorm=True)
     with pytest.raises(NotImplementedError, match="apply_residual_connection_post_layernorm"):
-        generate(model, PROMPTS, Sampling(4, -1, 100), 2)
+        generate([model], PROMPTS, Sampling(4, -1, 100), 2)
 
 
 def test_grpo_trains_on_the_log_probs_it_sampled_from(llama):
@@ -111,7 +111,7 @@ def test_grpo_trains_on_the_log_probs_it_sampled_from(llama):
     are the sampler's: under the filtered, renormalised distribution (NeMo-RL v0.6), not the
     full one the KL reads (UNFILTERED)."""
     sampling = Sampling(6, -1, 100, temperature=0.7, top_p=0.8, top_k=30)
-    completions = generate(llama, PROMPTS, sampling, 3, seed=5)
+    completions = generate([llama], PROMPTS, sampling, 3, seed=5)
     rollouts = Rollouts(PROMPTS, completions, torch.zeros(len(PROMPTS)), torch.ones(len(PROMPTS), dtype=torch.bool), pad_id=0)
     batch = rollouts.collate(range(len(PROMPTS)))
     with torch.no_grad():

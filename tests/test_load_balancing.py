@@ -43,7 +43,7 @@ def converted(request, demo_dir, tmp_path_factory):
 
 
 def megatron_model(config: dict, model_dir: Path, one_rank, cache: Path):
-    model = build_gpt(config, one_rank)
+    [model] = build_gpt(config, one_rank)
     load_model_output([model], local_model(str(model_dir), cache), cache)
     return model
 

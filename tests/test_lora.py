@@ -163,7 +163,7 @@ def _our_logits(lora_out: Path, base: str, ids: torch.Tensor, vocab: int) -> tor
     runtime.init_parallel(parallel)
     try:
         output = ModelOutput(str(lora_out))
-        model = build_gpt(output.hf_config, parallel).eval()
+        model = build_gpt(output.hf_config, parallel)[0].eval()
         checkpoint.load([model], ModelOutput(base).weights)
         lora.attach([model], lora.LoRASettings(**{k: output.lora[k] for k in lora.LoRASettings.__dataclass_fields__}), seed=0)
         checkpoint.load([model], output.adapter, "adapters")
@@ -277,7 +277,7 @@ def test_dropout_draws_one_mask_per_projection_as_peft(one_rank, path):
     from alignflow.job.model.gpt import build_gpt
 
     _, config = tiny_hf_model("llama")
-    model = build_gpt(config, one_rank)
+    [model] = build_gpt(config, one_rank)
     lora.attach([model], lora.LoRASettings(adapter_dim=4, alpha=8, adapter_dropout=0.5, target_modules=(path.split(".")[-1],)), seed=0)
     adapter = model.decoder.layers[0].get_submodule(path).adapter.train()
     parts = adapter.spec.parts

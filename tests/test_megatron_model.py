@@ -135,7 +135,7 @@ def test_lean_forward_matches_hf_on_each_document_of_a_packed_row(one_rank, case
 
 def test_local_spec_norms_load_under_checkpoint_names(one_rank, tmp_path):
     hf_model, config = tiny_hf_model("qwen2")
-    model = build_gpt(config, one_rank)
+    [model] = build_gpt(config, one_rank)
     names = checkpoint_names(model)
     assert names["decoder.layers.0.input_layernorm.weight"] == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
     assert names["decoder.layers.0.pre_mlp_layernorm.weight"] == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
@@ -147,7 +147,7 @@ def test_local_spec_norms_load_under_checkpoint_names(one_rank, tmp_path):
 def test_hf_through_a_megatron_model_and_back_is_exact(one_rank, case, tmp_path):
     hf_model, config = tiny_hf_model(case)
     hf_state = saved_state(hf_model, tmp_path)
-    model = build_gpt(config, one_rank)
+    [model] = build_gpt(config, one_rank)
     load_megatron_state(model, hf_to_megatron(hf_state, config, 0, 1, 0, 1))
     back = megatron_to_hf(megatron_state(model), config)
     assert back.keys() == hf_state.keys()
@@ -159,7 +159,7 @@ def test_load_refuses_a_state_that_does_not_match(one_rank, tmp_path):
     state = hf_to_megatron(saved_state(hf_model, tmp_path), config, 0, 1, 0, 1)
     del state["decoder.layers.1.mlp.linear_fc2.weight"]
     with pytest.raises(ValueError, match="missing .*decoder.layers.1.mlp.linear_fc2.weight"):
-        load_megatron_state(build_gpt(config, one_rank), state)
+        load_megatron_state(build_gpt(config, one_rank)[0], state)
 
 
 def test_seeds_make_init_reproducible_and_the_rng_tracker_runs_on_cpu(one_rank):
@@ -169,7 +169,7 @@ def test_seeds_make_init_reproducible_and_the_rng_tracker_runs_on_cpu(one_rank):
 
     def init(seed: int) -> dict:
         runtime.seed_all(seed)
-        return megatron_state(build_gpt(config, one_rank))
+        return megatron_state(build_gpt(config, one_rank)[0])
 
     first, second, other = init(7), init(7), init(8)
     assert all(torch.equal(first[name], second[name]) for name in first)
@@ -206,7 +206,7 @@ def test_longrope_past_its_original_positions_is_refused(one_rank, case, tmp_pat
     ):
         model(tokens(batch=1, seq=33), None, None)
     with pytest.raises(ValueError, match="original_max_position_embeddings=32"):
-        generate(model, [list(range(1, 30))], Sampling(max_new_tokens=8, eos_id=-1, vocab_size=100), batch_size=1)
+        generate([model], [list(range(1, 30))], Sampling(max_new_tokens=8, eos_id=-1, vocab_size=100), batch_size=1)
 
 
 def test_unsupported_architecture_fails_before_building():

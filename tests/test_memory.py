@@ -77,7 +77,7 @@ def saved_activation_bytes(config: dict, dtype: torch.dtype, rows: int, seq: int
     from alignflow.job.model.decoder import LeanForward
     from alignflow.job.model.gpt import build_gpt
 
-    model = build_gpt(config, parallel_cfg(), params_dtype=dtype)
+    [model] = build_gpt(config, parallel_cfg(), params_dtype=dtype)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept = {}
 

@@ -175,7 +175,7 @@ def test_packed_row_loss_equals_documents_one_by_one(demo_dir, tmp_path):
     rows = [i for i in range(len(data.train)) if len(data.train.row(i)[2]) >= 4][:2]  # rows with >= 3 documents
     runtime.init_parallel(parallel, seed=3)
     try:
-        model = build_gpt(hf_config, parallel, calculate_per_token_loss=True).eval()
+        model = build_gpt(hf_config, parallel, calculate_per_token_loss=True)[0].eval()
         with torch.no_grad():
             packed = to_device(data.train.collate(rows))
             per_token = sft_forward(model, packed) * packed["loss_mask"]

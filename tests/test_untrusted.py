@@ -179,7 +179,7 @@ def test_loading_a_model_output_that_would_run_code_is_refused(one_rank, convert
     else:
         hostile_metadata(output / MODEL_DIR, marker)
         wanted, error = "pathlib.Path.touch", CheckpointException  # DCP wraps what a rank raised
-    chunks = [build_gpt(json.loads((output / HF_DIR / "config.json").read_text()), one_rank)]
+    chunks = build_gpt(json.loads((output / HF_DIR / "config.json").read_text()), one_rank)
     with pytest.raises(error) as err:
         checkpoint.load(chunks, str(output / MODEL_DIR))
     assert f"{output / MODEL_DIR / hostile} wants to import {wanted}; {REFUSED}" in str(err.value)
@@ -226,7 +226,7 @@ def test_a_megatron_written_nemo_style_checkpoint_converts_exactly(one_rank, dem
     from alignflow.job.model import checkpoint
     from alignflow.job.model.gpt import build_gpt
 
-    chunks = [build_gpt(json.loads((converted / HF_DIR / "config.json").read_text()), one_rank)]
+    chunks = build_gpt(json.loads((converted / HF_DIR / "config.json").read_text()), one_rank)
     checkpoint.load(chunks, str(converted / MODEL_DIR))
     state = chunks[0].sharded_state_dict(prefix="module.")
     assert any(key.endswith("._extra_state") for key in state)

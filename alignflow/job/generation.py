@@ -1,6 +1,6 @@
 """Sampling from a Megatron-Core GPTModel with a KV cache, for rollouts (GRPO) and eval.
 
-`generate(model, prompts, sampling, batch_size, seed)` continues each prompt (token ids) until
+`generate(chunks, prompts, sampling, batch_size, seed)` continues each prompt (token ids) until
 EOS or `max_new_tokens`. Prompts are sorted by length (stably, so GRPO's groups stay together)
 and cut into batches of at most `batch_size` rows; a batch of mixed lengths is left-padded
 (`alignflow.job.model.decoder`: its own positions and attention mask per row, no recomputation).
@@ -86,17 +86,16 @@ EOS_CHECK_EVERY_DEFAULT = 16
 
 
 @torch.inference_mode()
-def generate(model, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_size: int, seed: int = 0) -> list[Completion]:
-    """Completions of `prompts`, in order. `model` is this rank's GPTModel (one PP stage); its
-    weights are read directly, so with overlapped parameter gathers call
+def generate(chunks: Sequence, prompts: Sequence[Sequence[int]], sampling: Sampling, batch_size: int, seed: int = 0) -> list[Completion]:
+    """Completions of `prompts`, in order. `chunks` are this rank's model chunks (`build_gpt`),
+    one PP stage; their weights are read directly, so with overlapped parameter gathers call
     `alignflow.job.train.engine.gather_weights` first."""
-    if isinstance(model, list):
-        if len(model) > 1:
-            raise NotImplementedError(
-                "generation with virtual pipeline parallelism (several model chunks per rank) is not supported; "
-                "set parallel.virtual_pipeline_model_parallel_size: null"
-            )
-        model = model[0]
+    if len(chunks) > 1:
+        raise NotImplementedError(
+            "generation with virtual pipeline parallelism (several model chunks per rank) is not supported; "
+            "set parallel.virtual_pipeline_model_parallel_size: null"
+        )
+    [model] = chunks
     generator = torch.Generator(device="cpu").manual_seed(seed)  # draws on the host: the same samples on every device type
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]

@@ -81,8 +81,7 @@ def frozen_chunks(output: ModelOutput, parallel, divisible_by: int, cache: Path,
     (reference, teacher, eval) all start this way."""
     from alignflow.job.model.gpt import build_gpt
 
-    built = build_gpt(output.hf_config, parallel, params_dtype=params_dtype, make_vocab_size_divisible_by=divisible_by)
-    chunks = built if isinstance(built, list) else [built]
+    chunks = build_gpt(output.hf_config, parallel, params_dtype=params_dtype, make_vocab_size_divisible_by=divisible_by)
     load_model_output(chunks, output, cache)
     return [c.eval() for c in chunks]
 

@@ -505,9 +505,10 @@ def build_gpt(
     parallel_output: bool = True,
     head_seed: int = 0,
     **overrides,
-) -> Union[GPTModel, list[GPTModel]]:
-    """This rank's GPTModel (its pipeline stage), or its list of chunks with virtual PP; a
-    `ScoreModel` for a ...ForSequenceClassification config (a new head drawn with `head_seed`).
+) -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel (its pipeline stage), one per virtual stage with
+    virtual PP (always a list, as Megatron-LM's `get_model`); `ScoreModel`s for a
+    ...ForSequenceClassification config (a new head drawn with `head_seed`).
 
     Call after `runtime.init_parallel`. `parallel_output` keeps logits vocab-parallel (for
     Megatron's vocab-parallel cross entropy); pass `runtime_gather_output=True` to forward
@@ -528,8 +529,7 @@ def build_gpt(
     )
     if shape.score_head:
         common |= {"head_std": shape.initializer_range, "head_seed": head_seed}
-    chunks = [_build_chunk(common, shape, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
-    return chunks if vp_size else chunks[0]
+    return [_build_chunk(common, shape, vp_stage, vp_size) for vp_stage in (range(vp_size) if vp_size else [None])]
 
 
 def _build_chunk(common: dict, shape: ModelShape, vp_stage: Optional[int], vp_size: Optional[int]) -> GPTModel:

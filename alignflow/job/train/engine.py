@@ -206,7 +206,7 @@ def setup(
     init = local_model(inputs["model"], cache)
     hf_config = model_config(init.hf_config) if model_config else init.hf_config
     runtime.init_parallel(section.parallel, seed=section.trainer.seed)
-    built = build_gpt(
+    chunks = build_gpt(
         hf_config,
         section.parallel,
         params_dtype=dtype,
@@ -217,7 +217,6 @@ def setup(
         calculate_per_token_loss=True,
         **recompute_settings(section),
     )
-    chunks = built if isinstance(built, list) else [built]
     if section.finetuning_type != "all_weights":  # the frozen base first, then its adapters: all the optimizer sees
         load_model_output(chunks, init, cache)
         lora.attach(chunks, lora.LoRASettings.of(section.lora), seed=section.trainer.seed)
