@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from alignflow.orchestrator import demo
-from alignflow.job.checkpoint.safetensors_io import TensorSpec, write_sharded
+from alignflow.job.model_files.safetensors_io import TensorSpec, write_sharded
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],

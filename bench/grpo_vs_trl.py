@@ -103,7 +103,7 @@ def ours(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]
     """(step s, generated tokens, generation s) of each step of the grpo stage's own `step`."""
     import dataclasses
 
-    from alignflow.job.checkpoint import ModelOutput
+    from alignflow.job.model_files import ModelOutput
     from alignflow.job.data.prepared import Prepared
     from alignflow.job.stages import grpo
     from alignflow.job.train import engine

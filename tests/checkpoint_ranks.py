@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node N tests/checkpoint_ranks.py resave CKPT DEST --tp T --pp P [--ep E]
 
 `logits` builds the Megatron model at the layout, loads the torch_dist checkpoint CKPT
-(an `alignflow.job.checkpoint` directory), and on the last stage saves full-vocab logits of
+(an `alignflow.job.model_files` directory), and on the last stage saves full-vocab logits of
 fixed tokens and their max error against the HF model in HF_DIR. `resave` loads CKPT and
 saves it again with Megatron-Core's own writer at that layout (a TP- or PP-sharded checkpoint).
 """
@@ -19,8 +19,8 @@ import torch
 from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM
 
-from alignflow.job.checkpoint import HF_DIR, MODEL_DIR
-from alignflow.job.model import checkpoint, runtime
+from alignflow.job.model_files import HF_DIR, MODEL_DIR
+from alignflow.job.model import sharded_state, runtime
 from alignflow.job.model.gpt import build_gpt
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -32,7 +32,7 @@ def build(ckpt: Path, tp: int, pp: int, ep: int = 1) -> tuple[list, dict]:
     parallel = parallel_cfg(tp, pp, ep=ep)
     runtime.init_parallel(parallel)
     chunks = [c.eval() for c in build_gpt(hf_config, parallel)]
-    checkpoint.load(chunks, str(ckpt / MODEL_DIR))
+    sharded_state.load(chunks, str(ckpt / MODEL_DIR))
     return chunks, hf_config
 
 
@@ -54,7 +54,7 @@ def logits(args) -> int:
 def resave(args) -> int:
     chunks, _ = build(Path(args.ckpt), args.tp, args.pp, args.ep)
     dest = Path(args.dest)
-    checkpoint.save(chunks, str(dest / MODEL_DIR))
+    sharded_state.save(chunks, str(dest / MODEL_DIR))
     if torch.distributed.get_rank() == 0:
         shutil.copytree(Path(args.ckpt) / HF_DIR, dest / HF_DIR, dirs_exist_ok=True)
     runtime.teardown()

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from alignflow import PROJECT_ROOT
-from alignflow.job.checkpoint import HF_DIR, MODEL_DIR
-from alignflow.job.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry, save_lazy
+from alignflow.job.model_files import HF_DIR, MODEL_DIR
+from alignflow.job.model_files.dist_io import Chunk, DistCheckpointReader, Entry, save_lazy
 from alignflow.orchestrator.config.compose import ConfigError, build, compose
 from alignflow.job.convert import streaming
 from alignflow.orchestrator.fingerprint import fingerprint

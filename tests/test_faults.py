@@ -85,7 +85,7 @@ def reference(upstream, demo_dir, tmp_path_factory) -> dict:
 
 def weights(output: Path) -> dict:
     """Every tensor of a model output's torch_dist `model/`."""
-    from alignflow.job.checkpoint.dist_io import DistCheckpointReader
+    from alignflow.job.model_files.dist_io import DistCheckpointReader
 
     reader = DistCheckpointReader(str(output / "model"))
     return {key: reader.read(key) for key in reader.keys()}

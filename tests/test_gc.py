@@ -19,7 +19,7 @@ import torch
 from rich.filesize import decimal
 
 from alignflow.orchestrator import runs
-from alignflow.job.checkpoint.dist_io import DistCheckpointReader
+from alignflow.job.model_files.dist_io import DistCheckpointReader
 from alignflow.orchestrator.config.compose import compose
 from alignflow.job.data.prepared import Prepared
 from alignflow.orchestrator.gc import CATEGORIES

@@ -155,8 +155,8 @@ def _our_logits(lora_out: Path, base: str, ids: torch.Tensor, vocab: int) -> tor
     """Our Megatron model with its adapters as trained (not merged): the base, then the adapter."""
     from megatron_ranks import megatron_logits, parallel_cfg
 
-    from alignflow.job.checkpoint import ModelOutput
-    from alignflow.job.model import checkpoint, lora, runtime
+    from alignflow.job.model_files import ModelOutput
+    from alignflow.job.model import sharded_state, lora, runtime
     from alignflow.job.model.gpt import build_gpt
 
     parallel = parallel_cfg()
@@ -164,9 +164,9 @@ def _our_logits(lora_out: Path, base: str, ids: torch.Tensor, vocab: int) -> tor
     try:
         output = ModelOutput(str(lora_out))
         model = build_gpt(output.hf_config, parallel)[0].eval()
-        checkpoint.load([model], ModelOutput(base).weights)
+        sharded_state.load([model], ModelOutput(base).weights)
         lora.attach([model], lora.LoRASettings(**{k: output.lora[k] for k in lora.LoRASettings.__dataclass_fields__}), seed=0)
-        checkpoint.load([model], output.adapter, "adapters")
+        sharded_state.load([model], output.adapter, "adapters")
         with torch.no_grad():
             return megatron_logits([model], ids)[..., :vocab]
     finally:

@@ -133,10 +133,10 @@ def alive(processes: list[psutil.Process]) -> list[str]:
 
 def sleeping_after_a_checkpoint(*args):
     """`run_stage_job`, asleep after its first checkpoint (so a test can kill it there)."""
-    from alignflow.job.train import checkpointing
+    from alignflow.job.train import checkpoints
     from alignflow.job.worker import run_stage_job
 
-    save = checkpointing.save
+    save = checkpoints.save
 
     def save_then_sleep(*a, **kw):
         path = save(*a, **kw)
@@ -144,7 +144,7 @@ def sleeping_after_a_checkpoint(*args):
         time.sleep(600)
         return path
 
-    checkpointing.save = save_then_sleep
+    checkpoints.save = save_then_sleep
     return run_stage_job(*args)
 
 

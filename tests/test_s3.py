@@ -24,7 +24,7 @@ from train_ranks import convert_demo, metrics_lines, prep_demo, sft_cfg  # noqa:
 
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from alignflow.job.checkpoint.dist_io import DistCheckpointReader
+    from alignflow.job.model_files.dist_io import DistCheckpointReader
 
     reader = DistCheckpointReader(str(model_dir))
     return {key: reader.read(key) for key in reader.keys()}
@@ -127,7 +127,7 @@ def test_demo_pipeline_with_everything_on_s3(s3_endpoint, demo_dir, base_overrid
     """pipeline=demo with the data, model source, store and export destination on S3: sft
     trains in a local scratch and its checkpoints and outputs land in the store; eval and
     export read its model from there."""
-    from alignflow.job.checkpoint.dist_io import DistCheckpointReader
+    from alignflow.job.model_files.dist_io import DistCheckpointReader
 
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
     fs = fsspec.filesystem("s3", **options)

@@ -76,18 +76,18 @@ def inputs(demo_dir, tmp_path_factory):
 def pausing_after_checkpoints(*args):
     """`run_stage_job` whose first attempt sleeps after each checkpoint, so that the test can
     preempt it between two checkpoints; a requeued attempt (SLURM_RESTART_COUNT) does not."""
-    from alignflow.job.train import checkpointing
+    from alignflow.job.train import checkpoints
     from alignflow.job.worker import run_stage_job
 
     if not int(os.environ.get("SLURM_RESTART_COUNT", "0")):
-        save = checkpointing.save
+        save = checkpoints.save
 
         def slow_save(*a, **kw):
             path = save(*a, **kw)
             time.sleep(60)
             return path
 
-        checkpointing.save = slow_save
+        checkpoints.save = slow_save
     return run_stage_job(*args)
 
 

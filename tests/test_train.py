@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from alignflow.job.train import checkpointing
+from alignflow.job.train import checkpoints
 from alignflow.job.train.data import DataPosition, GlobalBatches, dp_micro_batches, packed_rows
 from alignflow.job.train.datasets import PackedSFT
 from alignflow.job.train.schedule import lr_at
@@ -96,23 +96,23 @@ def test_packed_rows_documents_positions_and_labels():
 
 
 def fake_checkpoint(root: Path, step: int, val_loss, complete=True):
-    path = checkpointing.step_dir(root, step)
+    path = checkpoints.step_dir(root, step)
     path.mkdir(parents=True)
     (path / "trainer.json").write_text(json.dumps({"step": step, "last_val_loss": val_loss}))
     if complete:
-        (path / checkpointing.COMPLETE).write_text("")
+        (path / checkpoints.COMPLETE).write_text("")
 
 
 def test_prune_keeps_the_top_k_and_the_latest(tmp_path):
     for step, val in ((10, 3.0), (20, 2.0), (30, 2.5), (40, 2.8), (50, None)):
         fake_checkpoint(tmp_path, step, val)
     fake_checkpoint(tmp_path, 60, 1.0, complete=False)  # a checkpoint killed mid-write does not exist
-    assert checkpointing.complete_steps(tmp_path) == [10, 20, 30, 40, 50]
-    assert checkpointing.prune(tmp_path, 2, "val_loss", "min") == [10, 40]
-    assert checkpointing.complete_steps(tmp_path) == [20, 30, 50]
-    assert checkpointing.prune(tmp_path, 1, "val_loss", "max") == [20]
-    assert checkpointing.prune(tmp_path, 0, "val_loss", "min") == [30]
-    assert checkpointing.complete_steps(tmp_path) == [50]
+    assert checkpoints.complete_steps(tmp_path) == [10, 20, 30, 40, 50]
+    assert checkpoints.prune(tmp_path, 2, "val_loss", "min") == [10, 40]
+    assert checkpoints.complete_steps(tmp_path) == [20, 30, 50]
+    assert checkpoints.prune(tmp_path, 1, "val_loss", "max") == [20]
+    assert checkpoints.prune(tmp_path, 0, "val_loss", "min") == [30]
+    assert checkpoints.complete_steps(tmp_path) == [50]
 
 
 def philox(seed: int) -> torch.Tensor:
@@ -136,7 +136,7 @@ def test_rng_states_of_the_other_device_type_are_re_seeded_and_the_hosts_restore
     seed_host(1)
     states = {
         "python": random.getstate(),
-        "numpy": checkpointing._plain_numpy_state(np.random.get_state()),
+        "numpy": checkpoints._plain_numpy_state(np.random.get_state()),
         "torch": torch.get_rng_state(),
         "tracker": {"model-parallel-rng": torch.Generator().manual_seed(4).get_state()},
     }
@@ -148,9 +148,9 @@ def test_rng_states_of_the_other_device_type_are_re_seeded_and_the_hosts_restore
     tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(9).get_state()})
     before = tracker.get_states()
 
-    reseeded = checkpointing.set_rng_states(states, here)
+    reseeded = checkpoints.set_rng_states(states, here)
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected
-    assert checkpointing.rng_device(states) == drawn_on
+    assert checkpoints.rng_device(states) == drawn_on
     assert reseeded == (() if drawn_on == here else ("tracker", "cuda"))
     assert tracker.get_states() == (states["tracker"] if drawn_on == here else before)
 

@@ -1,4 +1,4 @@
-"""Untrusted checkpoints run no code (`alignflow.job.checkpoint.untrusted`): hostile files built for
+"""Untrusted checkpoints run no code (`alignflow.job.model_files.untrusted`): hostile files built for
 real (a pickle whose `__reduce__` creates a marker file, shown to do so when unpickled plainly),
 handed in as a model source, a store output or a training checkpoint. Each is refused with an
 error naming the file and the global it wanted, or never read; the marker never appears and
@@ -18,9 +18,9 @@ from megatron.core import dist_checkpointing
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
-from alignflow.job.checkpoint import HF_DIR, MODEL_DIR
-from alignflow.job.checkpoint.dist_io import DistCheckpointReader
-from alignflow.job.checkpoint.untrusted import MetadataUnpickler, refuse_code
+from alignflow.job.model_files import HF_DIR, MODEL_DIR
+from alignflow.job.model_files.dist_io import DistCheckpointReader
+from alignflow.job.model_files.untrusted import MetadataUnpickler, refuse_code
 from alignflow.orchestrator.config.compose import ConfigError, compose
 from alignflow.orchestrator.launch import StageFailed
 from alignflow.orchestrator.pipeline import Pipeline
@@ -168,7 +168,7 @@ def test_a_tokenizer_that_needs_its_own_code_is_refused(demo_dir, tmp_path):
 def test_loading_a_model_output_that_would_run_code_is_refused(one_rank, converted, marker, tmp_path, hostile):
     """What every training and forward stage does with its model input (Megatron's
     dist_checkpointing: `common.pt` through torch.load, `.metadata` through DCP's reader)."""
-    from alignflow.job.model import checkpoint
+    from alignflow.job.model import sharded_state
     from alignflow.job.model.gpt import build_gpt
 
     output = tmp_path / "output"
@@ -181,7 +181,7 @@ def test_loading_a_model_output_that_would_run_code_is_refused(one_rank, convert
         wanted, error = "pathlib.Path.touch", CheckpointException  # DCP wraps what a rank raised
     chunks = build_gpt(json.loads((output / HF_DIR / "config.json").read_text()), one_rank)
     with pytest.raises(error) as err:
-        checkpoint.load(chunks, str(output / MODEL_DIR))
+        sharded_state.load(chunks, str(output / MODEL_DIR))
     assert f"{output / MODEL_DIR / hostile} wants to import {wanted}; {REFUSED}" in str(err.value)
     assert not marker.exists()
 
@@ -223,11 +223,11 @@ def test_a_megatron_written_nemo_style_checkpoint_converts_exactly(one_rank, dem
     """Megatron's own writer, NeMo 2's `module.` prefix, Transformer Engine-style `_extra_state`
     sharded objects and plain data in common.pt: the restricted reader takes all of its
     metadata (as plain pickle reads it) and the conversion is exact."""
-    from alignflow.job.model import checkpoint
+    from alignflow.job.model import sharded_state
     from alignflow.job.model.gpt import build_gpt
 
     chunks = build_gpt(json.loads((converted / HF_DIR / "config.json").read_text()), one_rank)
-    checkpoint.load(chunks, str(converted / MODEL_DIR))
+    sharded_state.load(chunks, str(converted / MODEL_DIR))
     state = chunks[0].sharded_state_dict(prefix="module.")
     assert any(key.endswith("._extra_state") for key in state)
     nemo = tmp_path / "nemo" / "weights"

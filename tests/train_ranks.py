@@ -198,7 +198,7 @@ def torchrun(nproc: int, cfg: dict, inputs: dict, out: Path, *extra: str) -> Non
 
 def weights(model_dir: Path) -> dict:
     """Every tensor of a torch_dist checkpoint, by name."""
-    from alignflow.job.checkpoint.dist_io import DistCheckpointReader
+    from alignflow.job.model_files.dist_io import DistCheckpointReader
 
     reader = DistCheckpointReader(str(model_dir))
     return {key: reader.read(key) for key in reader.keys()}
@@ -261,10 +261,10 @@ def main() -> int:
     args = parser.parse_args()
 
     from alignflow.job.stages import distillation, dpo, eval as eval_stage, grpo, ref_logprobs, reward_model, sft, teacher_logprobs
-    from alignflow.job.train import checkpointing
+    from alignflow.job.train import checkpoints
 
     if args.pause_after_checkpoint:
-        save = checkpointing.save
+        save = checkpoints.save
 
         def slow_save(*a, **kw):
             path = save(*a, **kw)
@@ -272,7 +272,7 @@ def main() -> int:
             time.sleep(args.pause_after_checkpoint)
             return path
 
-        checkpointing.save = slow_save
+        checkpoints.save = slow_save
     inputs = {"data": args.data, "model": args.model}
     inputs |= {
         role: path

@@ -5,7 +5,7 @@ Layout per stage output:
 - `{root}/{stage}/_staging/{fp}/`   where a job writes (and checkpoints, so a retry resumes).
 - `{root}/{stage}/_leases/{fp}.json` who is producing `fp` now, with a heartbeat.
 - `{root}/{stage}/_staging/{fp}/checkpoints/` a training stage's checkpoints
-  (`alignflow.job.train.checkpointing`): a retry resumes from them, so the commit leaves them out
+  (`alignflow.job.train.checkpoints`): a retry resumes from them, so the commit leaves them out
   (`Store.committed_checkpoint`), all of them, or all but the final one when its config asks to keep
   the optimizer (`checkpoint.keep_optimizer`: the manifest names it under `training_state`).
 

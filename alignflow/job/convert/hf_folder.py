@@ -1,4 +1,4 @@
-"""A model output (`alignflow.job.checkpoint` layout) as an HF folder that
+"""A model output (`alignflow.job.model_files` layout) as an HF folder that
 `AutoModelForCausalLM.from_pretrained` loads: safetensors shards streamed one layer at a time,
 config.json (its dtype set), generation_config.json and the tokenizer files. The export stage
 publishes one; the benchmark stage writes one in its scratch for lm-eval's `hf` model."""
@@ -8,8 +8,8 @@ import json
 import fsspec
 import torch
 
-from alignflow.job.checkpoint import TOKENIZER_FILES, ModelOutput, copy_files
-from alignflow.job.checkpoint.safetensors_io import TensorSpec, write_sharded
+from alignflow.job.model_files import TOKENIZER_FILES, ModelOutput, copy_files
+from alignflow.job.model_files.safetensors_io import TensorSpec, write_sharded
 from alignflow.job.convert.families import ModelShape, model_shape
 from alignflow.job.convert.peft import model_reader
 from alignflow.job.convert.streaming import dist_to_hf

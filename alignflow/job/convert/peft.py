@@ -22,8 +22,8 @@ import fsspec
 import torch
 from safetensors.torch import save as save_safetensors
 
-from alignflow.job.checkpoint import ModelOutput
-from alignflow.job.checkpoint.dist_io import DistCheckpointReader
+from alignflow.job.model_files import ModelOutput
+from alignflow.job.model_files.dist_io import DistCheckpointReader
 from alignflow.job.convert import lora as targets
 from alignflow.job.convert.layout import fuse
 from alignflow.job.convert.families import ModelShape

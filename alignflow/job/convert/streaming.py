@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from alignflow.job.checkpoint.dist_io import Chunk, DistCheckpointReader, Entry
-from alignflow.job.checkpoint.safetensors_io import SafetensorsReader, TensorSpec
+from alignflow.job.model_files.dist_io import Chunk, DistCheckpointReader, Entry
+from alignflow.job.model_files.safetensors_io import SafetensorsReader, TensorSpec
 from alignflow.job.convert.layout import fuse, merge_qkv, unfuse
 from alignflow.job.convert.families import ModelShape, Param, Slot, params_for, slots
 from alignflow.job.convert.sharding import VOCAB_PARAMS, param_to_hf

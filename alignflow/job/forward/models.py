@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import fsspec
 from omegaconf import OmegaConf
 
-from alignflow.job.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
+from alignflow.job.model_files import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
 from alignflow.orchestrator.store import MANIFEST
 
 log = logging.getLogger("alignflow.workspace")
@@ -39,7 +39,7 @@ def cache_dir(cfg: Any = None) -> Path:
 
 
 def local_model(uri: str, cache: Path) -> ModelOutput:
-    """A model stage output (`alignflow.job.checkpoint` layout) in a local folder: the folder
+    """A model stage output (`alignflow.job.model_files` layout) in a local folder: the folder
     itself on a filesystem, else its model/, hf/ and tokenizer/ downloaded once into `cache`."""
     if is_local(uri):
         return ModelOutput(uri.removeprefix("file://"))
@@ -64,13 +64,13 @@ def load_model_output(chunks: list, output: ModelOutput, cache: Path) -> None:
     its base's (fetched like any input) with its adapter merged in. Reward-model chunks
     (`ScoreModel`) take a causal LM's trunk and keep their new head."""
     from alignflow.job.convert.families import model_shape
-    from alignflow.job.model import checkpoint, lora  # megatron costs a job ~110 MB of RSS
+    from alignflow.job.model import sharded_state, lora  # megatron costs a job ~110 MB of RSS
     from alignflow.job.model.gpt import ScoreModel
 
     new_head = isinstance(chunks[0], ScoreModel) and not model_shape(output.hf_config).score_head
 
     def load(chunks: list, uri: str, select: str) -> None:
-        checkpoint.load(chunks, uri, "trunk" if new_head and select == "all" else select)
+        sharded_state.load(chunks, uri, "trunk" if new_head and select == "all" else select)
 
     lora.load_output(chunks, output, lambda uri: local_model(uri, cache), load)
 

@@ -306,7 +306,7 @@ def load_output(chunks: Sequence[nn.Module], output: Any, fetch: Callable[[str],
     """The weights of a model stage output into plain chunks: its torch_dist weights, or for a
     LoRA output its base's (recursively: a LoRA DPO on a LoRA SFT) with its adapter merged in.
     `fetch(uri)` gives a local `ModelOutput`; `load(chunks, uri, select)` is
-    `alignflow.job.model.checkpoint.load`."""
+    `alignflow.job.model.sharded_state.load`."""
     spec = output.lora
     if spec is None:
         load(chunks, output.weights, "all")

@@ -34,7 +34,7 @@ import fsspec  # noqa: E402
 import lm_eval  # noqa: E402
 from lm_eval.utils import handle_non_serializable  # noqa: E402
 
-from alignflow.job.checkpoint import ModelOutput  # noqa: E402
+from alignflow.job.model_files import ModelOutput  # noqa: E402
 from alignflow.job.convert.hf_folder import write_hf_folder  # noqa: E402
 from alignflow.job.device import device  # noqa: E402
 from alignflow.job.forward.models import cache_dir  # noqa: E402

@@ -8,9 +8,9 @@ peak memory stays near one layer's largest parameter. The fingerprint covers the
 the source files (see `alignflow.orchestrator.fingerprint`), so an edited source is never served stale.
 Reading a source runs no code from it: HF weights as safetensors only, a torch_dist source's
 pickled `.metadata` through a restricted unpickler and its `common.pt` not at all
-(`alignflow.job.checkpoint.untrusted`).
+(`alignflow.job.model_files.untrusted`).
 
-Output (`alignflow.job.checkpoint` layout): `model/` the torch_dist checkpoint, `hf/` the HF
+Output (`alignflow.job.model_files` layout): `model/` the torch_dist checkpoint, `hf/` the HF
 config it came from, `tokenizer/` the tokenizer files. A torch_dist checkpoint stores global
 tensors, so `convert.parallel` only sets the vocab padding (multiple of
 make_vocab_size_divisible_by x TP) and is checked against the model at compose time; any
@@ -24,9 +24,9 @@ import time
 
 import fsspec
 
-from alignflow.job.checkpoint import HF_CONFIG_FILES, HF_DIR, MODEL_DIR, TOKENIZER_DIR, TOKENIZER_FILES, copy_files
-from alignflow.job.checkpoint.dist_io import DistCheckpointReader, save_lazy
-from alignflow.job.checkpoint.safetensors_io import SafetensorsReader
+from alignflow.job.model_files import HF_CONFIG_FILES, HF_DIR, MODEL_DIR, TOKENIZER_DIR, TOKENIZER_FILES, copy_files
+from alignflow.job.model_files.dist_io import DistCheckpointReader, save_lazy
+from alignflow.job.model_files.safetensors_io import SafetensorsReader
 from alignflow.job.convert.families import model_shape
 from alignflow.job.convert.sharding import padded_vocab_size
 from alignflow.job.convert.streaming import dist_to_dist_entries, hf_to_dist_entries

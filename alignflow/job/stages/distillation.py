@@ -20,7 +20,7 @@ Simplified: the logits are materialised per micro batch ([b, s, V / TP] fp32 on 
 stage), not chunked over the sequence as NeMo-RL's `logprob_chunk_size` does; no
 `zero_outside_topk` with reverse or mixed KL (refused at compose).
 
-Output: the final student in the `alignflow.job.checkpoint` layout, and metrics.jsonl.
+Output: the final student in the `alignflow.job.model_files` layout, and metrics.jsonl.
 """
 
 import torch

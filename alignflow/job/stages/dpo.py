@@ -20,7 +20,7 @@ config sets output_router_logits adds router_aux_loss_coef x HF's load-balancing
 micro batch (its pairs' chosen and rejected tokens), as TRL's DPOTrainer does, weighted by the
 micro batch's pairs, and `aux_loss` (`alignflow.job.train.objectives.with_load_balancing`).
 
-Output: the final policy in the `alignflow.job.checkpoint` layout, and metrics.jsonl.
+Output: the final policy in the `alignflow.job.model_files` layout, and metrics.jsonl.
 """
 
 import torch

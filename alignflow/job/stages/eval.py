@@ -116,7 +116,7 @@ def _stage_name(uri: str) -> str:
 
 
 def load_chunks(uri: str, parallel, divisible_by: int, dtype: torch.dtype, cache: Path | None = None) -> tuple[list, Callable]:
-    """This rank's chunks of the model of a stage output (`alignflow.job.checkpoint` layout, read at
+    """This rank's chunks of the model of a stage output (`alignflow.job.model_files` layout, read at
     any layout) in eval mode in `dtype`, and its tokenizer's decode."""
     output = local_model(uri, cache or cache_dir())
     chunks = frozen_chunks(output, parallel, divisible_by, cache or cache_dir(), dtype)

@@ -1,6 +1,6 @@
 """The export stage: a model stage's torch_dist checkpoint -> an HF safetensors directory.
 
-Supported: any checkpoint in the `alignflow.job.checkpoint` layout (convert, and the training
+Supported: any checkpoint in the `alignflow.job.model_files` layout (convert, and the training
 stages), whatever TP/PP/EP wrote it, for every architecture of `alignflow.job.convert.families`. Tensors
 stream one layer at a time into safetensors shards (+ index.json past `max_shard_size`);
 `config.json` (dtype set to `export.dtype`), `generation_config.json` and the tokenizer
@@ -29,7 +29,7 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from alignflow.job.checkpoint import ADAPTER_DIR, ModelOutput
+from alignflow.job.model_files import ADAPTER_DIR, ModelOutput
 from alignflow.orchestrator.config.destinations import MARKER, destination_key, open_destination, previous_export
 from alignflow.job.convert.hf_folder import write_hf_folder
 from alignflow.job.convert.peft import write_adapter

@@ -57,7 +57,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.utils import get_attr_wrapped_model
 from transformers import AutoTokenizer
 
-from alignflow.job.checkpoint import ModelOutput
+from alignflow.job.model_files import ModelOutput
 from alignflow.orchestrator.config.schema import GRPOLossConfig, KLEstimator
 from alignflow.orchestrator.kinds.grpo import grpo_batch_problems
 from alignflow.job.data.prepared import Prepared

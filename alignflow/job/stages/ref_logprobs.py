@@ -3,7 +3,7 @@
 NeMo-RL and NeMo-Aligner run the reference model beside the policy at every DPO step; here
 it runs forward only, once per (reference model, data) fingerprint, and the DPO stage reads
 the result instead of holding a second model. Supported: any model in the
-`alignflow.job.checkpoint` layout at the configured TP/PP/DP (`ref_logprobs.parallel`,
+`alignflow.job.model_files` layout at the configured TP/PP/DP (`ref_logprobs.parallel`,
 `ref_logprobs.resources`); pairs are packed into rows as DPO packs them, no padding to the
 data set's longest, and the chosen and rejected sequences of a pair share a row.
 

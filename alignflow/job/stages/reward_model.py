@@ -13,7 +13,7 @@ supervised loop on the engine of `alignflow.job.train` (TP/PP/DP, checkpoints an
 as SFT). Metrics per step (and per validation): loss, reward_accuracy (r_chosen > r_rejected),
 reward_margin (mean r_chosen - r_rejected, the reward gap), chosen_reward, rejected_reward.
 
-Output: a `reward_model` output, the `alignflow.job.checkpoint` layout of a model with the head
+Output: a `reward_model` output, the `alignflow.job.model_files` layout of a model with the head
 under `rm_head.weight` and hf/config.json the model's ...ForSequenceClassification with one
 label and the data's pad token (`alignflow.job.convert.families.score_config`), so the export
 stage writes an HF checkpoint that `AutoModelForSequenceClassification` loads, scoring as here.

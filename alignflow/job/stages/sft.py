@@ -1,10 +1,10 @@
 """The SFT stage: supervised fine-tuning of a converted model on prep's packed SFT data.
 
 Inputs: `data` = a prep output (`sft/train-*.parquet`, optional `sft/val-*.parquet`,
-`metadata.json`), `model` = a model stage output (`alignflow.job.checkpoint` layout).
+`metadata.json`), `model` = a model stage output (`alignflow.job.model_files` layout).
 Output under `out`: `model/` (the final weights, torch_dist), `hf/` and `tokenizer/` copied
 from the input model, `metrics.jsonl`, and `checkpoints/` (see
-`alignflow.job.train.checkpointing`), from whose latest complete step a retried job resumes; the
+`alignflow.job.train.checkpoints`), from whose latest complete step a retried job resumes; the
 commit leaves them out, or keeps the final one with `checkpoint.keep_optimizer`.
 Returns the final train loss, final val loss, steps, tokens, tokens/s, TFLOP/s, MFU and
 peak memory (`alignflow.job.forward.passes.hardware_use`).

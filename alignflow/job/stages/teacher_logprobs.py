@@ -3,7 +3,7 @@
 NeMo-RL's distillation runs the teacher beside the student at every step; here the teacher
 runs forward only, once per (teacher, data, k) fingerprint, and the distillation stage reads
 the result, so the teacher never sits beside the student (as ref_logprobs does for DPO).
-Supported: any model in the `alignflow.job.checkpoint` layout at the configured TP/PP/DP
+Supported: any model in the `alignflow.job.model_files` layout at the configured TP/PP/DP
 (`teacher_logprobs.parallel`, `.resources`): the rows are shared among the DP ranks, the
 top-k taken over the vocab split across TP ranks (`alignflow.job.model.vocab_parallel`), on
 the last pipeline stage. Rows are prep's packed SFT rows as the training stages collate them

@@ -36,7 +36,7 @@ GPU, fp32 on CPU, and bf16 runs on CPU too. `parallel.use_distributed_optimizer`
 fp32 main weights and Adam states over DP (ZeRO-1: reduce-scatter of gradients, all-gather
 of weights, overlapped with the next forward where CUDA is). Activation recompute
 (`recompute_granularity` selective/full, `recompute_method`, `recompute_num_layers`) is
-Megatron's. Checkpoints (`alignflow.job.train.checkpointing`) reshard to another TP/PP/DP layout.
+Megatron's. Checkpoints (`alignflow.job.train.checkpoints`) reshard to another TP/PP/DP layout.
 
 LoRA (`finetuning_type` lora / lora_merged, `alignflow.job.model.lora`): `setup` loads the
 input model, then attaches the adapters and freezes the rest, so Megatron's DDP and optimizer
@@ -71,15 +71,15 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from alignflow.job.checkpoint import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
+from alignflow.job.model_files import ADAPTER_DIR, HF_DIR, LORA_FILE, MODEL_DIR, TOKENIZER_DIR, ModelOutput
 from alignflow.job.device import device
 from alignflow.job.forward.models import cache_dir, load_model_output, local_model
 from alignflow.job.forward.passes import Objective, eval_mode, hardware_use, loss_sums, resolve_precision, schedule
-from alignflow.job.model import checkpoint as megatron_checkpoint
+from alignflow.job.model import sharded_state
 from alignflow.job.model import lora, runtime
 from alignflow.job.model.gpt import build_gpt
-from alignflow.job.train import checkpointing, utilization
-from alignflow.job.train.checkpointing import TrainerState
+from alignflow.job.train import checkpoints, utilization
+from alignflow.job.train.checkpoints import TrainerState
 from alignflow.job.train.data import Dataset, GlobalBatches, dp_micro_batches
 from alignflow.job.train.metrics import MetricsLog
 from alignflow.job.train.schedule import lr_at
@@ -159,7 +159,7 @@ class Run:
 
     @property
     def trained(self) -> str:
-        """The weights its checkpoints hold (`alignflow.job.model.checkpoint.SELECT`): a LoRA
+        """The weights its checkpoints hold (`alignflow.job.model.sharded_state.SELECT`): a LoRA
         run's base never changes and is its input model, so they hold the adapters only."""
         return "adapters" if self.lora else "all"
 
@@ -256,10 +256,10 @@ def resume_or_start(run: Run) -> TrainerState:
     if run.workspace.leader:  # of this node's scratch (object stores), else rank 0
         run.workspace.restore(run.cfg.checkpoint.resume)
     dist.barrier()
-    steps = checkpointing.complete_steps(run.checkpoints)
+    steps = checkpoints.complete_steps(run.checkpoints)
     if steps:
-        path = checkpointing.step_dir(run.checkpoints, steps[-1])
-        state = checkpointing.load(path, run.chunks, run.optimizer, run.trained)
+        path = checkpoints.step_dir(run.checkpoints, steps[-1])
+        state = checkpoints.load(path, run.chunks, run.optimizer, run.trained)
         if run.rank == 0:
             log.info("resumed from %s (step %d of %d)", path, state.step, run.total_steps)
         return state
@@ -399,10 +399,10 @@ def checkpoint_due(run: Run) -> bool:
 def save_checkpoint(run: Run) -> None:
     run.checkpointed_at = time.monotonic()
     gather_weights(run.model)
-    path = checkpointing.save(run.checkpoints, run.chunks, run.optimizer, run.state, run.trained, leader=run.workspace.leader)
+    path = checkpoints.save(run.checkpoints, run.chunks, run.optimizer, run.state, run.trained, leader=run.workspace.leader)
     ckpt = run.cfg.checkpoint
     if run.workspace.leader:
-        deleted = checkpointing.prune(run.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
+        deleted = checkpoints.prune(run.checkpoints, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
         if run.rank == 0:
             log.debug("checkpoint %s%s", path, f" (removed steps {deleted})" if deleted else "")
     run.workspace.push_checkpoint(path, ckpt.save_top_k, ckpt.monitor, ckpt.mode)
@@ -412,11 +412,11 @@ def save_checkpoint(run: Run) -> None:
 def result(run: Run, first_tokens: int, summary: Optional[dict] = None) -> TrainResult:
     """The run's result after its loop; saves a last checkpoint unless the loop just did, and
     the merged weights of a lora_merged run."""
-    final = checkpointing.complete_steps(run.checkpoints)
+    final = checkpoints.complete_steps(run.checkpoints)
     if not final or final[-1] != run.state.step:  # e.g. zero steps ran: nothing to resume from yet
         save_checkpoint(run)
     state = run.state
-    checkpoint = checkpointing.step_dir(run.checkpoints, state.step)
+    checkpoint = checkpoints.step_dir(run.checkpoints, state.step)
     footprint = {"trainable_params": lora.trainable_params(run.chunks), "optimizer_state_bytes": optimizer_state_bytes(run.optimizer)}
     footprint |= hardware_use(run.flops, run.step_seconds)
     footprint |= {"flops": run.flops + run.val_flops, "compute_s": round(run.step_seconds + run.val_seconds, 3)}  # what the job cost
@@ -450,7 +450,7 @@ def final_weights(run: Run, checkpoint: Path) -> Path:
     dist.barrier()
     gather_weights(run.model)
     lora.merge(run.chunks)
-    megatron_checkpoint.save(run.chunks, str(merged))
+    sharded_state.save(run.chunks, str(merged))
     dist.barrier()
     return merged
 

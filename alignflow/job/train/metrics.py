@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Optional
 
-from alignflow.job.train.checkpointing import WANDB_RUN_ID
+from alignflow.job.train.checkpoints import WANDB_RUN_ID
 
 log = logging.getLogger("alignflow.job.train")
 

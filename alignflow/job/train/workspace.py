@@ -1,7 +1,7 @@
 """Training jobs on an object-store store: a scratch folder per node synced with the store.
 
 Megatron's dist_checkpointing, HF's `from_pretrained` and the atomic renames of
-`alignflow.job.train.checkpointing` need a filesystem. With a local (or shared POSIX) store a job
+`alignflow.job.train.checkpoints` need a filesystem. With a local (or shared POSIX) store a job
 reads its inputs and writes its output in place, as always. With an object store (`s3://`),
 input models are downloaded once per node (`alignflow.job.forward.models.local_model`), and:
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from alignflow.job.forward.models import is_local
 from alignflow.orchestrator.store import CHECKPOINTS, COMPLETE
-from alignflow.job.train.checkpointing import WANDB_RUN_ID, pruned_steps, step_dir
+from alignflow.job.train.checkpoints import WANDB_RUN_ID, pruned_steps, step_dir
 
 log = logging.getLogger("alignflow.workspace")
 

@@ -218,8 +218,8 @@ class StageKind:
 
 # The format the kinds that make a causal LM write (convert and the training kinds).
 MODEL = OutputFormat(
-    "Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.job.checkpoint); "
-    "with checkpoint.keep_optimizer the final training checkpoint (alignflow.job.train.checkpointing)",
+    "Megatron torch_dist model/ (LoRA: adapter/ + lora.json naming the base) + hf/ + tokenizer/ (alignflow.job.model_files); "
+    "with checkpoint.keep_optimizer the final training checkpoint (alignflow.job.train.checkpoints)",
     (
         Need("hf/config.json", json_file),
         Need("tokenizer/*", nonempty),

@@ -11,7 +11,7 @@ per query group and `linear_fc1` is `[gate; up]`, so any TP/PP layout can load i
 one chunk at a time and each chunk goes to its own file, so peak memory stays near
 WRITE_THREADS chunks, not the model. `DistCheckpointReader` reads any region of a key by
 loading only the stored chunks that overlap it; it reads the pickled `.metadata` with
-`alignflow.job.checkpoint.untrusted`'s restricted unpickler and never reads `common.pt`.
+`alignflow.job.model_files.untrusted`'s restricted unpickler and never reads `common.pt`.
 """
 
 import io
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from alignflow.job.checkpoint.untrusted import refuse_code
+from alignflow.job.model_files.untrusted import refuse_code
 
 WRITE_THREADS = 2  # one thread leaves the disk idle while a chunk is read and fused; two keep it busy
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}

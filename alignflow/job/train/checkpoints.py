@@ -4,7 +4,7 @@ Layout under `{out}/checkpoints/`:
 
     step-00000010/
         model/               Megatron torch_dist: the weights as global tensors
-                             (`alignflow.job.model.checkpoint`), in the training dtype; a
+                             (`alignflow.job.model.sharded_state`), in the training dtype; a
                              LoRA run's holds its adapters only (its base is its input model)
         optimizer/           Megatron torch_dist: the optimizer's sharded state (fp32 main
                              weights under bf16, Adam moments, step), mapped onto the weights'
@@ -12,7 +12,7 @@ Layout under `{out}/checkpoints/`:
                              `fully_reshardable` format (gathered on DP rank 0 to save)
         rank-00000.pt ...    per rank: RNG states (python, numpy, torch, Megatron's RNG tracker,
                              CUDA when present) and the TP/PP/VP/DP layout that drew them, as
-                             tensors and plain data (`alignflow.job.checkpoint.untrusted.load_plain`)
+                             tensors and plain data (`alignflow.job.model_files.untrusted.load_plain`)
         trainer.json         step, data position, tracked metrics, early-stopping state
         complete             written last: a checkpoint without it does not exist
     .tmp-step-00000010/      a checkpoint being written (removed when found stale)
@@ -53,8 +53,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.optimizer import MegatronOptimizer
 
-from alignflow.job.checkpoint.untrusted import load_plain
-from alignflow.job.model import checkpoint as megatron_checkpoint
+from alignflow.job.model_files.untrusted import load_plain
+from alignflow.job.model import sharded_state
 from alignflow.orchestrator.store import COMPLETE, fsync
 from alignflow.job.train.data import DataPosition
 
@@ -152,7 +152,7 @@ def layout() -> dict:
 
 def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, select: str = "all", leader: bool | None = None) -> Path:
     """Write `step-N` atomically (every rank calls this); returns its path. `select`: the
-    weights it holds (`alignflow.job.model.checkpoint.SELECT`; a LoRA run's: its adapters).
+    weights it holds (`alignflow.job.model.sharded_state.SELECT`; a LoRA run's: its adapters).
     `leader`: whether this rank manages its copy of `root` (default rank 0; where each node
     writes into a scratch of its own, each node's lowest rank: `alignflow.job.train.workspace`)."""
     rank = dist.get_rank()
@@ -163,8 +163,8 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, 
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    megatron_checkpoint.save(chunks, str(tmp / "model"), select)
-    megatron_checkpoint.save_optimizer(optimizer, chunks, str(tmp / "optimizer"), select)
+    sharded_state.save(chunks, str(tmp / "model"), select)
+    sharded_state.save_optimizer(optimizer, chunks, str(tmp / "optimizer"), select)
     torch.save({"layout": layout(), "rng": rng_states()}, tmp / f"rank-{rank:05d}.pt")
     dist.barrier()
     if leader:
@@ -179,8 +179,8 @@ def save(root: Path, chunks, optimizer: MegatronOptimizer, state: TrainerState, 
 def load(path: Path, chunks, optimizer: MegatronOptimizer, select: str = "all") -> TrainerState:
     """Restore weights (those `select` names), optimizer and trainer state from a complete
     checkpoint written at any layout, and the RNG states when it was written at this one."""
-    megatron_checkpoint.load_optimizer(optimizer, chunks, str(path / "optimizer"), select)  # first: it may step the optimizer
-    megatron_checkpoint.load(chunks, str(path / "model"), select)
+    sharded_state.load_optimizer(optimizer, chunks, str(path / "optimizer"), select)  # first: it may step the optimizer
+    sharded_state.load(chunks, str(path / "model"), select)
     rank_file = path / f"rank-{dist.get_rank():05d}.pt"
     saved = load_plain(str(rank_file)) if rank_file.exists() else {"layout": None}
     here, rank0 = "cuda" if torch.cuda.is_available() else "cpu", dist.get_rank() == 0

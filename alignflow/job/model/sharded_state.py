@@ -7,7 +7,7 @@ state (fp32 main weights, Adam moments, step) is mapped onto the weights' global
 Megatron's `sharded_state_dict`, the distributed optimizer's in its `fully_reshardable`
 format, so it reshards over TP, PP and DP alike.
 
-Loading never runs code from the checkpoint (`alignflow.job.checkpoint.untrusted`).
+Loading never runs code from the checkpoint (`alignflow.job.model_files.untrusted`).
 
 Simplified: Transformer Engine's `_extra_state` objects (FP8 scaling state) are neither
 saved nor loaded; a converted checkpoint has none and bf16/fp32 training needs none.
@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 
-from alignflow.job.checkpoint.untrusted import refuse_code, weights_only_refusal
+from alignflow.job.model_files.untrusted import refuse_code, weights_only_refusal
 from alignflow.job.model import cpu_shim
 from alignflow.job.model.lora import is_adapter_key
 
