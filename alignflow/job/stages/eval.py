@@ -100,9 +100,10 @@ def run(cfg, inputs: dict, out: str) -> dict:
         dist.all_reduce(cost, group=parallel_state.get_data_parallel_group())  # each DP rank's share of the passes
         metrics |= {"flops": cost[0].item(), "tokens": int(cost[1].item()), "compute_s": round(seconds, 3), "generation_s": round(generation_s, 3)}
         dist.barrier()
+        writer = dist.get_rank() == 0  # asked before teardown: afterwards every rank would answer "not initialized"
     finally:
         runtime.teardown()
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not writer:
         return metrics
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
