@@ -132,7 +132,8 @@ def alive(processes: list[psutil.Process]) -> list[str]:
 
 
 def sleeping_after_a_checkpoint(*args):
-    """`run_stage_job`, asleep after its first checkpoint (so a test can kill it there)."""
+    """`run_stage_job`, asleep after its first checkpoint (so a test can kill it there), with a
+    helper process of its own running, as wandb's service runs beside a job that logs to it."""
     from alignflow.job.train import checkpoints
     from alignflow.job.worker import run_stage_job
 
@@ -140,6 +141,7 @@ def sleeping_after_a_checkpoint(*args):
 
     def save_then_sleep(*a, **kw):
         path = save(*a, **kw)
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print("checkpoint saved", flush=True)
         time.sleep(600)
         return path
@@ -150,8 +152,8 @@ def sleeping_after_a_checkpoint(*args):
 
 @pytest.mark.slow
 def test_a_killed_job_leaves_none_of_its_processes_behind(demo_dir, tmp_path):
-    """SIGKILL of an SFT job after a checkpoint: every process it started (Megatron's
-    checkpoint writer, its watcher) is gone within seconds."""
+    """SIGKILL of an SFT job after a checkpoint: every process it started (a helper, its
+    watcher) is gone within seconds."""
     inputs = {"data": str(prep_demo(demo_dir, tmp_path / "data")), "model": str(convert_demo(demo_dir, tmp_path / "model"))}
     cfg = sft_cfg(demo_dir, trainer={"max_steps": 4}, checkpoint={"every_n_steps": 2})
     launcher = OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs")})

@@ -16,10 +16,12 @@ saved nor loaded; a converted checkpoint has none and bf16/fp32 training needs n
 import contextlib
 import os
 import pickle
+import queue
 from typing import Sequence
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 
@@ -68,7 +70,18 @@ def save(chunks: Sequence[GPTModel], uri: str, select: str = "all") -> None:
     """Write the model's weights (those `select` names) as a torch_dist checkpoint (every rank calls this)."""
     cpu_shim.apply()
     os.makedirs(uri, exist_ok=True)  # Megatron's writer wants the directory to exist
+    _results_in_process()
     dist_checkpointing.save(sharded_state_dict(chunks, select), uri)
+
+
+def _results_in_process() -> None:
+    """Megatron's torch_dist writer passes its write results through a queue served by a
+    manager process it *spawns* (for async saves, whose writer runs in another process): that
+    process re-imports the job's main module, torch and Megatron, some 5 s of a core per rank,
+    once per job. Our saves are synchronous: the queue's writer and reader are this process,
+    so an in-process queue carries the same results without the spawn."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load(chunks: Sequence[GPTModel], uri: str, select: str = "all") -> None:
@@ -88,6 +101,7 @@ def save_optimizer(optimizer: MegatronOptimizer, chunks: Sequence[GPTModel], uri
     """Write the state of Megatron's optimizer over `chunks` as a torch_dist checkpoint (every
     rank); `select` names the weights it trains."""
     os.makedirs(uri, exist_ok=True)
+    _results_in_process()
     dist_checkpointing.save(optimizer.sharded_state_dict(sharded_state_dict(chunks, select), metadata=OPTIMIZER_FORMAT), uri)
 
 
