@@ -63,14 +63,14 @@ LOCAL_JOB = "submitit.local._local"  # in the command line of a local job's cont
 
 def _helpers(parent: psutil.Process, me: int) -> list[psutil.Process]:
     """The parent's descendants but this watcher and its local jobs' process trees (daemons
-    that left the tree are not ours either)."""
-    found, todo = [], parent.children()
-    while todo:
-        process = todo.pop()
+    that left the tree are not ours either). One pass over the process table: `children()`
+    per process would read every process's stat file once per descendant, twice a second."""
+    found, skipped = [], {me}
+    for process in parent.children(recursive=True):  # parents before their children
         try:
-            if process.pid == me or any(LOCAL_JOB in part for part in process.cmdline()):
+            if process.ppid() in skipped or process.pid == me or any(LOCAL_JOB in part for part in process.cmdline()):
+                skipped.add(process.pid)
                 continue
-            todo += process.children()
         except psutil.Error:
             continue
         found.append(process)
