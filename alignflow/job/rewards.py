@@ -23,6 +23,8 @@ Eval's sampled metrics are here too: `pass_at_k` (Chen et al. 2021's unbiased es
 math-verify bounds each parse and comparison with signal.alarm, which only the main thread
 may set: off the main thread (a thread pool) it runs without the bound rather than
 fail every answer. The alarm also replaces a pending one (pytest-timeout's) for its duration.
+math-verify is imported on first use: it loads sympy (most of a second), and the
+orchestrator reads this module's reward names at compose time without checking an answer.
 """
 
 import functools
@@ -32,13 +34,11 @@ import threading
 from typing import Callable
 
 import numpy as np
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 RewardFn = Callable[..., float]
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BARE_NUMBER = re.compile(r"\s*-?\d+(?:\.\d+)?\s*")
-ANSWER_FORMS = (LatexExtractionConfig(), ExprExtractionConfig())  # \boxed{} and $...$ first, then plain expressions
 TIMEOUT_S = 5  # math-verify's default bound on one parse or comparison (sympy can loop on odd input)
 
 
@@ -46,18 +46,32 @@ def _timeout() -> int | None:
     return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
+@functools.cache
+def _answer_forms() -> tuple:
+    """\\boxed{} and $...$ first, then plain expressions."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return (LatexExtractionConfig(), ExprExtractionConfig())
+
+
 def extract_answer(text: str) -> list:
     """math-verify's parse of a completion: [sympy value, its string], or [] when it holds no answer."""
-    return parse(text, ANSWER_FORMS, parsing_timeout=_timeout())
+    from math_verify import parse
+
+    return parse(text, _answer_forms(), parsing_timeout=_timeout())
 
 
 @functools.lru_cache(maxsize=65536)
 def gold_answer(answer: str) -> list:
     """A dataset's answer read as LaTeX math (plain numbers too), parsed once per distinct answer."""
-    return parse(f"${answer}$", ANSWER_FORMS, parsing_timeout=_timeout())
+    from math_verify import parse
+
+    return parse(f"${answer}$", _answer_forms(), parsing_timeout=_timeout())
 
 
 def same_answer(gold: list, predicted: list) -> bool:
+    from math_verify import verify
+
     return bool(gold and predicted) and verify(gold, predicted, timeout_seconds=_timeout())
 
 
