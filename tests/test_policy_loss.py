@@ -54,6 +54,24 @@ def test_advantages_use_the_sample_std_plus_epsilon():
     assert got[1] == pytest.approx(-(1 / 3) / (1 / math.sqrt(3) + 1e-6), abs=1e-12)  # std + 1e-6, not std
 
 
+def test_samples_that_agree_have_no_spread_however_their_rewards_round():
+    """NeMo-RL's definition evaluated exactly (`statistics`: exact sums): seven samples that agree
+    on an exact-match reward plus a reward model's score (no round number) and one that differs.
+    Their leave-one-out std is 0, so the one that differs keeps its difference; E[x^2] - E[x]^2 in
+    floating point left a residue there, and advantages of 1.9e6 (2.9e6 for other such rewards)."""
+    import statistics
+
+    agree, differs = 1.6561265468597413, -0.33372972011566165  # 1 + 0.2 x a float32 score; 0.2 x another
+    for rewards in ([agree] * 7 + [differs], [differs] + [agree] * 7, [0.1 * k + 0.7 for k in range(8)]):
+        expected = []
+        for i, r in enumerate(rewards):
+            others = rewards[:i] + rewards[i + 1 :]
+            baseline, std = statistics.fmean(others), statistics.stdev(others)
+            expected.append((r - baseline) / (std + 1e-6) if std > 0 else r - baseline)
+        got = group_advantages(torch.tensor([rewards], dtype=torch.float64), True, True)[0].tolist()
+        assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
 @pytest.mark.parametrize(
     "kl_type, unclamped, clamped",
     [  # test_calculate_kl

@@ -16,7 +16,16 @@ from alignflow.job.train.data import packed_rows
 def model_scores(chunks: list, rows: list[list[int]], pad_id: int, micro_batch_size: int) -> torch.Tensor:
     """A reward model's score of each row of token ids [rows] (float64, host), on every rank of
     the model-parallel group: its scalar head at the row's last token that is not `pad_id` (HF's
-    ...ForSequenceClassification rule), computed on the last pipeline stage and broadcast."""
+    ...ForSequenceClassification rule), computed on the last pipeline stage and broadcast.
+    Identical rows are scored once: a GRPO group's identical completions must tie to the last
+    bit (scored in different micro batches they differ by ~1e-7, a spread the group's
+    normalized advantages would divide by), and they are common."""
+    distinct: dict[tuple, int] = {}
+    index = [distinct.setdefault(tuple(row), len(distinct)) for row in rows]
+    return _scores(chunks, [list(row) for row in distinct], pad_id, micro_batch_size)[index]
+
+
+def _scores(chunks: list, rows: list[list[int]], pad_id: int, micro_batch_size: int) -> torch.Tensor:
     last = [max((i for i, t in enumerate(row) if t != pad_id), default=0) for row in rows]
     length = max(len(row) for row in rows)
     micro = [range(i, min(i + micro_batch_size, len(rows))) for i in range(0, len(rows), micro_batch_size)]

@@ -10,6 +10,11 @@ Advantages, per prompt group of rewards, over its valid samples:
 - advantage = reward - baseline, divided by std + 1e-6 with `normalize_rewards` where std > 0 (a
   group whose samples agree keeps its zero advantages); a group with at most one valid sample
   gets advantage 0. With rewards [1, 0, 0, 0] and the defaults: [1, -0.577, -0.577, -0.577].
+  Samples that agree to the last bit have std 0 by test, not by arithmetic: NeMo-RL's
+  E[x^2] - E[x]^2 of equal rewards that are not round numbers (exact match plus a reward
+  model's score) leaves a rounding residue, a std of ~1e-8, and the one sample that differs
+  from them would get an advantage of ~1e6 instead of its difference. The moments are taken
+  of the rewards less the group's first valid one (the std does not change, its rounding does).
 
 Loss of token t of a sample with advantage A:
   r = exp(logp - old_logp), or with `importance_sampling_level: sequence` (GSPO) one r per
@@ -29,6 +34,7 @@ log-probs are unfiltered), as NeMo-RL v0.6.0.
 are token means (sample means under `grpo`).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,9 +78,20 @@ def group_baseline_and_std(
     n = count.clamp(min=1)
     baseline = torch.where(lonely, rewards, others_sum(rewards) / n)
     spread = rewards if std_rewards is None else std_rewards
+    spread = spread - spread.gather(-1, v.argmax(-1, keepdim=True))
     variance = others_sum(spread.square()) / n - (others_sum(spread) / n).square()
     std = (variance.clamp(min=0) * n / (n - 1).clamp(min=1)).sqrt()
-    return baseline, torch.where(lonely | (count <= 1), torch.zeros_like(std), std)
+    return baseline, torch.where(lonely | (count <= 1) | _others_agree(spread, v, use_rloo), torch.zeros_like(std), std)
+
+
+def _others_agree(values: torch.Tensor, v: torch.Tensor, use_rloo: bool) -> torch.Tensor:
+    """Whether the valid samples each sample's std is taken over are all equal."""
+    g = values.shape[-1]
+    counts = v[..., None, :].bool().expand(*values.shape, g)  # [..., i, j]: j is among i's samples
+    if use_rloo:
+        counts = counts & ~torch.eye(g, dtype=torch.bool, device=values.device)
+    x = values[..., None, :].expand_as(counts)
+    return torch.where(counts, x, math.inf).amin(-1) == torch.where(counts, x, -math.inf).amax(-1)
 
 
 def group_advantages(
