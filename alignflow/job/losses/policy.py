@@ -13,8 +13,7 @@ Advantages, per prompt group of rewards, over its valid samples:
   Samples that agree to the last bit have std 0 by test, not by arithmetic: NeMo-RL's
   E[x^2] - E[x]^2 of equal rewards that are not round numbers (exact match plus a reward
   model's score) leaves a rounding residue, a std of ~1e-8, and the one sample that differs
-  from them would get an advantage of ~1e6 instead of its difference. The moments are taken
-  of the rewards less the group's first valid one (the std does not change, its rounding does).
+  from them would get an advantage of ~1e6 instead of its difference.
 
 Loss of token t of a sample with advantage A:
   r = exp(logp - old_logp), or with `importance_sampling_level: sequence` (GSPO) one r per
@@ -78,7 +77,6 @@ def group_baseline_and_std(
     n = count.clamp(min=1)
     baseline = torch.where(lonely, rewards, others_sum(rewards) / n)
     spread = rewards if std_rewards is None else std_rewards
-    spread = spread - spread.gather(-1, v.argmax(-1, keepdim=True))
     variance = others_sum(spread.square()) / n - (others_sum(spread) / n).square()
     std = (variance.clamp(min=0) * n / (n - 1).clamp(min=1)).sqrt()
     return baseline, torch.where(lonely | (count <= 1) | _others_agree(spread, v, use_rloo), torch.zeros_like(std), std)
