@@ -136,12 +136,14 @@ def sleeping_after_a_checkpoint(*args):
     helper process of its own running, as wandb's service runs beside a job that logs to it."""
     from alignflow.job.train import checkpoints
     from alignflow.job.worker import run_stage_job
+    from alignflow.orchestrator import orphans
 
     save = checkpoints.save
 
     def save_then_sleep(*a, **kw):
         path = save(*a, **kw)
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        time.sleep(4 * orphans.POLL_S)  # the watcher ends what it has seen: let it see the helper
         print("checkpoint saved", flush=True)
         time.sleep(600)
         return path

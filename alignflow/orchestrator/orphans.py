@@ -4,7 +4,8 @@ its local jobs do not.
 `reap_on_exit()` starts (once per process) a small watcher process in its own session. It
 lists its parent's descendants twice a second; once the parent is gone, it sends those of the
 last list SIGTERM, then SIGKILL to those still alive 5 s later, and exits. (A daemon that
-left the tree, e.g. a Slurm daemon started by an infra script, is in no list.) Used on
+left the tree, e.g. a Slurm daemon started by an infra script, is in no list; nor is a helper
+started less than a poll before its parent was killed.) Used on
 both sides: the flow process (its Prefect ephemeral server) and each job (the processes
 Megatron's checkpoint writer spawns). psutil checks a process's start time before signalling
 it, so a recycled PID is never hit.
