@@ -1,8 +1,6 @@
 """HF -> Megatron torch_dist -> HF: bit-exact, loadable at any TP/PP, never stale."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +10,6 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from alignflow import PROJECT_ROOT
 from alignflow.job.model_files import HF_DIR, MODEL_DIR
 from alignflow.job.model_files.dist_io import Chunk, DistCheckpointReader, Entry, save_lazy
 from alignflow.orchestrator.config.compose import ConfigError, build, compose
@@ -24,6 +21,7 @@ from alignflow.job.stages import convert, export
 
 sys.path.insert(0, str(Path(__file__).parent))
 from megatron_ranks import tiny_hf_model  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 RANKS = Path(__file__).with_name("checkpoint_ranks.py")
 TOLERANCE = 1e-5
@@ -81,25 +79,16 @@ def export_to(tmp_path, ckpt, demo_dir, name="export", **export_cfg) -> Path:
     return out
 
 
-def torchrun(nproc: int, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    run = subprocess.run(
-        [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(nproc), str(RANKS), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=PROJECT_ROOT,
-        env=env,
-    )
+def on_ranks(nproc: int, *args: str) -> str:
+    """tests/checkpoint_ranks.py on `nproc` ranks; their stdout."""
+    run = run_ranks(nproc, RANKS, *args)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout
 
 
 def logits(tmp_path, ckpt, hf_dir, tp=1, pp=1, ep=1) -> dict:
     out = tmp_path / f"logits-{ckpt.name}-tp{tp}-pp{pp}-ep{ep}.pt"
-    torchrun(max(tp * pp, ep), "logits", str(ckpt), str(hf_dir), str(out), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep))
+    on_ranks(max(tp * pp, ep), "logits", str(ckpt), str(hf_dir), str(out), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep))
     return torch.load(out)
 
 
@@ -220,7 +209,7 @@ def test_moe_checkpoints_load_at_ep2_with_hf_logits_and_megatron_saves_them_alik
     ckpt = convert_to(tmp_path, hf_dirs[case], demo_dir)
     assert logits(tmp_path, ckpt, hf_dirs[case], ep=2)["error"] < TOLERANCE
     resaved = tmp_path / "ep2-saved"
-    torchrun(2, "resave", str(ckpt), str(resaved), "--ep", "2")
+    on_ranks(2, "resave", str(ckpt), str(resaved), "--ep", "2")
     source, back = hf_tensors(hf_dirs[case]), hf_tensors(export_to(tmp_path, resaved, demo_dir, name="export-ep2"))
     assert set(back) == set(source) and all(torch.equal(back[k], source[k]) for k in source)
 
@@ -232,7 +221,7 @@ def test_round_trip_through_megatron_saved_tp2_and_pp2_checkpoints(hf_dirs, demo
     source = hf_tensors(hf_dirs[case])
     for name, layout in (("tp2", ["--tp", "2"]), ("pp2", ["--pp", "2"])):
         resaved = tmp_path / f"{name}-saved"
-        torchrun(2, "resave", str(ckpt), str(resaved), *layout)
+        on_ranks(2, "resave", str(ckpt), str(resaved), *layout)
         back = hf_tensors(export_to(tmp_path, resaved, demo_dir, name=f"export-{name}"))
         assert set(back) == set(source) and all(torch.equal(back[k], source[k]) for k in source), name
 
@@ -241,7 +230,7 @@ def test_round_trip_through_megatron_saved_tp2_and_pp2_checkpoints(hf_dirs, demo
 def test_a_tp2_saved_checkpoint_loads_at_tp1_and_pp2_with_identical_logits(hf_dirs, demo_dir, tmp_path):
     ckpt = convert_to(tmp_path, hf_dirs["llama"], demo_dir, tp=2)
     resaved = tmp_path / "tp2-saved"
-    torchrun(2, "resave", str(ckpt), str(resaved), "--tp", "2")
+    on_ranks(2, "resave", str(ckpt), str(resaved), "--tp", "2")
     reference = logits(tmp_path, ckpt, hf_dirs["llama"])["logits"]
     for tp, pp in ((1, 1), (1, 2)):
         assert torch.equal(logits(tmp_path, resaved, hf_dirs["llama"], tp, pp)["logits"], reference), (tp, pp)

@@ -26,7 +26,7 @@ from alignflow.job.train.datasets import DistillRows, PackedSFT
 from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_hardware_use, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402
+from train_ranks import assert_hardware_use, convert_demo, metrics_lines, prep_demo, stage_cfg, on_ranks  # noqa: E402
 
 K = 8
 
@@ -234,7 +234,7 @@ def test_teacher_logprobs_at_tp2_and_pp2_equal_tp1(demo, tmp_path, tp, pp):
         "parallel": {**eval_stage.SINGLE_RANK, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
     }
     inputs = {"data": demo["data"], "model": demo["teacher"]}
-    torchrun(2, topk_cfg(**layout), inputs, tmp_path / "two", "--stage", "teacher_logprobs")
+    on_ranks(2, topk_cfg(**layout), inputs, tmp_path / "two", "--stage", "teacher_logprobs")
     for split in ("train", "val"):
         n = len(PackedSFT(Prepared(demo["data"]), split))
         one, two = teacher_topk.read(demo["topk"], split, n), teacher_topk.read(str(tmp_path / "two"), split, n)
@@ -301,7 +301,7 @@ def test_distillation_losses_at_tp2_and_pp2_match_tp1(demo, demo_dir, tmp_path, 
 
     inputs = {"data": demo["data"], "model": demo["student"], "teacher_logprobs": demo["topk"]}
     distillation.run(typed(cfg()), inputs, str(tmp_path / "one"))
-    torchrun(2, cfg(tp, pp), inputs, tmp_path / "two", "--stage", "distillation", "--teacher-logprobs", demo["topk"])
+    on_ranks(2, cfg(tp, pp), inputs, tmp_path / "two", "--stage", "distillation", "--teacher-logprobs", demo["topk"])
     expected, got = metrics_lines(tmp_path / "one"), metrics_lines(tmp_path / "two")
     assert [line["step"] for line in got] == [1, 2, 3, 4]
     for a, b in zip(expected, got):

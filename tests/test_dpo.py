@@ -21,7 +21,7 @@ from alignflow.job.train.datasets import PreferencePairs, sequence_sums
 from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun  # noqa: E402
+from train_ranks import assert_same_steps, convert_demo, metrics_lines, prep_demo, stage_cfg, on_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_dpo_losses_of_a_moe_at_ep2_match_ep1(demo_dir, inputs, tmp_path):
     for ep in (1, 2):
         runs[ep] = tmp_path / f"ep{ep}"
         cfg = dpo_cfg(demo_dir, resources={"tasks_per_node": 2}, trainer={"val_check_interval": 5}, parallel={"expert_model_parallel_size": ep})
-        torchrun(2, cfg, moe, runs[ep], "--stage", "dpo", "--ref-logprobs", moe["ref_logprobs"])
+        on_ranks(2, cfg, moe, runs[ep], "--stage", "dpo", "--ref-logprobs", moe["ref_logprobs"])
     assert_same_steps(runs[1], runs[2], 1e-5, keys=("loss", "aux_loss", "reward_margin", "chosen_reward", "val_loss", "val_aux_loss"))
     assert all("aux_loss" in line for line in metrics_lines(runs[1]))
 
@@ -138,7 +138,7 @@ def test_dpo_losses_at_tp2_and_pp2_match_tp1(demo_dir, inputs, tmp_path, tp, pp)
     reference = tmp_path / "tp1"
     dpo.run(typed(dpo_cfg(demo_dir, trainer={"val_check_interval": 5})), inputs, str(reference))
     parallel = tmp_path / f"tp{tp}pp{pp}"
-    torchrun(
+    on_ranks(
         2, dpo_cfg(demo_dir, tp, pp, trainer={"val_check_interval": 5}), inputs, parallel, "--stage", "dpo", "--ref-logprobs", inputs["ref_logprobs"]
     )
     # reward accuracy counts near-ties: not continuous, so not compared

@@ -220,7 +220,7 @@ def test_eval_and_ref_logprobs_on_two_ranks_equal_one_rank(outputs, tmp_path, tp
     """200 val pairs and 24 prompts in micro batches of 7: every layout has an uneven last micro
     batch (and DP2 uneven shares); the metrics and per-pair log-probs equal one rank's."""
     from alignflow.job.stages import ref_logprobs
-    from train_ranks import torchrun
+    from train_ranks import on_ranks
 
     cfg, root = outputs
     parallel = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
@@ -232,13 +232,13 @@ def test_eval_and_ref_logprobs_on_two_ranks_equal_one_rank(outputs, tmp_path, tp
     inputs = {"data": str(root / "prep" / "p1"), "model": str(root / "convert" / "c1")}
 
     expected = eval_stage.run(one, {**inputs, "baselines": []}, str(tmp_path / "eval-1"))
-    torchrun(2, two, inputs, tmp_path / "eval-2", "--stage", "eval")
+    on_ranks(2, two, inputs, tmp_path / "eval-2", "--stage", "eval")
     got = json.loads((tmp_path / "eval-2" / "result.json").read_text())
     assert got.keys() == expected.keys() and got["convert.accuracy"] == expected["convert.accuracy"]
     assert without(got, TIMINGS) == pytest.approx(without(expected, TIMINGS), rel=1e-6, abs=1e-4)  # perplexity is exp(loss): its error is relative
 
     ref_logprobs.run(one, inputs, str(tmp_path / "ref-1"))
-    torchrun(2, two, inputs, tmp_path / "ref-2", "--stage", "ref_logprobs")
+    on_ranks(2, two, inputs, tmp_path / "ref-2", "--stage", "ref_logprobs")
     a, b = val_logprobs(tmp_path / "ref-1"), val_logprobs(tmp_path / "ref-2")
     assert a["sample_id"] == b["sample_id"]
     assert b["chosen_logp"] == pytest.approx(a["chosen_logp"], abs=1e-4) and b["rejected_logp"] == pytest.approx(a["rejected_logp"], abs=1e-4)
@@ -250,7 +250,7 @@ def test_eval_of_a_moe_at_ep2_equals_one_rank(outputs, demo_dir, tmp_path):
     of the rows, pairs and prompts (micro batches of 1: 2 and 1 validation micro batches, 5 and
     4 generation batches): the metrics of one rank, the task accuracy and the samples (greedy
     generation) exactly."""
-    from train_ranks import convert_demo, torchrun
+    from train_ranks import convert_demo, on_ranks
 
     cfg, root = outputs
     inputs = {"data": str(root / "prep" / "p1"), "model": str(convert_demo(demo_dir, tmp_path / "moe" / "m1", "tiny-qwen3-moe"))}
@@ -270,7 +270,7 @@ def test_eval_of_a_moe_at_ep2_equals_one_rank(outputs, demo_dir, tmp_path):
     )
     one = typed(OmegaConf.merge(two, {"eval": {"resources": {"tasks_per_node": 1}, "parallel": eval_stage.SINGLE_RANK}}))
     expected = eval_stage.run(one, {**inputs, "baselines": []}, str(tmp_path / "eval-1"))
-    torchrun(2, two, inputs, tmp_path / "eval-2", "--stage", "eval")
+    on_ranks(2, two, inputs, tmp_path / "eval-2", "--stage", "eval")
     got = json.loads((tmp_path / "eval-2" / "result.json").read_text())
     assert got.keys() == expected.keys() and got["moe.accuracy"] == expected["moe.accuracy"]
     assert without(got, TIMINGS) == pytest.approx(without(expected, TIMINGS), rel=1e-6, abs=1e-5)

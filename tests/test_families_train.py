@@ -16,7 +16,7 @@ from alignflow.job.stages import eval as eval_stage
 from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_same_steps, convert_case, convert_demo, stage_cfg, torchrun  # noqa: E402
+from train_ranks import assert_same_steps, convert_case, convert_demo, stage_cfg, on_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5
@@ -139,6 +139,6 @@ def test_two_tensor_parallel_ranks_give_one_ranks_losses(demo_dir, data, tmp_pat
     run(typed(stage_cfg(stage, demo_dir, **section)), inputs, str(tmp_path / "tp1"))
     extra = ["--stage", "dpo", "--ref-logprobs", inputs["ref_logprobs"]] if stage == "dpo" else []
     split = {"parallel": {"expert_model_parallel_size": 2}, "resources": {"tasks_per_node": 2}} if case in MOE else {"tp": 2}
-    torchrun(2, stage_cfg(stage, demo_dir, **split, **section), inputs, tmp_path / "tp2", *extra)
+    on_ranks(2, stage_cfg(stage, demo_dir, **split, **section), inputs, tmp_path / "tp2", *extra)
     keys = ("loss", "reward_margin", "chosen_reward", "val_loss") if stage == "dpo" else ("loss", "grad_norm", "val_loss")
     assert_same_steps(tmp_path / "tp1", tmp_path / "tp2", TOLERANCE, keys=keys)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -260,6 +261,7 @@ async def deployment_run(name: str, overrides: list[str]):
 
     runner = Runner(name=f"gate-{name}", query_seconds=1)
     deployment_id = await runner.aadd_flow(align, name=name, parameters={"pipeline": "demo", "overrides": overrides})
+    sigterm = signal.getsignal(signal.SIGTERM)  # the runner takes SIGTERM for itself; the test session gets it back
     serving = asyncio.create_task(runner.start())
     try:
         async with get_client() as client:
@@ -271,6 +273,7 @@ async def deployment_run(name: str, overrides: list[str]):
     finally:
         await runner.astop()
         serving.cancel()
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 @pytest.mark.slow

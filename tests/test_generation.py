@@ -3,18 +3,15 @@ seeded sampling, top-k / top-p, both log-probs, refusal of models the decoder do
 (TP2 and PP2 generation: `test_megatron_model.py::test_two_ranks_logits_and_greedy_generation_match_hf`;
 EP2 against EP1: tests/generation_ranks.py.)"""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from megatron_ranks import CASES, greedy_mismatches, saved_state, tiny_hf_model
+from ranks import run_ranks
 
 from reference_convert import hf_to_megatron
-from alignflow import PROJECT_ROOT
 from alignflow.job.device import device
 from alignflow.job.generation import Completion, Sampling, generate, sample
 from alignflow.job.model.gpt import build_gpt, load_megatron_state
@@ -127,22 +124,7 @@ def test_ep2_ranks_with_different_prompts_generate_what_each_would_at_ep1():
     numbers of batches; a rank with none; batches ending by EOS at different steps; greedy and
     sampled, the EOS check every step and every 3): every completion is EP1's, tokens exactly,
     log-probs within 1e-6 (tests/generation_ranks.py)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("torchrun")),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(Path(__file__).with_name("generation_ranks.py")),
-            "qwen3_moe",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=PROJECT_ROOT,
-        env={**env, "PYTHONPATH": str(PROJECT_ROOT)},
-    )
+    run = run_ranks(2, Path(__file__).with_name("generation_ranks.py"), "qwen3_moe")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 * 2 * 3 * 2 and all(", 0 differ from EP1," in line for line in lines)  # ranks, samplings, sets, checks

@@ -28,7 +28,7 @@ from train_ranks import (
     prep_demo,
     sft_cfg,
     stage_cfg,  # noqa: E402
-    torchrun,
+    on_ranks,
     weights,
 )
 
@@ -247,7 +247,7 @@ def test_two_ranks_match_one_rank(demo_dir, inputs, tmp_path, tp, pp):
     run_grpo(cfg, inputs, tmp_path / "tp1")
     parallel = tmp_path / f"tp{tp}pp{pp}"
     ranks_cfg = grpo_cfg(demo_dir, tp=tp, pp=pp, trainer={"log_every_n_steps": 1})
-    torchrun(tp * pp, ranks_cfg, inputs, parallel, "--stage", "grpo", "--ref-model", inputs["ref_model"])
+    on_ranks(tp * pp, ranks_cfg, inputs, parallel, "--stage", "grpo", "--ref-model", inputs["ref_model"])
     for a, b in zip(metrics_lines(tmp_path / "tp1"), metrics_lines(parallel), strict=True):
         for key in ("reward_mean", "accuracy", "response_length", "loss", "kl", "grad_norm"):
             assert b[key] == pytest.approx(a[key], abs=1e-4), (key, a, b)
@@ -313,7 +313,7 @@ def test_a_moe_at_ep2_rolls_out_and_trains_as_at_ep1(demo_dir, tmp_path):
             parallel={"expert_model_parallel_size": ep},
             trainer={"max_steps": 2, "log_every_n_steps": 1},
         )
-        torchrun(2, cfg, moe, runs[ep], "--stage", "grpo", "--ref-model", model)
+        on_ranks(2, cfg, moe, runs[ep], "--stage", "grpo", "--ref-model", model)
     for a, b in zip(metrics_lines(runs[1]), metrics_lines(runs[2]), strict=True):
         assert b["response_length"] == a["response_length"] and b["reward_mean"] == a["reward_mean"], (a, b)
         for key in ("loss", "kl", "grad_norm"):

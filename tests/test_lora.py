@@ -16,7 +16,7 @@ from alignflow.orchestrator.config.compose import ConfigError, compose
 from alignflow.job.convert import lora as targets
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import LAYOUT_TOLERANCE, assert_same_steps, convert_demo, metrics_lines, prep_demo, run_sft, sft_cfg, torchrun, weights  # noqa: E402
+from train_ranks import LAYOUT_TOLERANCE, assert_same_steps, convert_demo, metrics_lines, prep_demo, run_sft, sft_cfg, on_ranks, weights  # noqa: E402
 
 LORA = {
     "finetuning_type": "lora",
@@ -228,7 +228,7 @@ def test_two_ranks_match_one_rank(demo_dir, inputs, tmp_path, tp, pp):
         resources={"tasks_per_node": tp * pp},
         parallel={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
     )
-    torchrun(tp * pp, cfg, inputs, parallel)
+    on_ranks(tp * pp, cfg, inputs, parallel)
     assert_same_steps(reference, parallel, LAYOUT_TOLERANCE["fp32"])
     ref_adapter, got_adapter = weights(reference / "adapter"), weights(parallel / "adapter")
     assert ref_adapter.keys() == got_adapter.keys()

@@ -1,9 +1,6 @@
 """Megatron models built from HF weights compute HF's logits (fp32, max abs 1e-5): one rank
-in this process, and TP2 / PP2 / PP2 with virtual chunks on 2 ranks under torchrun."""
+in this process, and TP2 / PP2 / PP2 with virtual chunks on 2 ranks (tests/ranks.py)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from megatron_ranks import CASES, TOLERANCE, converted_chunks, max_logit_error, max_logprob_error, parallel_cfg, saved_state, tiny_hf_model, tokens
+from ranks import run_ranks
 
-from alignflow import PROJECT_ROOT
 from reference_convert import hf_to_megatron, megatron_to_hf
 from alignflow.job.device import device, to_device
 from alignflow.job.model import runtime
@@ -221,18 +218,7 @@ def test_two_ranks_logits_and_greedy_generation_match_hf(layout):
     dispatcher on gloo); KV-cached greedy generation at TP2 and PP2."""
     generate = [] if "--vp" in layout or "--ep" in layout else ["--generate"]
     cases = EP_CASES if "--ep" in layout else TWO_RANK_CASES
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # torchrun sets them per rank
-    run = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(RANKS_SCRIPT), *layout, *generate, *cases],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=PROJECT_ROOT,
-        env=env,
-    )
+    run = run_ranks(2, RANKS_SCRIPT, *layout, *generate, *cases)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     n = len(cases)
     assert run.stdout.count("max |logits - HF|") == n * (1 if "--pp" in layout else 2)  # each last-stage rank, every model
@@ -267,17 +253,6 @@ def test_gemma_norm_and_embedding_scale_round_as_hfs_in_bf16():
 @pytest.mark.parametrize("layout", [["--tp", "2", "--ep", "2"], ["--pp", "2", "--ep", "2"]], ids=["ep2xtp2", "ep2xpp2"])
 def test_four_ranks_ep_times_tp_and_pp_logits_match_hf(layout):
     """EP2 x TP2 (experts split over EP, each expert over TP) and EP2 x PP2 on 4 ranks."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    run = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "4", str(RANKS_SCRIPT), *layout, "mixtral"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=PROJECT_ROOT,
-        env=env,
-    )
+    run = run_ranks(4, RANKS_SCRIPT, *layout, "mixtral")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("max |logits - HF|") == (2 if "--pp" in layout else 4)  # each last-stage rank

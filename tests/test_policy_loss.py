@@ -6,14 +6,13 @@
   the same tensors as ours."""
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from ranks import run_ranks
 
 from alignflow.orchestrator.config.schema import GRPOLossConfig
 from alignflow.job.generation import Sampling
@@ -280,17 +279,10 @@ def test_step_metrics_are_per_unit_of_the_loss(loss_type):
 
 @pytest.mark.slow
 def test_two_processes_with_unequal_micro_batches_give_the_big_batchs_gradient():
-    """Two gloo processes (torchrun) hold micro batches of 6 + 5 and 4 + 3 tokens; summing each
+    """Two gloo processes hold micro batches of 6 + 5 and 4 + 3 tokens; summing each
     micro batch's loss x units, all-reducing gradients and units and dividing (the engine's
     contract) gives TRL's gradient of the one big batch."""
     script = Path(__file__).with_name("policy_dp_ranks.py")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *LOSS_TYPES],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_ranks(2, script, *LOSS_TYPES)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert all(f"rank {r} {name} equal" in out.stdout for r in (0, 1) for name in LOSS_TYPES), out.stdout

@@ -25,7 +25,7 @@ from alignflow.job.train.datasets import PreferencePairs, Prompts
 from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_hardware_use, assert_same_steps, convert_demo, metrics_lines, prep_demo, stage_cfg, torchrun, weights  # noqa: E402
+from train_ranks import assert_hardware_use, assert_same_steps, convert_demo, metrics_lines, prep_demo, stage_cfg, on_ranks, weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_reward_model_losses_at_tp2_and_pp2_match_tp1(demo_dir, inputs, tmp_path
     reference = tmp_path / "tp1"
     reward_model.run(typed(rm_cfg(demo_dir, optim={"lr": 3e-3})), inputs, str(reference))
     parallel = tmp_path / f"tp{tp}pp{pp}"
-    torchrun(2, rm_cfg(demo_dir, tp, pp, optim={"lr": 3e-3}), inputs, parallel, "--stage", "reward_model")
+    on_ranks(2, rm_cfg(demo_dir, tp, pp, optim={"lr": 3e-3}), inputs, parallel, "--stage", "reward_model")
     assert_same_steps(reference, parallel, 1e-5, keys=("loss", "reward_margin", "chosen_reward", "rejected_reward", "val_loss"))
     assert abs(metrics_lines(reference)[-1]["reward_margin"]) > 1e-3  # the rewards moved
 

@@ -12,7 +12,7 @@ import torch
 from megatron.core import tensor_parallel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import LAYOUT_TOLERANCE, convert_demo, metrics_lines, prep_demo, run_sft, sft_cfg, torchrun, weights  # noqa: E402
+from train_ranks import LAYOUT_TOLERANCE, convert_demo, metrics_lines, prep_demo, run_sft, sft_cfg, on_ranks, weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_distributed_optimizer_at_dp2_matches_plain_dp2(demo_dir, inputs, tmp_pa
             parallel=parallel,
             trainer={"max_steps": 5, "val_check_interval": 5, "gradient_clip_val": 0.0},
         )
-        torchrun(2, cfg, inputs, tmp_path / name)
+        on_ranks(2, cfg, inputs, tmp_path / name)
         runs[name] = metrics_lines(tmp_path / name)
     plain, distributed = weights(tmp_path / "plain" / "model"), weights(tmp_path / "distributed" / "model")
     weight_delta = max((plain[k].float() - distributed[k].float()).abs().max().item() for k in plain)
@@ -114,14 +114,14 @@ def test_a_run_checkpointed_at_dp2_resumes_at_another_layout(demo_dir, inputs, t
         checkpoint={"every_n_steps": 3, "save_top_k": -1},
     )
     first = tmp_path / "dp2"
-    torchrun(2, sft_cfg(demo_dir, resources={"tasks_per_node": 2}, **base), inputs, first)
+    on_ranks(2, sft_cfg(demo_dir, resources={"tasks_per_node": 2}, **base), inputs, first)
     expected = losses(first)
     for name, (tp, pp, ranks) in {"tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp1": (1, 1, 1), "dp2-again": (1, 1, 2)}.items():
         out = tmp_path / name
         shutil.copytree(first, out)
         shutil.rmtree(out / "checkpoints" / "step-00000006")
         cfg = sft_cfg(demo_dir, tp=tp, pp=pp, resources={"tasks_per_node": ranks}, **base)
-        torchrun(ranks, cfg, inputs, out) if ranks > 1 else run_sft(cfg, inputs, out)
+        on_ranks(ranks, cfg, inputs, out) if ranks > 1 else run_sft(cfg, inputs, out)
         got = losses(out)
         print(f"resumed at {name}: max |loss - dp2| over steps 4-6 = {max(abs(a - b) for a, b in zip(expected[3:], got[3:])):.2e}")
         assert len(got) == 6 and got[:3] == expected[:3]

@@ -29,7 +29,7 @@ from train_ranks import (
     prep_demo,
     run_sft,
     sft_cfg,
-    torchrun,
+    on_ranks,
     weights,
 )
 
@@ -101,7 +101,7 @@ def test_two_ranks_match_one_rank(demo_dir, inputs, other_models, tmp_path, tp, 
         trainer={"val_check_interval": 5},
         parallel={"virtual_pipeline_model_parallel_size": vp},
     )
-    torchrun(tp * pp * dp, cfg, inputs, parallel)
+    on_ranks(tp * pp * dp, cfg, inputs, parallel)
     assert_same_steps(reference, parallel, LAYOUT_TOLERANCE[precision])
     assert json.loads((parallel / "result.json").read_text())["steps"] == 5
 
@@ -118,7 +118,7 @@ def test_moe_at_ep2_matches_ep1(demo_dir, inputs, tmp_path):
     runs = {}
     for ep in (1, 2):
         runs[ep] = tmp_path / f"ep{ep}"
-        torchrun(
+        on_ranks(
             2,
             sft_cfg(demo_dir, resources={"tasks_per_node": 2}, trainer={"val_check_interval": 5}, parallel={"expert_model_parallel_size": ep}),
             moe,

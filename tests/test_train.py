@@ -17,6 +17,7 @@ from alignflow.job.train.datasets import PackedSFT
 from alignflow.job.train.schedule import lr_at
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ranks import run_ranks  # noqa: E402
 from train_ranks import SEQ_LENGTH, prep_demo  # noqa: E402
 
 LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110
@@ -212,18 +213,8 @@ def test_the_ranks_of_an_expert_group_run_as_many_micro_batches(tmp_path):
     """Under EP each MoE layer exchanges tokens among the group's ranks once per micro batch:
     a rank whose pairs packed into fewer micro batches splits its longest until it has as many
     as the group's most, keeping every item once and in order."""
-    import os
-    import subprocess
-
     script = tmp_path / "even_out.py"
     script.write_text(EVEN_OUT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run(
-        [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**env, "PYTHONPATH": str(Path(__file__).parents[1])},
-    )
+    run = run_ranks(2, script)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "rank 0: [[0], [1], [2], [3, 4]]" in run.stdout and "rank 1: [[5, 6], [7], [8, 9], [10]]" in run.stdout, run.stdout

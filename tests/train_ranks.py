@@ -1,11 +1,12 @@
-"""Helpers for the SFT tests, and the job they run in a subprocess or on ranks under torchrun.
+"""Helpers for the SFT tests, and the job they run in a subprocess or on ranks (`on_ranks`, by
+tests/ranks.py) as
 
-    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT [--stage dpo --ref-logprobs REF]
-    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage grpo --ref-model REF
-    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage eval (or ref_logprobs)
-    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA TEACHER OUT --stage teacher_logprobs
-    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage reward_model
-    torchrun --standalone --nproc-per-node 2 tests/train_ranks.py CFG.json DATA MODEL OUT --stage distillation --teacher-logprobs T
+    tests/train_ranks.py CFG.json DATA MODEL OUT [--stage dpo --ref-logprobs REF]
+    tests/train_ranks.py CFG.json DATA MODEL OUT --stage grpo --ref-model REF
+    tests/train_ranks.py CFG.json DATA MODEL OUT --stage eval (or ref_logprobs)
+    tests/train_ranks.py CFG.json DATA TEACHER OUT --stage teacher_logprobs
+    tests/train_ranks.py CFG.json DATA MODEL OUT --stage reward_model
+    tests/train_ranks.py CFG.json DATA MODEL OUT --stage distillation --teacher-logprobs T
     python tests/train_ranks.py CFG.json DATA MODEL OUT --pause-after-checkpoint 2
 
 Each rank calls `alignflow.job.stages.<stage>.run(cfg, {"data": DATA, "model": MODEL, ...}, OUT)`; rank 0
@@ -16,7 +17,6 @@ checkpoint so that a test can kill the job between two checkpoints.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +24,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from alignflow.job.worker import typed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ranks import run_ranks  # noqa: E402
 
 SEQ_LENGTH = 64
 RANKS = Path(__file__)
@@ -182,17 +185,9 @@ def job_args(cfg: dict, inputs: dict, out: Path) -> list[str]:
     return [str(RANKS), str(cfg_file), inputs["data"], inputs["model"], str(out)]
 
 
-def torchrun(nproc: int, cfg: dict, inputs: dict, out: Path, *extra: str) -> None:
+def on_ranks(nproc: int, cfg: dict, inputs: dict, out: Path, *extra: str) -> None:
     """This file's job on `nproc` ranks (the stage's metrics in OUT/result.json)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), *job_args(cfg, inputs, out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=RANKS.parents[1],
-        env=job_env(),
-    )
+    run = run_ranks(nproc, RANKS, *job_args(cfg, inputs, out)[1:], *extra)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
