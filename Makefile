@@ -14,4 +14,4 @@ demo: install
 test: install-dev
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
-	.venv/bin/python -m pytest -x -q -rs --timeout=900
+	.venv/bin/python -m pytest -x -q -rs --timeout=900 --durations=60
