@@ -20,7 +20,8 @@ import time
 import traceback
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from alignflow import PROJECT_ROOT
+
 # What every rank would import: loaded once, in the server the ranks are forked from.
 PRELOAD = [
     "torch",
