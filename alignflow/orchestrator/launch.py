@@ -54,6 +54,7 @@ from omegaconf import DictConfig
 from alignflow.orchestrator.config.schema import LauncherConfig, LauncherName
 from alignflow.orchestrator.lease import this_process
 from alignflow.orchestrator.orphans import end, reap_on_exit
+from alignflow.orchestrator.warm_jobs import Controller, WarmLocalExecutor
 
 ERROR_TAIL_LINES = 40
 STATE_POLL_S = 2.0  # sacct at most this often per job: submitit's own watcher waits up to 600 s
@@ -136,13 +137,16 @@ def _slurm_parameters(launcher: LauncherConfig, resources: DictConfig, time_min:
     return {k: v for k, v in params.items() if v is not None}
 
 
-def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str, shared: tuple[str, ...] = ()) -> submitit.Executor:
+def make_executor(launcher: LauncherConfig, section: DictConfig, job_name: str, shared: tuple[str, ...] = (), devices: str = "") -> submitit.Executor:
     """A fresh submitit folder per submission, so no run reads another's pickles. A Slurm job
-    first checks on each of its nodes that it sees that folder and `shared`."""
+    first checks on each of its nodes that it sees that folder and `shared`. A local job on the
+    CPU starts warm (`alignflow.orchestrator.warm_jobs`) unless `launcher.warm_start` is off;
+    one with GPUs (`devices`) starts cold."""
     folder = Path(launcher.folder).absolute() / job_name / uuid.uuid4().hex[:12]
     limit = time_limit(launcher, section)
     if launcher.name == LauncherName.local:
-        executor = submitit.LocalExecutor(folder=folder, max_num_timeout=launcher.max_requeues)
+        local = WarmLocalExecutor if launcher.warm_start and not devices else submitit.LocalExecutor
+        executor = local(folder=folder, max_num_timeout=launcher.max_requeues)
         executor.update_parameters(
             nodes=1, tasks_per_node=section.resources.tasks_per_node, timeout_min=limit if limit is not None else NO_TIME_LIMIT_MIN
         )
@@ -328,9 +332,9 @@ def submit(
     `shared`: local paths every node of a Slurm job must see (`make_executor`).
     Local jobs end with this process, however it ends (`alignflow.orchestrator.orphans`)."""
     reap_on_exit()
-    executor = make_executor(launcher, section, job_name, shared)
     local = launcher.name == LauncherName.local
     devices = local_devices(launcher, section.resources.tasks_per_node) if local else None
+    executor = make_executor(launcher, section, job_name, shared, devices or "")
     attempt = Attempt(fn, launcher.max_requeues if resumable else 0, rendezvous_port() if local else None, devices)
     scope = _scope.get()
     if scope is None:
@@ -443,7 +447,7 @@ def rendezvous_port() -> int:
 def job_record(job: submitit.Job, time_limit_min: float | None = None) -> JobRecord:
     launcher = LauncherName.slurm if isinstance(job, submitit.SlurmJob) else LauncherName.local
     local = launcher == LauncherName.local
-    process = [*this_process()[:2], int(job.job_id), psutil.Process(int(job.job_id)).create_time()] if local else None
+    process = [*this_process()[:2], int(job.job_id), _started(job)] if local else None
     return JobRecord(
         str(job.job_id),
         launcher.value,
@@ -456,6 +460,12 @@ def job_record(job: submitit.Job, time_limit_min: float | None = None) -> JobRec
         submitted=time.time(),
         oom_kills=oom_kills() if local else None,
     )
+
+
+def _started(job: submitit.Job) -> float:
+    """A local job's controller's start time (a warm one's as its server saw it: it may have ended already)."""
+    controller = getattr(job, "_process", None)
+    return controller.started if isinstance(controller, Controller) else psutil.Process(int(job.job_id)).create_time()
 
 
 def time_limit(launcher: LauncherConfig, section: DictConfig) -> float | None:
@@ -480,7 +490,7 @@ def reattach(record: dict) -> submitit.Job | None:
     host, boot, pid, started = record["process"]
     if (host, boot) != this_process()[:2]:
         return None
-    return submitit.local.local.LocalJob(folder, job_id, tasks, process=_Controller(pid, started))
+    return submitit.local.local.LocalJob(folder, job_id, tasks, process=Controller(pid, started, folder))
 
 
 def adoptable(record: dict) -> bool:
@@ -520,30 +530,6 @@ def stop(record: dict, timeout_s: float = 30.0) -> bool:
 
 def _slurm_state(job: submitit.SlurmJob) -> str:
     return (job.get_info(mode="force").get("State") or "").split(" ")[0]
-
-
-class _Controller:
-    """A local job's controller process that is not our child (its run is gone): the part of
-    `subprocess.Popen` submitit's LocalJob uses, by pid, with the start time guarding against a
-    recycled pid."""
-
-    def __init__(self, pid: int, started: float):
-        self.pid, self.started = pid, started
-
-    def _process(self) -> psutil.Process | None:
-        try:
-            process = psutil.Process(self.pid)
-            alive = abs(process.create_time() - self.started) < 0.01 and process.status() != psutil.STATUS_ZOMBIE
-            return process if alive else None
-        except psutil.NoSuchProcess:
-            return None
-
-    def poll(self) -> int | None:
-        return None if self._process() is not None else 0
-
-    def send_signal(self, signum: int) -> None:
-        if (process := self._process()) is not None:
-            process.send_signal(signum)
 
 
 # ----------------------------------------------------------------------------- waiting

@@ -12,6 +12,7 @@ it, so a recycled PID is never hit.
 
 A local job (submitit's controller, `submitit.local._local`, and its ranks) is no helper: like
 a Slurm job it outlives a flow process that dies, and a rerun adopts it (`alignflow.orchestrator.lease`).
+Nor is the warm server that local jobs are forked from (`alignflow.job.forkserver`), nor its jobs.
 A flow process that is stopped (SIGINT, SIGTERM, SIGHUP) cancels its jobs itself
 (`alignflow.orchestrator.launch.cancel_jobs_on_interrupt`).
 
@@ -59,7 +60,9 @@ def watch(parent_pid: int) -> None:
     end(last)
 
 
-LOCAL_JOB = "submitit.local._local"  # in the command line of a local job's controller
+# In the command line of a local job's controller, and of the warm server that forks warm ones
+# (`alignflow.orchestrator.warm_jobs`): neither is a helper, and what they start is not either.
+LOCAL_JOBS = ("submitit.local._local", "alignflow.job.forkserver")
 
 
 def _helpers(parent: psutil.Process, me: int) -> list[psutil.Process]:
@@ -69,7 +72,7 @@ def _helpers(parent: psutil.Process, me: int) -> list[psutil.Process]:
     found, skipped = [], {me}
     for process in parent.children(recursive=True):  # parents before their children
         try:
-            if process.ppid() in skipped or process.pid == me or any(LOCAL_JOB in part for part in process.cmdline()):
+            if process.ppid() in skipped or process.pid == me or any(marker in part for part in process.cmdline() for marker in LOCAL_JOBS):
                 skipped.add(process.pid)
                 continue
         except psutil.Error:

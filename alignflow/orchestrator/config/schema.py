@@ -279,6 +279,9 @@ class LauncherConfig:
     setup: List[str] = field(default_factory=list)
     sbatch_extra: Dict[str, Any] = field(default_factory=dict)  # more sbatch options, e.g. {exclusive: true}
     max_requeues: int = 3  # Slurm requeues of a training stage's job on preemption or timeout (others: 0)
+    # local: a CPU job's ranks are forked from a process that has imported torch, Megatron-Core and
+    # the stages once (alignflow.orchestrator.warm_jobs), not started fresh; false: fresh interpreters.
+    warm_start: bool = True
 
 
 @dataclass

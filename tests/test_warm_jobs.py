@@ -1,0 +1,178 @@
+"""Local jobs forked from the warm server (alignflow.job.forkserver) against submitit's own cold
+start as the reference: the same environment, arguments, signal handlers and exit states, the
+same trained weights; a server whose imported files changed is never used; any failure to start
+warm starts the job cold."""
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import cloudpickle
+import psutil
+import pytest
+from omegaconf import OmegaConf
+
+from alignflow.orchestrator import warm_jobs
+from alignflow.orchestrator.config.schema import LauncherConfig
+from alignflow.orchestrator.launch import InfrastructureError, make_executor, submit, wait
+from alignflow.orchestrator.warm_jobs import Controller, WarmLocalExecutor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_ranks import convert_demo, prep_demo, sft_cfg, weights  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this file's functions by value
+
+
+def launcher(tmp_path: Path, warm: bool) -> LauncherConfig:
+    return OmegaConf.merge(OmegaConf.structured(LauncherConfig), {"folder": str(tmp_path / "jobs"), "warm_start": warm})
+
+
+def section(tasks: int = 1):
+    return OmegaConf.create({"resources": {"nodes": 1, "tasks_per_node": tasks}, "timeout_min": None})
+
+
+def what_a_rank_sees(imports: bool = True) -> dict:
+    """After importing what the server imports (a cold rank imports it then; a warm one has)."""
+    import submitit
+
+    from alignflow.job import forkserver
+
+    if imports:
+        forkserver.preload()
+    env = submitit.JobEnvironment()
+    handlers = {int(s): repr(signal.getsignal(s)) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    return {
+        "env": {k: v for k, v in os.environ.items() if k not in ("SUBMITIT_LOCAL_JOB_ID", "MASTER_PORT", "PYTEST_CURRENT_TEST")},
+        "rank": env.global_rank,
+        "cwd": os.getcwd(),
+        "argv": sys.argv[1:],
+        "path": sys.path,
+        "handlers": handlers,
+        "parent_is_the_controller": os.getppid() == int(env.job_id),
+        "stdin_is_the_submitters": os.path.samestat(os.fstat(0), os.stat(f"/proc/{os.getppid()}/fd/0")),
+        "server": psutil.Process(os.getppid()).ppid(),
+    }
+
+
+def run_job(tmp_path: Path, warm: bool, fn, *args, tasks: int = 1):
+    job = submit(launcher(tmp_path, warm), section(tasks), "probe", fn, *args)
+    return job, job.results()
+
+
+@pytest.fixture
+def own_server(monkeypatch):
+    """A server key of this test's own (an environment variable), so no other test's server serves it."""
+    monkeypatch.setenv("ALIGNFLOW_TEST_SERVER", uuid.uuid4().hex)
+
+
+def test_a_warm_rank_sees_what_a_cold_rank_sees(tmp_path, own_server):
+    (cold_job, cold), (warm_job, warm) = run_job(tmp_path, False, what_a_rank_sees, tasks=2), run_job(tmp_path, True, what_a_rank_sees, tasks=2)
+    assert isinstance(warm_job._process, Controller) and not isinstance(cold_job._process, Controller)
+
+    def seen(rank: dict, job) -> str:  # the job's own folder and objects' addresses aside
+        text = json.dumps({**rank, "server": None}, sort_keys=True).replace(str(job.paths.folder), "FOLDER")
+        return re.sub(r" at 0x[0-9a-f]+", "", text)
+
+    assert len(cold) == len(warm) == 2
+    for one, other in zip(cold, warm):
+        assert seen(one, cold_job) == seen(other, warm_job)
+    assert warm[0]["parent_is_the_controller"] and warm[0]["stdin_is_the_submitters"]
+    assert warm[0]["server"] != os.getpid() and cold[0]["server"] == os.getpid()  # cold: the controller is our child
+
+
+def test_a_warm_sft_job_trains_the_weights_of_a_cold_one(demo_dir, tmp_path):
+    from alignflow.job.worker import run_stage_job
+
+    inputs = {"data": str(prep_demo(demo_dir, tmp_path / "data")), "model": str(convert_demo(demo_dir, tmp_path / "model"))}
+    cfg = sft_cfg(demo_dir, trainer={"max_steps": 3, "val_check_interval": 3})
+    trained = {}
+    for warm in (False, True):
+        out = tmp_path / f"out-{warm}"
+        job = submit(launcher(tmp_path, warm), OmegaConf.create(cfg["sft"]), "sft", run_stage_job, "sft", cfg, inputs, str(out), {})
+        metrics = wait(job, lambda line: None)
+        trained[warm] = (weights(out / "model"), {k: v for k, v in metrics.items() if k.startswith(("train_loss", "val_loss"))})
+    (cold_weights, cold_losses), (warm_weights, warm_losses) = trained[False], trained[True]
+    assert cold_losses and cold_losses == warm_losses
+    assert cold_weights.keys() == warm_weights.keys() and all((cold_weights[k] == warm_weights[k]).all() for k in cold_weights)
+
+
+def sleep_then_return(seconds: float) -> str:
+    time.sleep(seconds)
+    return "done"
+
+
+def test_a_killed_warm_job_ends_interrupted_and_is_retried_as_infrastructure(tmp_path, own_server):
+    job = submit(launcher(tmp_path, True), section(), "probe", sleep_then_return, 600)
+    while not job.paths.stdout.exists():
+        time.sleep(0.1)
+    os.kill(int(job.job_id), signal.SIGKILL)
+    with pytest.raises(InfrastructureError):
+        wait(job, lambda line: None, poll_s=0.2)
+    assert job.state == "INTERRUPTED"  # as submitit says of a cold job whose controller a signal ended
+    assert (job.paths.folder / warm_jobs.EXIT_FILE.format(pid=job.job_id)).read_text() == str(-signal.SIGKILL)
+
+
+def server_pid(tmp_path: Path) -> int:
+    return run_job(tmp_path, True, what_a_rank_sees, False)[1][0]["server"]
+
+
+def test_a_server_whose_imported_files_changed_serves_no_job(tmp_path, monkeypatch):
+    """A file the server imported at its start (here a sitecustomize on its PYTHONPATH) edited:
+    the next job starts in a fresh server, which imported the edited file."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("VERSION = 1\n")
+    monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+    def version() -> int:
+        import sitecustomize
+
+        return sitecustomize.VERSION
+
+    first = server_pid(tmp_path)
+    assert server_pid(tmp_path) == first
+    (site / "sitecustomize.py").write_text("VERSION = 2\n")
+    assert run_job(tmp_path, True, version)[1] == [2]
+    assert server_pid(tmp_path) != first
+    psutil.Process(first).wait(timeout=30)  # the stale one retired: it had no job left
+
+
+def test_a_job_that_cannot_start_warm_starts_cold_and_says_why(tmp_path, monkeypatch, caplog):
+    """A server whose preload fails (a `megatron` package on its path that raises) exits while
+    starting; the job runs all the same, cold, with a warning naming the cause."""
+    broken = tmp_path / "broken" / "megatron"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this megatron is broken on purpose')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{broken.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    job, results = run_job(tmp_path, True, sleep_then_return, 0)
+    assert results == ["done"] and not isinstance(job._process, Controller)
+    assert "starts cold" in caplog.text and "this megatron is broken on purpose" in caplog.text
+
+
+def test_a_socket_folder_others_can_reach_is_not_used(tmp_path, monkeypatch, caplog):
+    runtime = tmp_path / "runtime"
+    (runtime / f"alignflow-forkserver-{os.getuid()}").mkdir(parents=True, mode=0o777)
+    os.chmod(runtime / f"alignflow-forkserver-{os.getuid()}", 0o777)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    job, results = run_job(tmp_path, True, sleep_then_return, 0)
+    assert results == ["done"] and not isinstance(job._process, Controller)
+    assert "is not this user's alone" in caplog.text
+
+
+def test_jobs_with_gpus_or_warm_start_off_start_cold(tmp_path):
+    assert isinstance(make_executor(launcher(tmp_path, True), section(), "j"), WarmLocalExecutor)
+    assert not isinstance(make_executor(launcher(tmp_path, True), section(), "j", devices="0"), WarmLocalExecutor)
+    assert not isinstance(make_executor(launcher(tmp_path, False), section(), "j"), WarmLocalExecutor)
+
+
+def test_a_servers_key_leaves_out_only_what_jobs_set_or_never_import():
+    env = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    key = warm_jobs.server_key(env, "/work")
+    assert warm_jobs.server_key({**env, "PYTEST_CURRENT_TEST": "t", "SUBMITIT_LOCAL_NTASKS": "2", "CUDA_VISIBLE_DEVICES": ""}, "/work") == key
+    assert warm_jobs.server_key({**env, "OMP_NUM_THREADS": "2"}, "/work") != key
+    assert warm_jobs.server_key(env, "/elsewhere") != key
