@@ -2,6 +2,7 @@
 a commit first checks that the output holds what its format declares."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -168,6 +169,14 @@ def test_heartbeat_keeps_a_long_run_alive(tmp_path):
     assert released - started >= 3.0
 
 
+def replace(path, record: dict) -> None:
+    """Write a lease record as the lease code does, atomically: a plain write_text truncates the
+    file first, and a watcher polling every 50 ms then reads an empty, unreadable record."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
 def test_a_job_outlives_its_silent_run_but_stops_for_a_stranger_or_a_release(tmp_path):
     """The job's side of the fence: a run that stopped beating (it died) does not stop its job;
     a run that adopted the job may hold the lease; a run that does not own the job, or a
@@ -184,11 +193,11 @@ def test_a_job_outlives_its_silent_run_but_stops_for_a_stranger_or_a_release(tmp
         assert not heard and watcher.is_alive()
         adopter = {"owner": "adopting-run"}
         record = json.loads((tmp_path / "prep" / "_leases" / "f1.job.json").read_text())
-        (tmp_path / "prep" / "_leases" / "f1.job.json").write_text(json.dumps({**record, "owners": [*record["owners"], "adopting-run"]}))
-        path.write_text(json.dumps(adopter))
+        replace(tmp_path / "prep" / "_leases" / "f1.job.json", {**record, "owners": [*record["owners"], "adopting-run"]})
+        replace(path, adopter)
         time.sleep(0.5)
         assert not heard  # the adopter owns the job
-        path.write_text(json.dumps({"owner": "another-run"}))
+        replace(path, {"owner": "another-run"})
         watcher.join(timeout=5)
         assert heard == [f"the lease {path} is held by another-run, which does not own job job-1"]
         path.unlink()
