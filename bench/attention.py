@@ -11,7 +11,8 @@ Candidates (`alignflow.job.model.attention` takes `varlen` on CUDA in bf16/fp16,
 Shape: Llama-3.2-1B's attention (32 heads, 8 query groups, head dim 64), one row of --seq
 tokens packing documents of --docs lengths (the rest padding), --window for Mistral's.
 
-Run: .venv/bin/python bench/attention.py [--seq 4096 --dtype bf16]   (CPU default: --seq 2048 fp32)
+Run: .venv/bin/python bench/attention.py [--seq 4096 --dtype bf16]   (CPU default: --seq 2048 fp32;
+--tiny: TINY's shape, with a window, every candidate in a second, so CI runs it end to end)
 """
 
 import argparse
@@ -25,6 +26,7 @@ from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex
 from alignflow.job.model.attention import KERNELS, Documents
 
 cuda = torch.cuda.is_available()
+TINY = {"seq": 256, "window": 64, "heads": 4, "groups": 2, "repeats": 1}
 parser = argparse.ArgumentParser()
 parser.add_argument("--seq", type=int, default=4096 if cuda else 2048)
 parser.add_argument("--docs", default=None, help="document lengths (default: 8 of 37% down to 0.7% of --seq)")
@@ -33,7 +35,10 @@ parser.add_argument("--dtype", default="bf16" if cuda else "fp32")
 parser.add_argument("--heads", type=int, default=32)
 parser.add_argument("--groups", type=int, default=8)
 parser.add_argument("--repeats", type=int, default=10 if cuda else 2)
+parser.add_argument("--tiny", action="store_true", help=f"the options {TINY}")
 args = parser.parse_args()
+if args.tiny:
+    vars(args).update(TINY)
 device, dtype = torch.device("cuda" if cuda else "cpu"), {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
 s, heads, groups, dim = args.seq, args.heads, args.groups, 64
 lengths = [int(n) for n in args.docs.split(",")] if args.docs else [s * n // 4096 for n in (1500, 900, 700, 400, 300, 120, 60, 30)]

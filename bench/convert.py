@@ -11,7 +11,8 @@ page cache (posix_fadvise DONTNEED), as a real conversion reads a checkpoint it 
   and is shown against the largest tensor and the checkpoint size, beside the RSS of a
   process that only imports the same modules.
 
-Run: .venv/bin/python bench/convert.py [WORKDIR] [--shape mixtral]   (needs ~5 GB of free disk in WORKDIR)
+Run: .venv/bin/python bench/convert.py [WORKDIR] [--shape mixtral]   (needs ~5 GB of free disk in WORKDIR; --tiny: the
+shape at SIZES' tiny sizes, about 10 MB in 4 MB shards, so CI runs it end to end)
 """
 
 import argparse
@@ -59,6 +60,10 @@ MIXTRAL = {
     "num_experts_per_tok": 2,
 }
 SHAPES = {"llama": CONFIG, "mixtral": MIXTRAL}
+SIZES = {  # name: (the shape's sizes overridden, shard bytes)
+    "full": ({}, 10**9),
+    "tiny": ({"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "vocab_size": 8192}, 4 * 10**6),
+}
 CHILD = """
 import json, re, sys
 from omegaconf import OmegaConf
@@ -120,8 +125,10 @@ def child(*args: str) -> tuple[dict, float]:
 parser = argparse.ArgumentParser()
 parser.add_argument("workdir", nargs="?")
 parser.add_argument("--shape", choices=sorted(SHAPES), default="llama")
+parser.add_argument("--tiny", action="store_true", help="the shape at SIZES['tiny']")
 args = parser.parse_args()
-config = SHAPES[args.shape]
+sizes, shard_bytes = SIZES["tiny" if args.tiny else "full"]
+config = SHAPES[args.shape] | sizes
 work = Path(args.workdir or tempfile.mkdtemp(prefix="alignflow-bench-convert-"))
 source, out = work / "hf", work / "megatron"
 specs = hf_specs(config)
@@ -129,7 +136,7 @@ size = sum(s.nbytes for s in specs)
 largest = max(specs, key=lambda s: s.nbytes)
 print(f"synthetic {args.shape}: {len(specs)} tensors, {size / 1e9:.2f} GB bf16, largest {largest.name} {largest.nbytes / 1e6:.0f} MB")
 generator = torch.Generator().manual_seed(0)
-write_sharded(str(source), specs, (torch.randn(s.shape, generator=generator).to(torch.bfloat16) for s in specs), max_shard_bytes=10**9)
+write_sharded(str(source), specs, (torch.randn(s.shape, generator=generator).to(torch.bfloat16) for s in specs), max_shard_bytes=shard_bytes)
 (source / "config.json").write_text(json.dumps(config))
 tokenizer = demo.build(work / "demo") / "tokenizer"
 files = sorted(source.glob("*.safetensors"))

@@ -20,7 +20,8 @@ e the smallest TRL/ours step time, over models and batch sizes.
 On a machine whose cores are busy, torch's threads stall at every op on both sides; pass
 --threads 1 there, and read the load average printed first.
 
-Run: .venv/bin/python bench/grpo_vs_trl.py [--threads N]   (needs the bench extra: trl, datasets)
+Run: .venv/bin/python bench/grpo_vs_trl.py [--threads N]   (needs the bench extra: trl, datasets; --tiny: SIZES' tiny
+run, one model at one batch size for 1 + 1 steps of 8 new tokens, so CI runs it end to end)
 """
 
 import argparse
@@ -37,7 +38,13 @@ SHAPES = {
     "demo": {},
     "1m": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
 }
-BATCHES, GENERATIONS, MICRO, NEW_TOKENS, WARMUP, STEPS = (8, 64), 8, 8, 64, 2, 5
+SIZES = {  # name: (models, batch sizes, new tokens, warm-up steps, timed steps)
+    "full": (tuple(SHAPES), (8, 64), 64, 2, 5),
+    "tiny": (("1m",), (8,), 8, 1, 1),
+}
+SIZE = "tiny" if "--tiny" in sys.argv else "full"  # each measurement's process is given the flag too
+MODELS, BATCHES, NEW_TOKENS, WARMUP, STEPS = SIZES[SIZE]
+GENERATIONS, MICRO = 8, 8
 LR, KL, SEED = 1e-5, 0.01, 1234
 
 
@@ -53,7 +60,8 @@ def prepare(work: Path) -> None:
 
     assets, rng = demo.build(work / "demo"), np.random.default_rng(SEED)
     rows = [json.loads(line) for line in (assets / "data" / "prompts_train.jsonl").read_text().splitlines()]
-    for shape, overrides in SHAPES.items():
+    for shape in MODELS:
+        overrides = SHAPES[shape]
         (work / shape / "hf").mkdir(parents=True)
         config = {**json.loads((assets / "tiny-llama" / "config.json").read_text()), **overrides}
         (work / shape / "hf" / "config.json").write_text(json.dumps(config))
@@ -228,7 +236,8 @@ def trl(work: Path, shape: str, batch: int) -> list[tuple[float, float, float]]:
 
 
 def measure(who: str, work: Path, shape: str, batch: int, threads: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, who, str(work), shape, str(batch), threads], capture_output=True, text=True)
+    command = [sys.executable, __file__, who, str(work), shape, str(batch), threads, *["--tiny"] * (SIZE == "tiny")]
+    out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"{who} {shape} B={batch} failed: {(out.stderr.strip().splitlines() or ['?'])[-1][:300]}")
     steps = json.loads(out.stdout.strip().splitlines()[-1])[WARMUP:]
@@ -239,8 +248,8 @@ def measure(who: str, work: Path, shape: str, batch: int, threads: str) -> dict:
     }
 
 
-if __name__ == "__main__" and len(sys.argv) == 6:  # one measurement in its own process
-    who, work, shape, batch, threads = sys.argv[1:]
+if __name__ == "__main__" and sys.argv[1:2] in (["ours"], ["trl"]):  # one measurement in its own process
+    who, work, shape, batch, threads = sys.argv[1:6]
     if threads != "default":
         import torch
 
@@ -249,6 +258,7 @@ if __name__ == "__main__" and len(sys.argv) == 6:  # one measurement in its own 
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", default="default", help="torch threads of both sides (default: torch's default)")
+    parser.add_argument("--tiny", action="store_true", help="SIZES' tiny run")
     threads = parser.parse_args().threads
     print(
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; fp32 CPU, torch threads {threads}; "
@@ -258,7 +268,7 @@ elif __name__ == "__main__":
     prepare(work)
     print(f"{'model':<6}{'B':>4}{'gen tok/s ours':>16}{'TRL':>8}{'ratio':>7}{'step s ours':>13}{'TRL':>8}{'TRL/ours':>9}")
     generation, step = [], []
-    for shape in SHAPES:
+    for shape in MODELS:
         for batch in BATCHES:
             a, b = measure("ours", work, shape, batch, threads), measure("trl", work, shape, batch, threads)
             if abs(a["tokens"] - b["tokens"]) > 0.5:

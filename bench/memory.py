@@ -3,7 +3,8 @@
 A Llama-shaped model of 134M parameters (hidden 768, 12 layers, 12 heads, FFN 2048, vocab
 32000, untied embeddings) trains at DP=2: two local ranks (torch.multiprocessing, gloo, CPU),
 each with one micro batch of 2 x 256 tokens, through the engine's pieces (Megatron's DDP and
-optimizer as `alignflow.job.train.engine` builds them, Megatron's schedule) in four settings:
+optimizer as `alignflow.job.train.engine` builds them, the sft stage's objective `SFT` with
+each row one document, Megatron's schedule) in four settings:
 fp32; bf16; bf16 + distributed optimizer; bf16 + distributed optimizer + full recompute.
 
 Method (CPU, so RSS): per rank, from /proc/self/status. `baseline` is the RSS after imports
@@ -26,30 +27,26 @@ ranks' threads oversubscribe 2 cores and a forward-backward took 2-3x as long (3
 11-19 s, measured beside other jobs); the whole bench then took 545 s, and did not finish in
 900 s on a fresh machine beside CI.
 
-Run: .venv/bin/python bench/memory.py   (about 10 GB of RAM at peak; 322 s on 2 cores shared with other jobs)
+Run: .venv/bin/python bench/memory.py [--tiny]   (about 10 GB of RAM at peak; 164 s on 2 cores shared with other jobs;
+--tiny: a 0.2M-parameter model on rows of 32 tokens, every setting, so CI runs it end to end)
 """
 
+import argparse
 import ctypes
 import os
 import re
 import socket
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-DP, MICRO, SEQ = 2, 2, 256
-LLAMA = dict(
-    architectures=["LlamaForCausalLM"],
-    vocab_size=32000,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    max_position_embeddings=SEQ,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+DP, MICRO = 2, 2
+LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, tie_word_embeddings=False)
+SIZES = {  # name: (vocab, hidden, FFN, layers, heads, tokens per row)
+    "full": (32000, 768, 2048, 12, 12, 256),
+    "tiny": (1024, 64, 128, 2, 4, 32),
+}
 SETTINGS = {  # name: (precision, distributed optimizer, recompute, theory in bytes per parameter)
     "fp32": ("fp32", False, "none", 16.0),
     "bf16": ("bf16", False, "none", 18.0),
@@ -69,19 +66,29 @@ def fresh_peak() -> int:
     return kb("VmRSS")
 
 
-def rank_main(rank: int, setting: str, results) -> None:
+def llama(size: str) -> tuple[dict, int]:
+    """The HF config of a size and its row length."""
+    vocab, hidden, ffn, layers, heads, seq = SIZES[size]
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads)
+    return LLAMA | shape | dict(num_key_value_heads=heads, max_position_embeddings=seq), seq
+
+
+def rank_main(rank: int, setting: str, size: str, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(len(os.sched_getaffinity(0)) // DP, 1))  # torch's default, every core per rank, oversubscribes them
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from omegaconf import OmegaConf
 
+    from alignflow.job.forward.objectives import SFT
+    from alignflow.job.forward.passes import resolve_precision
     from alignflow.job.model import runtime
     from alignflow.job.model.gpt import build_gpt
-    from alignflow.job.forward.passes import resolve_precision
+    from alignflow.job.train.data import packed_rows
     from alignflow.job.train.engine import build_optimizer, ddp_config, recompute_settings, set_lr, wrap_ddp
 
     precision, distributed, recompute, _ = SETTINGS[setting]
+    config, seq = llama(size)
     cfg = OmegaConf.create(
         {
             "parallel": {
@@ -104,16 +111,21 @@ def rank_main(rank: int, setting: str, results) -> None:
     )
     runtime.init_parallel(cfg.parallel, seed=1)
     baseline = kb("VmRSS")
-    [chunk] = build_gpt(LLAMA, cfg.parallel, params_dtype=resolve_precision(precision), calculate_per_token_loss=True, **recompute_settings(cfg))
+    [chunk] = build_gpt(config, cfg.parallel, params_dtype=resolve_precision(precision), calculate_per_token_loss=True, **recompute_settings(cfg))
     model = wrap_ddp([chunk], ddp_config(cfg.parallel))
     chunk.config.finalize_model_grads_func = None  # run apart, below
     optimizer = build_optimizer(model, cfg, resolve_precision(precision))
-    tokens = torch.randint(0, LLAMA["vocab_size"], (MICRO, SEQ), generator=torch.Generator().manual_seed(rank))
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    ids = np.random.default_rng(rank).integers(0, config["vocab_size"], (MICRO, seq))
+    batch = vars(packed_rows([(row, np.ones(seq), [0, seq]) for row in ids], seq, pad_id=0))  # each row one document, as the sft stage collates
 
-    def forward_step(data, model):
-        loss = model(next(data), None, mask, labels=tokens.roll(-1, 1)).float()
-        return loss, lambda out: (out.sum(), torch.tensor(out.numel(), dtype=torch.int), {})
+    def forward_step(data, model):  # the sft stage's objective (`SFT`: the rows' documents, no mask)
+        batch = next(data)
+
+        def loss(out):
+            terms = SFT.loss(out, batch)
+            return terms.total, terms.count.to(torch.int), {}
+
+        return SFT.forward(model, batch), loss
 
     def step() -> list[int]:
         """One step; the peaks of its forward-backward, gradient reduction and optimizer step."""
@@ -122,16 +134,16 @@ def rank_main(rank: int, setting: str, results) -> None:
         fresh_peak()
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter([tokens]),
+            data_iterator=iter([batch]),
             model=model[0],
             num_microbatches=1,
-            seq_length=SEQ,
+            seq_length=seq,
             micro_batch_size=MICRO,
             forward_only=False,
         )
         forward_backward = kb("VmHWM")
         fresh_peak()
-        finalize_model_grads(model, torch.tensor(MICRO * SEQ, dtype=torch.int))
+        finalize_model_grads(model, torch.tensor(MICRO * seq, dtype=torch.int))
         reduction = kb("VmHWM")
         fresh_peak()
         set_lr(optimizer, 1e-4, 0.01)
@@ -147,22 +159,25 @@ def rank_main(rank: int, setting: str, results) -> None:
     runtime.teardown()
 
 
-def measure(setting: str) -> tuple[int, int, int, int]:
+def measure(setting: str, size: str) -> tuple[int, int, int, int]:
     """(parameters, state, activations, peak) in bytes of the rank with the highest peak."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_main, args=(setting, results), nprocs=DP)
+    mp.spawn(rank_main, args=(setting, size, results), nprocs=DP)
     ranks = [results.get() for _ in range(DP)]
     return max((r[1:] for r in ranks), key=lambda r: r[3])
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny size: every setting end to end in seconds (CI)")
+    size = "tiny" if parser.parse_args().tiny else "full"
     print(f"{'setting':<24} {'params':>7} {'state B/param':>13} {'theory':>6} {'activations MB':>14} {'peak B/param':>12}")
     figures = {}
     for name, (_, _, _, theory) in SETTINGS.items():
-        params, state, activations, peak = figures[name] = measure(name)
+        params, state, activations, peak = figures[name] = measure(name, size)
         print(
             f"{name:<24} {params / 1e6:>6.1f}M {state / params:>13.2f} {theory:>6.1f} {activations / 2**20:>14.0f} {peak / params:>12.2f}", flush=True
         )

@@ -11,9 +11,11 @@ the input_ids column holds int8 zeros to keep 645M tokens in 0.6 GB. `pack_bfd` 
 assigns documents to packs; the "+ gather" row also copies the tokens into packed rows, as
 TRL does, so that row is the like-for-like comparison.
 
-Run: .venv/bin/python bench/packing.py   (needs the `bench` extra: trl, datasets)
+Run: .venv/bin/python bench/packing.py [--tiny]   (needs the `bench` extra: trl, datasets; --tiny: 10,000
+lengths, every row in a few seconds, so CI runs it end to end)
 """
 
+import argparse
 import re
 import time
 
@@ -22,7 +24,9 @@ import pyarrow as pa
 
 from alignflow.job.data.packing import pack_bfd, pack_first_fit_shuffle, packing_stats
 
-N, CAPACITY, SEED = 1_000_000, 4096, 0
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--tiny", action="store_true", help="10,000 lengths, not 1M")
+N, CAPACITY, SEED = 10_000 if parser.parse_args().tiny else 1_000_000, 4096, 0
 lengths = np.clip(np.random.default_rng(SEED).lognormal(6.0, 1.0, N), 1, CAPACITY).astype(np.int64)
 tokens = int(lengths.sum())
 lower = -(-tokens // CAPACITY)

@@ -15,9 +15,11 @@ model excluded); memory is the peak of the tree's summed RSS, and of its summed 
 pages counted once, so forked workers are not counted twice), sampled every 0.2 s. Ours runs
 again at 10N rows, 2 ranks, to show that its memory does not follow the data set.
 
-Run: .venv/bin/python bench/prep.py [N]   (default 200000; needs the bench extra: trl, datasets)
+Run: .venv/bin/python bench/prep.py [N]   (default 200000; needs the bench extra: trl, datasets; --tiny: N = 200,
+every run in seconds after its imports, so CI runs it end to end)
 """
 
+import argparse
 import json
 import os
 import resource
@@ -155,5 +157,9 @@ if __name__ == "__main__" and sys.argv[1:2] == ["ours"]:
 elif __name__ == "__main__" and sys.argv[1:2] == ["trl"]:
     trl(*sys.argv[2:])
 elif __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("n", nargs="?", type=int, default=200_000, help="chats (default 200000)")
+    parser.add_argument("--tiny", action="store_true", help="N = 200")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-prep-") as tmp:
-        main(int(sys.argv[1]) if len(sys.argv) > 1 else 200_000, Path(tmp))
+        main(200 if args.tiny else args.n, Path(tmp))
