@@ -1,10 +1,18 @@
-"""One command for a GPU machine: the environment, the GPU test subset, then alignflow's SFT,
-reference pass, DPO and GRPO generation against TRL + HF transformers on two Llama shapes.
+"""One command for a lent GPU that ends by itself within its budget (9 minutes, the wheels'
+install included): the environment, the 1B-shape bench of alignflow's SFT, reference pass, DPO
+and GRPO generation against TRL + HF transformers, the GPU stage tests, the GPU family tests.
 
-Run from the repository root (Python 3.12 and torch 2.11 as the machine has them, the wheels of
-`infra/gpu-wheels.sh` installed; no Prefect, no hydra):
-    PYTHONPATH=. python3 bench/gpu.py [--skip-tests] [--skip-bench] [--shape 1b|short] [--dry-run]
-`--dry-run`: the same steps on CPU on the demo's tiny shape in fp32, the tests only collected.
+Run from the repository root with `.whl/` carried (`bash infra/gpu-wheels.sh` here), on the GPU
+machine's Python 3.12 and torch 2.11 (no Prefect, no hydra):
+    PYTHONPATH=. python3 bench/gpu.py --install [--shape 1b|short] [--only PHASES] [--budget-s S] [--cap PHASE=S]
+`--dry-run`: the same phases on CPU on the demo's tiny shape in fp32, the tests only collected.
+
+Phases run in PHASES' order (what matters most first), each stopped at its cap and all of them
+by the budget; one that has no time left does not start. Everything printed goes to
+`$OUT/gpu.log` as it is printed (`--out`, default $OUT, else the work folder), each figure to
+`$OUT/figures.jsonl` the moment it is measured (a side killed at its cap keeps what it measured
+before), the sides' logs to `ours.log` and `trl.log`, the tests' output to `tests.log`; the last
+line says what ran and what did not.
 
 Shapes (`--shape`): `1b` (default), a random Llama of Llama-3.2-1B's sizes (hidden 2048, 16
 layers, 32 heads / 8 KV heads, FFN 8192, vocab 128256, tied embeddings: 1.24 B parameters),
@@ -21,8 +29,6 @@ batches) with the device synchronised at both ends; model build and data load ar
 span on both sides. Tokens are real tokens (no padding); TFLOP/s and MFU are model FLOPs
 (`alignflow.job.train.utilization`: Megatron-LM's formula, per document) over that span; peak
 memory is torch's allocated CUDA memory over the span (CPU: the process's peak RSS, VmHWM).
-The tests and the measurements each fit one 10-minute command: run them apart
-(`--skip-bench`, then `--skip-tests`).
 - ours: `alignflow.job.train.engine.optimizer_step` with the SFT and DPO objectives (what the sft and
   dpo stages' loop calls each step), `alignflow.job.forward.objectives.pair_logprobs` in the
   stage's own frame (`forward_only_splits`: its precision), and `alignflow.job.generation.generate`
@@ -36,18 +42,38 @@ The tests and the measurements each fit one 10-minute command: run them apart
 import argparse
 import importlib.metadata as md
 import json
+import os
 import platform
 import random
 import re
+import signal
+import site
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-from alignflow.orchestrator.config.memory import GIB, Dimensions, Layout, estimate
-from alignflow.job.train.utilization import FORWARD, PEAK_SOURCE, TRAINING, ModelShape, figures, model_flops, peak_rss_bytes, peak_tflops
+BUDGET_S = 540.0  # the whole command: the device tool's 10 minutes a command, less a minute to spare
+MIN_PHASE_S = 5.0  # a phase does not start with less of the budget left
+WHEELS_SITE = "/tmp/site"  # where `infra/gpu-wheels.sh install` puts them
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    cap_s: float
+    what: str
+
+
+PHASES = (  # in order: what matters most first
+    Phase("environment", 60, "the wheels' install (--install), versions, the device"),
+    Phase("bench", 330, "the shape's inputs, then ours and TRL's SFT, reference pass, DPO and generation"),
+    Phase("stage tests", 100, "pytest -m gpu, the stage tests"),
+    Phase("family tests", 50, "pytest -m gpu, the family tests (one per model family)"),
+)
 
 LLAMA_1B = dict(
     hidden_size=2048,
@@ -128,37 +154,57 @@ def device_name():
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def environment() -> None:
+def environment(install: bool, out: Path, timeout_s: float) -> str:
+    """The wheels installed (`--install`), then what this machine has; a word for the last line."""
+    if install:
+        with (out / "install.log").open("w") as log:
+            code = run_capped(["bash", "infra/gpu-wheels.sh", "install"], log, timeout_s)
+        print(f"wheels: {(out / 'install.log').read_text().strip().splitlines()[-1:]}", flush=True)
+        if code:
+            raise RuntimeError(f"infra/gpu-wheels.sh install failed ({code}): see install.log")
+        site.addsitedir(WHEELS_SITE)
     import torch
+
+    from alignflow.job.train.utilization import PEAK_SOURCE, peak_tflops
 
     print(
         f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, device {device_name() or 'CPU'}, "
-        f"dense bf16 peak "
-        f"{peak_tflops(device_name()) or 'unknown (no MFU)'} TFLOP/s ({PEAK_SOURCE})"
+        f"dense bf16 peak {peak_tflops(device_name()) or 'unknown (no MFU)'} TFLOP/s ({PEAK_SOURCE})"
     )
-    for name in ("megatron-core", "transformers", "trl", "datasets", "accelerate", "flash-attn", "transformer-engine"):
+    for name in ("megatron-core", "transformers", "trl", "datasets", "accelerate", "liger-kernel", "flash-attn", "transformer-engine"):
         try:
             print(f"  {name} {md.version(name)}")
         except md.PackageNotFoundError:
             print(f"  {name} absent")
+    return device_name() or "CPU"
 
 
-def gpu_tests(dry_run: bool) -> int:
-    """`pytest -m gpu` (tests/conftest.py GPU_TESTS); a dry run collects them and checks every listed test exists."""
+def gpu_tests(which: str, dry_run: bool, out: Path, timeout_s: float) -> str:
+    """`pytest -m gpu` on the stage tests or the family tests (tests/conftest.py GPU_TESTS,
+    GPU_FAMILY_TESTS), its output to tests.log as it runs; a dry run collects them and checks
+    every listed test exists. Its summary for the last line."""
     sys.path.insert(0, "tests")
-    from conftest import GPU_TESTS
+    from conftest import GPU_FAMILY_TESTS, GPU_TESTS
 
-    files = sorted({t.split("::")[0] for t in GPU_TESTS})
-    args = ["--collect-only", "-q"] if dry_run else ["-v", "-rfE", "--durations=10", "--timeout=300"]
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu", *args, *files], capture_output=dry_run, text=True
-    )
+    tests = [t for t in GPU_TESTS if (t in GPU_FAMILY_TESTS) == (which == "family tests")]
+    args = ["--collect-only", "-q"] if dry_run else ["-v", "-rfE", "--durations=10", f"--timeout={max(int(timeout_s) - 5, 10)}"]
+    log = out / "tests.log"
+    with log.open("a") as f:
+        f.write(f"\n===== {which}\n")
+        f.flush()
+        start = log.stat().st_size
+        code = run_capped([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu", *args, *tests], f, timeout_s)
+    text = log.read_text()[start:]
     if dry_run:
-        found = {line.split("[")[0] for line in out.stdout.splitlines() if "::" in line}
-        missing = [t for t in GPU_TESTS if t not in found]
-        print(f"GPU test subset: {len(found)} tests collected" + (f"; MISSING: {missing}" if missing else ""))
-        return out.returncode or len(missing)
-    return out.returncode
+        collected = [line for line in text.splitlines() if "::" in line]
+        missing = [t for t in tests if t not in {line.split("[")[0] for line in collected}]
+        print(f"GPU {which}: {len(collected)} tests collected" + (f"; MISSING: {missing}" if missing else ""), flush=True)
+        if missing or code:
+            raise RuntimeError(f"{len(missing)} listed test(s) not collected, pytest exit {code}")
+        return f"{len(collected)} collected"
+    summary = next((line.strip("= ") for line in reversed(text.splitlines()) if re.search(r"\d+ (passed|failed|error)", line)), f"exit {code}")
+    print(f"GPU {which}: {summary}", flush=True)
+    return summary
 
 
 # ----------------------------------------------------------------------------- the inputs
@@ -234,13 +280,32 @@ def reset_peak() -> None:
 def peak_gib() -> float:
     import torch
 
+    from alignflow.job.train.utilization import peak_rss_bytes
+
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return peak_rss_bytes() / 2**30
 
 
+FIGURES: list[Path] = []  # the figures file (`--figures`): each figure is appended the moment it is measured
+SIDE: list[str] = []  # the side this process measures, named in each of its rows
+
+
+def record(row: dict) -> dict:
+    row = {"side": SIDE[0], **row} if SIDE else row
+    for path in FIGURES:
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return row
+
+
 def result(kind: str, tokens: float, flops: float, seconds: float, settings: str) -> dict:
-    return {"kind": kind, "tokens_per_s": tokens / seconds, **figures(flops, seconds, 1, device_name()), "peak_gib": peak_gib(), "settings": settings}
+    from alignflow.job.train.utilization import figures
+
+    row = {"kind": kind, "tokens_per_s": tokens / seconds, **figures(flops, seconds, 1, device_name()), "peak_gib": peak_gib(), "settings": settings}
+    return record(row)
 
 
 def ours(work: Path, shape: dict, precision: str) -> list[dict]:
@@ -253,6 +318,7 @@ def ours(work: Path, shape: dict, precision: str) -> list[dict]:
     from alignflow.job.train import engine
     from alignflow.job.train.data import dp_micro_batches
     from alignflow.job.train.datasets import PreferencePairs
+    from alignflow.job.train.utilization import FORWARD, ModelShape, model_flops
     from alignflow.job.worker import typed
 
     paths = json.loads((work / "inputs.json").read_text())
@@ -346,6 +412,8 @@ def trl(work: Path, shape: dict, on_gpu: bool) -> list[dict]:
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    from alignflow.job.train.utilization import FORWARD, TRAINING, ModelShape, model_flops
 
     paths = json.loads((work / "inputs.json").read_text())
     model_shape = ModelShape.of(json.loads(Path(paths["hf"], "config.json").read_text()))
@@ -499,7 +567,7 @@ def trl(work: Path, shape: dict, on_gpu: bool) -> list[dict]:
 
 
 def attempt(kind: str, measure) -> list[dict]:
-    """A measurement, or what stopped it (e.g. out of memory): the others still run."""
+    """A measurement, or what stopped it (e.g. out of memory), recorded: the others still run."""
     import gc
 
     import torch
@@ -508,25 +576,49 @@ def attempt(kind: str, measure) -> list[dict]:
         return measure()
     except Exception as err:  # noqa: BLE001 (reported, and the next measurement runs)
         traceback.print_exc()
-        return [{"kind": kind, "error": f"{type(err).__name__}: {err}"[:300]}]
+        return [record({"kind": kind, "error": f"{type(err).__name__}: {err}"[:300]})]
     finally:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def side(who: str, work: Path, flags: list[str]) -> list[dict]:
-    """One side's measurements in a fresh process (its own peak memory); its last line is JSON,
-    its log (stderr) in the work folder, whose tail is shown when something failed."""
-    log = work / f"{who}.log"
+def run_capped(command: list[str], log, timeout_s: float) -> int:
+    """`command`'s exit code, its output into `log`; past `timeout_s` it is killed with every
+    process it started (TimeoutExpired)."""
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+
+
+def side(who: str, work: Path, out: Path, flags: list[str], timeout_s: float) -> list[dict]:
+    """One side's measurements in a fresh process (its own peak memory), stopped at `timeout_s`:
+    what it measured by then is in figures.jsonl, with a row saying what it did not."""
+    figures, log = out / "figures.jsonl", out / f"{who}.log"
+    before = len(_rows(figures))
     with log.open("w") as stderr:
-        out = subprocess.run([sys.executable, __file__, "--side", who, str(work), *flags], stdout=subprocess.PIPE, stderr=stderr, text=True)
-    lines = out.stdout.strip().splitlines()
-    print("\n".join(line for line in lines[:-1] if "settings" in line))
-    measured = json.loads(lines[-1]) if out.returncode == 0 and lines else [{"kind": who, "error": f"exit code {out.returncode}"}]
+        try:
+            code = run_capped([sys.executable, __file__, "--side", who, "--figures", str(figures), str(work), *flags], stderr, timeout_s)
+            ending = None if code == 0 else f"exit code {code}"
+        except subprocess.TimeoutExpired:
+            ending = f"stopped at its cap ({timeout_s:.0f} s)"
+    measured = _rows(figures)[before:]
+    print("\n".join(line for line in log.read_text().splitlines() if "settings" in line))
+    if ending is not None:
+        measured.append(record({"side": who, "kind": who, "error": ending}))
     if any("error" in r for r in measured):
         print(f"{who}: something failed; the end of {log}:\n{log.read_text()[-4000:]}")
     return measured
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def cell(value, spec: str) -> str:
@@ -552,7 +644,7 @@ def report(shape: dict, ours_: list[dict], trl_: list[dict], dry_run: bool) -> i
         for r in rows:
             print(f"  {who} {r['kind']}: {r.get('settings') or 'ERROR ' + r['error']}")
     errors = sum("error" in r for r in ours_ + trl_)
-    peak_vs_estimate = mine["sft"]["peak_gib"] * GIB / shape["footprint"].total if "sft" in mine else None
+    peak_vs_estimate = mine["sft"]["peak_gib"] * 2**30 / shape["footprint"].total if "sft" in mine else None
     if all(kind in mine for kind in ("sft", "reference", "dpo")) and all(kind in theirs for kind in ("sft", "dpo")):
         bars = [
             ("SFT MFU >= 0.40", (mine["sft"]["mfu"] or 0) >= 0.40),
@@ -577,47 +669,132 @@ def report(shape: dict, ours_: list[dict], trl_: list[dict], dry_run: bool) -> i
     return errors
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, the demo's tiny shape, fp32; tests only collected")
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--shape", choices=[name for name in SHAPES if name != "tiny"], default="1b")
-    parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)
-    parser.add_argument("work", nargs="?", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    import torch
-
-    shape, on_gpu = SHAPES["tiny" if args.dry_run else args.shape], torch.cuda.is_available() and not args.dry_run
-    if args.side:  # one side's measurements, in its own process
-        measured = ours(Path(args.work), shape, "bf16" if on_gpu else "fp32") if args.side == "ours" else trl(Path(args.work), shape, on_gpu)
-        print(json.dumps(measured))
-        return 0
-    if not on_gpu and not args.dry_run:
-        print("no GPU here: use --dry-run")
-        return 2
-    environment()
-    failed = 0 if args.skip_tests else gpu_tests(args.dry_run)
-    if args.skip_bench:
-        return failed
+def bench(args, out: Path, timeout_s: float) -> str:
+    """The shape's inputs, then each side in its own process, then the table: ours first, and
+    at most half of what is left after the inputs, so TRL always gets its turn."""
+    deadline = time.monotonic() + timeout_s
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-gpu-"))
+    flags = [f"--shape={args.shape}"] + (["--dry-run"] if args.dry_run else [])
     started = time.perf_counter()
-    prepare(work, shape, args.dry_run)
-    config = json.loads(Path(json.loads((work / "inputs.json").read_text())["hf"], "config.json").read_text())
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        shape = shape | {"params": sum(p.numel() for p in AutoModelForCausalLM.from_config(LlamaConfig(**config)).parameters())}
-    layout = Layout(
-        world=1, bf16=not args.dry_run, micro_batch=shape["micro"], seq_length=shape["seq"], micro_batches=shape["rows"] // shape["micro"]
-    )
-    shape["footprint"] = estimate(Dimensions.of(config), layout)  # what `align plan` estimates for this SFT
+    with (out / "prepare.log").open("w") as log:
+        if code := run_capped([sys.executable, __file__, "--side", "prepare", str(work), *flags], log, timeout_s):
+            raise RuntimeError(f"making the inputs failed (exit code {code}): see prepare.log")
+    shape = measured_shape(work, SHAPES["tiny" if args.dry_run else args.shape], args.dry_run)
     print(
         f"\nshape: {shape['params'] / 1e6:.1f}M parameters, rows of {shape['seq']} tokens; inputs made in {time.perf_counter() - started:.0f} s",
         flush=True,
     )
-    sides = [side(who, work, [f"--shape={args.shape}"] + (["--dry-run"] if args.dry_run else [])) for who in ("ours", "trl")]
-    return failed + report(shape, *sides, args.dry_run)
+    mine = side("ours", work, out, flags, (deadline - time.monotonic()) / 2)
+    theirs = side("trl", work, out, flags, deadline - time.monotonic())
+    errors = report(shape, mine, theirs, args.dry_run)
+    kinds = lambda rows: ", ".join(r["kind"] for r in rows if "error" not in r) or "nothing"  # noqa: E731
+    return f"ours: {kinds(mine)}; TRL: {kinds(theirs)}" + (f"; {errors} error(s)" if errors else "")
+
+
+def measured_shape(work: Path, shape: dict, dry_run: bool) -> dict:
+    """The shape with its parameter count and what `align plan` estimates for its SFT step."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from alignflow.orchestrator.config.memory import Dimensions, Layout, estimate
+
+    config = json.loads(Path(json.loads((work / "inputs.json").read_text())["hf"], "config.json").read_text())
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(LlamaConfig(**config)).parameters())
+    layout = Layout(world=1, bf16=not dry_run, micro_batch=shape["micro"], seq_length=shape["seq"], micro_batches=shape["rows"] // shape["micro"])
+    return shape | {"params": params, "footprint": estimate(Dimensions.of(config), layout)}
+
+
+class Tee:
+    """This process's output to the terminal and to gpu.log, line by line as it is printed."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.file = stream, path.open("a", buffering=1)
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+
+def run_phases(args, out: Path) -> int:
+    """Each phase in order within its cap and the budget; the last line says what ran and what did not."""
+    caps = {phase.name: phase.cap_s for phase in PHASES} | dict(args.cap)
+    chosen = [phase for phase in PHASES if not args.only or phase.name in args.only]
+    deadline = time.monotonic() + args.budget_s
+    print(
+        f"budget {args.budget_s:.0f} s; phases (cap s): "
+        + ", ".join(f"{p.name} {caps[p.name]:.0f}" for p in chosen)
+        + f"; figures as measured: {out / 'figures.jsonl'}"
+    )
+    steps = {
+        "environment": lambda cap: environment(args.install, out, cap),
+        "bench": lambda cap: bench(args, out, cap),
+        "stage tests": lambda cap: gpu_tests("stage tests", args.dry_run, out, cap),
+        "family tests": lambda cap: gpu_tests("family tests", args.dry_run, out, cap),
+    }
+    ran, not_run, failed = [], [], 0
+    for phase in chosen:
+        left = deadline - time.monotonic()
+        cap = min(caps[phase.name], left)
+        if left < MIN_PHASE_S:
+            not_run.append(f"{phase.name} (no time left in the {args.budget_s:.0f} s budget)")
+            continue
+        print(f"\n== {phase.name} (cap {cap:.0f} s): {phase.what}", flush=True)
+        started = time.monotonic()
+        try:
+            said = steps[phase.name](cap)
+            ran.append(f"{phase.name} ({said}; {time.monotonic() - started:.0f} s)")
+            failed += bool(re.search(r"\b[1-9]\d* (failed|error)", said))
+        except subprocess.TimeoutExpired:
+            not_run.append(f"{phase.name} (stopped at its cap, {cap:.0f} s: what it measured before is kept)")
+            failed += 1
+        except Exception as err:  # noqa: BLE001 - said on the last line; the next phase runs
+            traceback.print_exc()
+            not_run.append(f"{phase.name} (failed: {type(err).__name__}: {str(err)[:200]})")
+            failed += 1
+    not_run += [f"{p.name} (not chosen)" for p in PHASES if p not in chosen]
+    print(f"\nran: {'; '.join(ran) or 'nothing'} | did not run: {'; '.join(not_run) or 'nothing'}", flush=True)
+    return failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, the demo's tiny shape, fp32; tests only collected")
+    parser.add_argument("--install", action="store_true", help="install .whl/ first (infra/gpu-wheels.sh install), within the budget")
+    parser.add_argument("--shape", choices=[name for name in SHAPES if name != "tiny"], default="1b")
+    parser.add_argument("--only", type=lambda text: [name.strip() for name in text.split(",")], help="phases to run, comma-separated")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole command's time, the install included")
+    parser.add_argument("--cap", action="append", default=[], type=lambda text: (text.split("=")[0], float(text.split("=")[1])), help="PHASE=S")
+    parser.add_argument("--out", help="where the logs and figures go (default: $OUT, else a temporary folder)")
+    parser.add_argument("--side", choices=("prepare", "ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--figures", help=argparse.SUPPRESS)
+    parser.add_argument("work", nargs="?", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if unknown := ({name for name, _ in args.cap} | set(args.only or ())) - {phase.name for phase in PHASES}:
+        parser.error(f"no such phase: {', '.join(sorted(unknown))} (phases: {', '.join(p.name for p in PHASES)})")
+    if args.side:  # one step of the bench, in its own process
+        import torch
+
+        shape, on_gpu = SHAPES["tiny" if args.dry_run else args.shape], torch.cuda.is_available() and not args.dry_run
+        if args.side == "prepare":
+            prepare(Path(args.work), shape, args.dry_run)
+            return 0
+        FIGURES.append(Path(args.figures))
+        SIDE.append(args.side)
+        ours(Path(args.work), shape, "bf16" if on_gpu else "fp32") if args.side == "ours" else trl(Path(args.work), shape, on_gpu)
+        return 0
+    out = Path(args.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="alignflow-gpu-out-"))
+    out.mkdir(parents=True, exist_ok=True)
+    sys.stdout = Tee(sys.stdout, out / "gpu.log")
+    FIGURES.append(out / "figures.jsonl")
+    if not args.dry_run and not (Path("/proc/driver/nvidia/gpus").is_dir() or os.environ.get("CUDA_VISIBLE_DEVICES")):
+        print("no GPU here: use --dry-run")
+        return 2
+    return run_phases(args, out)
 
 
 if __name__ == "__main__":  # Megatron's checkpoint writer starts a spawn-context process: guard the entry point

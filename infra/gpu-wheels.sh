@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels a GPU machine lacks to run bench/gpu.py and the GPU test subset from source: its
+# The wheels a GPU machine lacks to run bench/gpu.py (its phases: the bench, the GPU tests) from source: its
 # image has Python 3.12, torch 2.11, transformers, accelerate, peft, pyarrow, pandas, pytest and
 # more, but no megatron-core, omegaconf, hydra, submitit, trl or datasets, and no package index.
 # Neither the bench nor the GPU tests import Prefect; `align run` (the demo pipelines) does.
@@ -17,14 +17,13 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 LIMIT_MIB=40
 SITE=${SITE:-/tmp/site}
-# The pins CI resolves (constraints of pyproject's dev/bench extras); the closure beyond the image:
-# hydra-core and omegaconf need antlr4-python3-runtime 4.9.* (only an sdist on PyPI: built here,
-# pure Python); datasets needs dill and multiprocess; math-verify needs latex2sympy2_extended (and
-# sympy, torch's own dependency); lm-eval (the benchmark stage) imports sacrebleu, which needs
-# portalocker, lxml, tabulate and colorama.
+# What `bench/gpu.py --install` needs beyond the image, at the pins CI resolves (constraints of
+# pyproject's dev/bench extras), and no more: hydra-core and omegaconf need antlr4-python3-runtime
+# 4.9.* (only an sdist on PyPI: built here, pure Python); datasets needs dill and multiprocess;
+# math-verify (eval's answers) needs latex2sympy2_extended (and sympy, torch's own dependency).
+# Not lm-eval: the benchmark stage runs in neither the bench nor the GPU tests.
 PINS=(megatron-core==0.16.1 omegaconf==2.3.1 hydra-core==1.3.8 submitit==1.5.4 trl==1.16.0 datasets==5.2.0 dill==0.4.1
-      multiprocess==0.70.19 math-verify==0.9.0 latex2sympy2_extended==1.11.0 lm-eval==0.4.13 sacrebleu==2.6.0
-      portalocker==3.2.0 lxml==6.1.3 tabulate==0.10.0 colorama==0.4.6)
+      multiprocess==0.70.19 math-verify==0.9.0 latex2sympy2_extended==1.11.0)
 SDISTS=(antlr4-python3-runtime==4.9.3)
 # pyproject's Prefect pin; its server breaks on fastapi >= 0.151 (constraints.txt says why).
 PREFECT=(prefect==3.8.8 "fastapi<0.151")

@@ -41,14 +41,13 @@ RUN_BY = {
     ),
     r"infra/slurm\.sh up": ("tests/conftest.py", "slurm_cluster", '"up"'),
     r"infra/s3\.sh up": ("tests/test_docs.py", "test_infra_s3_up_serves_the_bucket_it_prints", "s3.sh"),
-    r"python3 bench/gpu\.py": ("tests/test_bench_gpu.py", "test_the_gpu_bench_runs_end_to_end_on_cpu", "gpu.py"),
+    r"python3 bench/gpu\.py": ("tests/test_bench_gpu.py", "gpu_bench", "bench/gpu.py"),
     r"align run pipeline=sft_bench": ("tests/test_benchmark.py", "bench", 'align(pipeline="sft_bench"'),
     r"lm_eval --model hf ": ("tests/test_benchmark.py", "test_the_numbers_are_lm_evals_own_cli_on_the_exported_model", '"--include_path"'),
     r"python3 -m flows\.cli (demo|run)": ("tests/test_docs.py", "test_make_demo_runs_the_documented_demo_commands", "flows.cli"),
 }
 # documented commands no test here can run, and why
 BY_HAND = {
-    r"infra/gpu-wheels\.sh install": "installs the carried wheels on the GPU machine; run there, recorded on the GPU issue",
     r"export PREFECT_API_URL=": "sets the environment the next commands read (the prefect_stack fixture sets it)",
 }
 PROGRAMS = re.compile(r"(make|align|prefect|infra/[\w-]+\.sh|python3|export|lm_eval) ")
