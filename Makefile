@@ -1,5 +1,10 @@
-# The README's two commands: `make demo` and `make test`.
-.PHONY: install install-dev demo test
+# The README's two commands: `make demo` and `make test`; `make test-quick` for day-to-day work.
+.PHONY: install install-dev demo test test-quick
+
+# Two pytest workers (CI has 2 cores): tests on the Slurm cluster share one worker, each other
+# file stays on one worker (its module fixtures are built once); tests/conftest.py says how.
+PYTEST = .venv/bin/python -m pytest -q -rs --timeout=900 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
+WORKERS ?= 2
 
 install:
 	./install.sh
@@ -11,7 +16,14 @@ demo: install
 	.venv/bin/align demo
 	.venv/bin/align run pipeline=sft_dpo
 
-test: install-dev
-	.venv/bin/ruff check .
-	.venv/bin/ruff format --check .
-	.venv/bin/python -m pytest -x -q -rs --timeout=900 --durations=60
+# Wall time from the install to the last test, and the 60 slowest test phases.
+test:
+	@started=$$(date +%s); \
+	./install.sh dev && .venv/bin/ruff check . && .venv/bin/ruff format --check . && $(PYTEST) -x --durations=60; \
+	code=$$?; echo "make test: $$(( $$(date +%s) - started )) s wall, the install included (exit $$code)"; exit $$code
+
+# The tests not marked slow (pytest.ini's `slow`: over ~20 s each), with their wall time.
+test-quick:
+	@started=$$(date +%s); \
+	./install.sh dev && $(PYTEST) -m "not slow" --durations=20; \
+	code=$$?; echo "make test-quick: $$(( $$(date +%s) - started )) s wall, the install included (exit $$code)"; exit $$code

@@ -36,12 +36,42 @@ GPU_TESTS = (
     "tests/test_distill.py::test_the_students_heldout_kl_to_the_teacher_falls",
     "tests/test_lora.py::test_lora_output_is_the_base_by_reference_and_the_adapter",
 )
+# The GPU tests with one case per model family: bench/gpu.py runs them in a phase after the others.
+GPU_FAMILY_TESTS = (
+    "tests/test_megatron_model.py::test_one_rank_logits_match_hf",
+    "tests/test_megatron_model.py::test_lean_forward_matches_hf_on_each_document_of_a_packed_row",
+)
 
 
+# Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) a group runs on one worker, in
+# collection order: the tests on the Slurm cluster (they share it, and some stop its daemons),
+# and each other file (its module fixtures are built once). The groups go out longest first, as
+# measured (the first names here), so that the last to finish is a short one.
+SLURM_GROUP = "slurm"
+LONGEST_FIRST = (
+    "tests/test_reward_model.py",
+    SLURM_GROUP,
+    "tests/test_faults.py",
+    "tests/test_flow.py",
+    "tests/test_families_pipeline.py",
+    "tests/test_gate.py",
+    "tests/test_outputs.py",
+    "tests/test_plan.py",
+)
+
+
+def xdist_group(item) -> str:
+    return SLURM_GROUP if "slurm_cluster" in item.fixturenames else item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (and renames the items by them)
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.nodeid.split("[")[0] in GPU_TESTS:
             item.add_marker(pytest.mark.gpu)
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))  # stable: collection order within a group
 
 
 @pytest.hookimpl(hookwrapper=True)
