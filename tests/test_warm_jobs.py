@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -17,6 +18,7 @@ import psutil
 import pytest
 from omegaconf import OmegaConf
 
+from alignflow import PROJECT_ROOT
 from alignflow.orchestrator import warm_jobs
 from alignflow.orchestrator.config.schema import LauncherConfig
 from alignflow.orchestrator.launch import InfrastructureError, make_executor, submit, wait
@@ -137,9 +139,35 @@ def test_a_server_whose_imported_files_changed_serves_no_job(tmp_path, monkeypat
     first = server_pid(tmp_path)
     assert server_pid(tmp_path) == first
     (site / "sitecustomize.py").write_text("VERSION = 2\n")
-    assert run_job(tmp_path, True, version)[1] == [2]
+    job, versions = run_job(tmp_path, True, version)
+    assert versions == [2] and isinstance(job._process, Controller)  # warm, in a fresh server
     assert server_pid(tmp_path) != first
-    psutil.Process(first).wait(timeout=30)  # the stale one retired: it had no job left
+    _, alive = psutil.wait_procs([p for p in psutil.process_iter() if p.pid == first], timeout=30)
+    assert not alive  # the stale one retired: it had no job left
+
+
+def test_a_server_killed_without_retiring_is_replaced(tmp_path, own_server):
+    """SIGKILL leaves the server's socket file behind, refusing connections: the next job
+    starts a new server and runs warm, not cold."""
+    first = server_pid(tmp_path)
+    psutil.Process(first).kill()
+    psutil.Process(first).wait(timeout=30)
+    job, [seen] = run_job(tmp_path, True, what_a_rank_sees, False)
+    assert isinstance(job._process, Controller) and seen["server"] != first
+
+
+def test_a_retiring_server_takes_its_socket_file_but_not_a_successors(tmp_path):
+    from alignflow.job import forkserver
+
+    path = str(tmp_path / "s.sock")
+    listener, ours = forkserver._listen(path)
+    forkserver._retire(listener, path, ours)
+    assert not os.path.exists(path)
+    listener, ours = forkserver._listen(path)
+    successor, _ = forkserver._listen(path)  # a new server's file in its place
+    forkserver._retire(listener, path, ours)
+    assert os.path.exists(path)
+    successor.close()
 
 
 def test_a_job_that_cannot_start_warm_starts_cold_and_says_why(tmp_path, monkeypatch, caplog):
@@ -170,9 +198,31 @@ def test_jobs_with_gpus_or_warm_start_off_start_cold(tmp_path):
     assert not isinstance(make_executor(launcher(tmp_path, False), section(), "j"), WarmLocalExecutor)
 
 
-def test_a_servers_key_leaves_out_only_what_jobs_set_or_never_import():
-    env = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+def test_a_servers_key_is_what_start_up_and_imports_read_less_what_jobs_set():
+    env = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/src", "HF_HOME": "/hf"}
     key = warm_jobs.server_key(env, "/work")
-    assert warm_jobs.server_key({**env, "PYTEST_CURRENT_TEST": "t", "SUBMITIT_LOCAL_NTASKS": "2", "CUDA_VISIBLE_DEVICES": ""}, "/work") == key
-    assert warm_jobs.server_key({**env, "OMP_NUM_THREADS": "2"}, "/work") != key
+    same = {"PYTEST_CURRENT_TEST": "t", "SUBMITIT_LOCAL_NTASKS": "2", "CUDA_VISIBLE_DEVICES": "", "AWS_SECRET_ACCESS_KEY": "s", "PATH": "/x"}
+    assert warm_jobs.server_key({**env, **same, **dict.fromkeys(warm_jobs.SET_BY_JOBS, "1")}, "/work") == key
+    for name, value in (("OMP_NUM_THREADS", "2"), ("PYTHONPATH", "/other"), ("HF_HOME", "/elsewhere"), ("LD_PRELOAD", "x.so")):
+        assert warm_jobs.server_key({**env, name: value}, "/work") != key, name
     assert warm_jobs.server_key(env, "/elsewhere") != key
+
+
+def test_what_the_servers_imports_set_is_named_as_set_by_jobs():
+    """The variables the preload sets are left out of the key: a new one must be named there."""
+    probe = "import os; before = dict(os.environ); from alignflow.job import forkserver; forkserver.preload(); "
+    probe += "print(sorted(k for k, v in os.environ.items() if before.get(k) != v))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    set_by_imports = json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
+    assert set_by_imports and set(set_by_imports) <= set(warm_jobs.SET_BY_JOBS)
+
+
+def test_a_job_whose_environment_contradicts_the_servers_imports_starts_cold(tmp_path, own_server, monkeypatch, caplog):
+    server_pid(tmp_path)  # a server whose imports set HF_HUB_OFFLINE=1 (the benchmark stage's)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # not a key: the same server is asked
+    job, results = run_job(tmp_path, True, sleep_then_return, 0)
+    assert results == ["done"] and not isinstance(job._process, Controller)
+    assert "HF_HUB_OFFLINE='0' (its imports set '1')" in caplog.text

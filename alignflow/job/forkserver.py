@@ -10,14 +10,17 @@ environment, working folder, arguments, signal handlers, stdout and stderr a col
 runs `submitit.core.submission.process_job` as `submitit.core._submit` does.
 
 What keeps a forked rank the same as a fresh one:
-- the client keys a server by the interpreter, working folder and environment it would start a
-  cold job with (so `sys.path` and whatever a module read from the environment at import agree);
+- the client keys a server by the interpreter, working folder and the environment variables
+  read at start-up or import that it would start a cold job with (so `sys.path` and whatever a
+  module read from the environment at import agree), and by what a child inherits besides (its
+  cgroup and memory limit, namespaces, resource limits, CPUs; `alignflow.orchestrator.warm_jobs`);
 - before each fork the server checks that no file it imported changed since (modification time,
   size, inode): an edited checkout or a reinstalled package retires the server, and the next
   job starts a fresh one, so a job never runs code its run did not fingerprint;
 - it imports what a cold job imports in a cold job's order (`preload`), and a job's environment
-  is its submitter's plus what those imports set (as a cold job's imports would set it). What
-  one stage's imports set reaches every warm job: the benchmark's HF_HUB_OFFLINE and
+  is its submitter's plus what those imports set (as a cold job's imports would set it); a job
+  whose environment gives one of those another value is refused (it starts cold). What one
+  stage's imports set reaches every warm job: the benchmark's HF_HUB_OFFLINE and
   HF_DATASETS_OFFLINE (no stage reads a hub at run time);
 - the children drop the server's exit handlers and signal handlers, and exit as Python does
   (exit code, SystemExit, an uncaught KeyboardInterrupt as SIGINT).
@@ -69,7 +72,7 @@ def main(path: str) -> None:
     preload()
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}  # e.g. benchmark's HF_HUB_OFFLINE
     imported, handlers = _imported_files(), _handlers()
-    listener, wakeup = _listen(path), _wake_on_sigchld()
+    (listener, ours), wakeup = _listen(path), _wake_on_sigchld()
     jobs: dict[int, str] = {}  # controller pid -> its submitit folder
     idle_since = time.monotonic()
     while listener is not None or jobs:
@@ -80,14 +83,14 @@ def main(path: str) -> None:
         if listener is not None and listener in ready:
             connection, _ = listener.accept()
             with connection:
-                stale = _serve(connection, imported, handlers, set_by_imports, jobs, inherited=(listener, *wakeup))
+                stale = _serve(connection, imported, handlers, set_by_imports, jobs, (listener, *wakeup), lambda: _unlink(path, ours))
             if stale:
-                listener = _retire(listener, path)
+                listener = _retire(listener, path, ours)
             idle_since = time.monotonic()
         if jobs:
             idle_since = time.monotonic()
         elif listener is not None and time.monotonic() - idle_since > IDLE_S:
-            listener = _retire(listener, path)
+            listener = _retire(listener, path, ours)
 
 
 def preload() -> None:
@@ -126,25 +129,33 @@ def changed(imported: dict[str, tuple[int, int, int]]) -> str | None:
     return next((file for file, stat in imported.items() if _stat(file) != stat), None)
 
 
-def _listen(path: str) -> socket.socket:
-    """Bound under a temporary name and renamed into place, so a client that finds the socket finds it listening."""
+def _listen(path: str) -> tuple[socket.socket, tuple[int, int]]:
+    """The listening socket, bound under a temporary name and renamed into place (a client that
+    finds the file finds it listening), and the file's identity (device, inode)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     temporary = f"{path}.{os.getpid()}"
     listener.bind(temporary)
     listener.listen(64)
+    st = os.stat(temporary)
     os.replace(temporary, path)
-    return listener
+    return listener, (st.st_dev, st.st_ino)
 
 
-def _retire(listener: socket.socket, path: str) -> None:
-    """Stop taking requests (the jobs already forked run on); the socket goes if it is still ours."""
+def _retire(listener: socket.socket, path: str, ours: tuple[int, int]) -> None:
+    """Stop taking requests (the jobs already forked run on)."""
+    _unlink(path, ours)
+    listener.close()
+    return None
+
+
+def _unlink(path: str, ours: tuple[int, int]) -> None:
+    """The socket's file goes, unless another server's has replaced it."""
     try:
-        if os.stat(path).st_ino == os.fstat(listener.fileno()).st_ino:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) == ours:
             os.unlink(path)
     except OSError:
         pass
-    listener.close()
-    return None
 
 
 def _wake_on_sigchld() -> tuple[socket.socket, socket.socket]:
@@ -186,21 +197,27 @@ def _write(path: Path, text: str) -> None:
 # ----------------------------------------------------------------------------- one request
 
 
-def _serve(connection: socket.socket, imported: dict, handlers: dict, set_by_imports: dict, jobs: dict[int, str], inherited: tuple) -> bool:
+def _serve(
+    connection: socket.socket, imported: dict, handlers: dict, set_by_imports: dict, jobs: dict[int, str], inherited: tuple, unlink: Callable
+) -> bool:
     """Fork the controller a request asks for and answer its pid and start time, or refuse;
-    True when this server is stale and must retire."""
+    True when this server is stale and must retire (its socket's file is gone before it says so:
+    the client's retry then starts a fresh server instead of queueing at this one)."""
     fds: list[int] = []
     try:
         _check_peer(connection)
         request, fds = _receive(connection)
         if (file := changed(imported)) is not None:
+            unlink()
             _answer(connection, refused=f"stale: {file} changed since this server imported it")
             return True
+        if differ := [f"{k}={request['env'][k]!r} (its imports set {v!r})" for k, v in set_by_imports.items() if request["env"].get(k, v) != v]:
+            raise ValueError(f"the job's environment has {', '.join(differ)}: a cold job's imports would read that")
         pid = os.fork()
         if pid == 0:
             for sock in (connection, *inherited):
                 sock.close()
-            request["env"].update(set_by_imports)  # what the job's own imports would have set
+            request["env"] = {**set_by_imports, **request["env"]}  # what the job's own imports would have set
             _run_as_main(lambda: _controller(request, fds, handlers))
         jobs[pid] = request["folder"]
         _answer(connection, pid=pid, started=_start_time(pid))

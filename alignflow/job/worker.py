@@ -251,6 +251,18 @@ def _talk_by_the_route_to(master: str) -> None:
     os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
 
+def _share_the_cores(local_ranks: int) -> None:
+    """The ranks of a node share its cores, as torchrun has them do, instead of each computing on
+    all of them (2 ranks on 2 cores then took 2-3x as long a step: bench/memory.py); a user's
+    OMP_NUM_THREADS stays. Set before the stage's first op: torch sizes its pool then."""
+    if local_ranks <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(len(os.sched_getaffinity(0)) // local_ranks, 1)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for torch if it is imported later, and what the rank starts
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.set_num_threads(threads)
+
+
 def _setup_rank() -> int:
     import submitit
 
@@ -258,6 +270,7 @@ def _setup_rank() -> int:
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     except RuntimeError:  # not inside a submitit job (e.g. called directly in a test)
         return int(os.environ.get("RANK", 0))
+    _share_the_cores(env.local_world_size)
     if env.world_size > env.local_world_size:  # ranks on other nodes too
         _talk_by_the_route_to(env.master_addr)
     if env.world_size > 1:

@@ -4,7 +4,7 @@ fresh interpreters that import them once per rank.
 
 `WarmLocalExecutor` is submitit's LocalExecutor with that one difference: where submitit's
 `start_controller` would start `python -m submitit.local._local FOLDER`, it asks the server
-keyed by this interpreter, working folder and environment (`server_key`) to fork that
+keyed by this interpreter, working folder, environment and process traits (`server_key`) to fork that
 controller, and starts the server first if none runs (one at a time: a lock file). A job it
 cannot start warm (the server fails to start, or refuses) starts cold, and the warning says why.
 The job is the same either way: its id is its controller's pid, it outlives this process and a
@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import socket
 import struct
 import subprocess
@@ -36,11 +37,27 @@ SERVER_MODULE = "alignflow.job.forkserver"
 EXIT_FILE = "{pid}_controller_exit"  # what the server writes when a controller it forked ends
 START_TIMEOUT_S = 300.0  # the server's imports: ~14 s of a core here, more on a loaded machine
 REPLY_TIMEOUT_S = 60.0
-# Variables a server's key leaves out: set per job (submitit's, the job's GPUs) or never read by
-# the job side at import (pytest's per-test name, Prefect's: the job side never imports prefect).
-# A job still gets them exactly, in its own environment.
-UNKEYED_PREFIXES = ("SUBMITIT_", "PYTEST_", "PREFECT_")
+ATTEMPTS = 5
+# A server is keyed by the variables read when an interpreter starts or a module is imported
+# (the interpreter's and the loader's, torch's, CUDA's, Hugging Face's, ...): any other is read
+# when used, and a job gets every variable exactly, in its own environment. Not keyed: the job's
+# GPUs (set per job), and what the job side sets itself, at import or when it runs, which a
+# process that ran job-side code (a test, a notebook) has inherited; the server refuses a job
+# whose value of one its own imports set differs (`alignflow.job.forkserver`).
+KEYED_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "CUDA", "NCCL", "NVTE_", "OMP_", "MKL_", "KMP_", "GOMP_", "HF_", "HUGGINGFACE_")
+KEYED_PREFIXES += ("TRANSFORMERS_", "TOKENIZERS_", "MEGATRON_", "TRITON_", "XDG_")
+KEYED = ("HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE")
 UNKEYED = ("CUDA_VISIBLE_DEVICES",)
+SET_BY_JOBS = (
+    "HF_HUB_OFFLINE",  # the benchmark stage's imports (and so the server's)
+    "HF_DATASETS_OFFLINE",
+    "HF_XET_HIGH_PERFORMANCE",  # huggingface_hub's import
+    "TORCHINDUCTOR_CACHE_DIR",  # torch._inductor's import
+    "TORCH_FORCE_WEIGHTS_ONLY_LOAD",  # alignflow.job.model_files.untrusted, when it loads
+    "NVTE_FLASH_ATTN",  # Megatron-Core's model build
+    "NVTE_FUSED_ATTN",
+    "NVTE_UNFUSED_ATTN",
+)
 
 _log = logging.getLogger("alignflow.orchestrator.warm_jobs")
 
@@ -127,9 +144,31 @@ def controller_env(parameters: dict, command: str) -> dict[str, str]:
 
 
 def server_key(env: dict[str, str], cwd: str) -> str:
-    """What a server must share with a job for the job to run in it as in a fresh interpreter."""
-    keyed = {k: v for k, v in env.items() if k not in UNKEYED and not k.startswith(UNKEYED_PREFIXES)}
-    return hashlib.sha256(json.dumps([sys.executable, cwd, sorted(keyed.items())]).encode()).hexdigest()[:20]
+    """What a server must share with a job for the job to run in it as in a fresh interpreter:
+    the interpreter, the working folder, the keyed variables, and what a child inherits of this
+    process besides (`inherited`)."""
+    keyed = {k: v for k, v in env.items() if (k in KEYED or k.startswith(KEYED_PREFIXES)) and k not in (*UNKEYED, *SET_BY_JOBS)}
+    return hashlib.sha256(json.dumps([sys.executable, cwd, sorted(keyed.items()), inherited()]).encode()).hexdigest()[:20]
+
+
+def inherited() -> dict:
+    """What a process started from here inherits and a forked one would take from its server
+    instead: its cgroup (a memory limit, the OOM count `launch.oom_kills` reads), namespaces,
+    resource limits, CPUs, niceness, umask and ids."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {
+        "cgroup": Path("/proc/self/cgroup").read_text(),
+        "namespaces": {
+            ns: os.readlink(f"/proc/self/ns/{ns}")
+            for ns in ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
+            if os.path.exists(f"/proc/self/ns/{ns}")
+        },
+        "limits": {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")},
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "umask": status.get("Umask", "").strip(),
+        "ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sorted(os.getgroups())],
+    }
 
 
 def runtime_dir() -> Path:
@@ -149,7 +188,7 @@ def fork_controller(folder: str, env: dict[str, str], cwd: str) -> tuple[int, fl
     path = runtime_dir() / f"{key}.sock"
     request = json.dumps({"folder": folder, "env": env, "cwd": cwd}).encode()
     reason = "no server answered"
-    for _ in range(3):  # a server may retire (stale, idle) between our connect and its answer
+    for _ in range(ATTEMPTS):  # a server may retire (stale, idle) between our connect and its answer
         try:
             reply = _ask(path, request)
         except (FileNotFoundError, ConnectionRefusedError):
@@ -157,6 +196,7 @@ def fork_controller(folder: str, env: dict[str, str], cwd: str) -> tuple[int, fl
             continue
         except OSError as err:
             reason = f"{type(err).__name__}: {err}"
+            time.sleep(0.2)
             continue
         if "pid" in reply:
             return reply["pid"], reply["started"]
@@ -164,6 +204,15 @@ def fork_controller(folder: str, env: dict[str, str], cwd: str) -> tuple[int, fl
         if not reason.startswith("stale"):
             break
     raise WarmStartUnavailable(f"the warm server at {path} could not fork it: {reason}")
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(path))
+            return True  # the server sees a request that says nothing, and answers it with a refusal
+        except OSError:
+            return False
 
 
 def _ask(path: Path, request: bytes) -> dict:
@@ -185,8 +234,9 @@ def _start(path: Path, env: dict[str, str], cwd: str) -> None:
     """Start the server of `path` unless another process just did; return once it listens."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():
+        if _listening(path):
             return
+        path.unlink(missing_ok=True)  # a server killed without retiring left its file behind
         log = path.with_suffix(".log")
         with open(log, "w") as err:
             server = subprocess.Popen(
