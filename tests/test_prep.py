@@ -627,7 +627,11 @@ def test_two_ranks_write_the_bytes_one_rank_does_and_report_progress(base_overri
         {},
         log=lambda line: lines.append((time.monotonic(), line)),
     )
-    timed = ("wall_s", "device_hours", "hardware")  # how long the job held its CPUs, and its threads a rank (the cores shared by the ranks): not what it wrote
+    timed = (
+        "wall_s",
+        "device_hours",
+        "hardware",
+    )  # how long the job held its CPUs, and its threads a rank (the cores shared by the ranks): not what it wrote
     assert two.fingerprint == one.fingerprint and {k: v for k, v in two.metrics.items() if k not in timed} == {
         k: v for k, v in one.metrics.items() if k not in timed
     }
