@@ -44,24 +44,29 @@ GPU_FAMILY_TESTS = (
 
 
 # Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) a group runs on one worker, in
-# collection order: the tests on the Slurm cluster (they share it, and some stop its daemons),
-# and each other file (its module fixtures are built once). The groups go out longest first, as
-# measured (the first names here), so that the last to finish is a short one.
-SLURM_GROUP = "slurm"
+# collection order: the tests on the real services (the Slurm cluster, which they share and some
+# stop the daemons of, and the integration stack on it), and each other file (its module fixtures
+# are built once). The groups go out longest first, as measured (the first names here), so that
+# the last to finish is a short one.
+SHARED_GROUP = "slurm"
+SHARED_FIXTURES = ("slurm_cluster", "prefect_stack")
 LONGEST_FIRST = (
+    SHARED_GROUP,
     "tests/test_reward_model.py",
-    SLURM_GROUP,
     "tests/test_faults.py",
+    "tests/test_bench_scripts.py",
+    "tests/test_gate.py",
     "tests/test_flow.py",
     "tests/test_families_pipeline.py",
-    "tests/test_gate.py",
+    "tests/test_launch.py",
+    "tests/test_bench_gpu.py",
     "tests/test_outputs.py",
     "tests/test_plan.py",
 )
 
 
 def xdist_group(item) -> str:
-    return SLURM_GROUP if "slurm_cluster" in item.fixturenames else item.nodeid.split("::")[0]
+    return SHARED_GROUP if set(SHARED_FIXTURES) & set(item.fixturenames) else item.nodeid.split("::")[0]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (and renames the items by them)
