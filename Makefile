@@ -1,9 +1,9 @@
 # The README's two commands: `make demo` and `make test`; `make test-quick` for day-to-day work.
 .PHONY: install install-dev demo test test-quick
 
-# Two pytest workers (CI has 2 cores): tests on the Slurm cluster share one worker, each other
-# file stays on one worker (its module fixtures are built once); tests/conftest.py says how.
-PYTEST = .venv/bin/python -m pytest -q -rs --timeout=900 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
+# Two pytest workers (CI has 2 cores), each group of tests on one worker (tests/conftest.py:
+# the tests on the Slurm cluster together, each other file whole).
+PYTEST = .venv/bin/python -m pytest -q -rs --timeout=900 -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 WORKERS ?= 2
 
 install:

@@ -277,9 +277,12 @@ down() {
   echo "Slurm down"
 }
 
+# One `up` or `down` at a time (two sessions, two test workers would both start the daemons);
+# the lock is flock(1)'s, closed for the script (-o), so no daemon it starts holds it.
 case "${1:-up}" in
-  up) up ;;
+  up | down) exec flock -o "$state/lock" "$0" "locked-$1" ;;
+  locked-up) up ;;
+  locked-down) down ;;
   status) status ;;
-  down) down ;;
   *) echo "usage: $0 up|status|down" >&2; exit 2 ;;
 esac

@@ -43,12 +43,19 @@ GPU_FAMILY_TESTS = (
 )
 
 
-# Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) a group runs on one worker, in
-# collection order: the tests on the real services (the Slurm cluster, which they share and some
-# stop the daemons of, and the integration stack on it), and each other file (its module fixtures
-# are built once). The groups go out longest first, as measured (the first names here), so that
-# the last to finish is a short one.
+# Under pytest-xdist (`make test`: `-n 2`) each group of tests runs on one worker, in collection
+# order (`pytest_xdist_make_scheduler`): the tests on the real services (the Slurm cluster, which
+# they share and some stop the daemons of, and the integration stack on it), and each other file
+# (its module fixtures are built once). The groups go out longest first, as measured (the first
+# names here), so that the last to finish is a short one. (pytest-xdist's own `xdist_group`
+# renames items, which pytest 9 ignores.)
 SHARED_GROUP = "slurm"
+SHARED = (  # node id prefixes of the tests on the real services; collection fails if one is missing
+    "tests/integration/",
+    "tests/test_nodes.py",
+    "tests/test_slurm.py",
+    "tests/test_faults.py::test_a_queued_job_of_a_dead_run_is_cancelled_and_touches_nothing",
+)
 SHARED_FIXTURES = ("slurm_cluster", "prefect_stack")
 LONGEST_FIRST = (
     SHARED_GROUP,
@@ -65,18 +72,28 @@ LONGEST_FIRST = (
 )
 
 
-def xdist_group(item) -> str:
-    return SHARED_GROUP if set(SHARED_FIXTURES) & set(item.fixturenames) else item.nodeid.split("::")[0]
+def group_of(nodeid: str) -> str:
+    return SHARED_GROUP if nodeid.startswith(SHARED) else nodeid.split("::")[0]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (and renames the items by them)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return Groups(config, log)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.nodeid.split("[")[0] in GPU_TESTS:
             item.add_marker(pytest.mark.gpu)
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+        if set(SHARED_FIXTURES) & set(item.fixturenames) and group_of(item.nodeid) != SHARED_GROUP:
+            raise pytest.UsageError(f"{item.nodeid} uses the real services ({', '.join(SHARED_FIXTURES)}): list it in tests/conftest.py SHARED")
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))  # stable: collection order within a group
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: collection order within a group
 
 
 @pytest.hookimpl(hookwrapper=True)

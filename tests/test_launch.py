@@ -247,6 +247,7 @@ def test_a_job_killed_for_memory_is_reported_as_such(tmp_path):
         group.rmdir()
     assert outcome["state"] == "OUT_OF_MEMORY", outcome
     assert "was killed for running out of memory" in outcome["error"]
+    assert "this memory cgroup allows 400 MiB" in done.stderr  # no warm server squeezed in beside the job: it started cold
 
 
 # ----------------------------------------------------------------------------- GPUs

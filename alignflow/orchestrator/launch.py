@@ -52,6 +52,7 @@ import submitit.local.local
 from omegaconf import DictConfig
 
 from alignflow.orchestrator.config.schema import LauncherConfig, LauncherName
+from alignflow.orchestrator.cgroup import oom_kills
 from alignflow.orchestrator.lease import this_process
 from alignflow.orchestrator.orphans import end, reap_on_exit
 from alignflow.orchestrator.warm_jobs import Controller, WarmLocalExecutor
@@ -685,32 +686,6 @@ _ENDINGS = {  # a job's end without a result (Slurm's states; for local jobs, as
     "BOOT_FAIL": "could not start on its node (BOOT_FAIL)",
     "CANCELLED": "was cancelled outside alignflow (CANCELLED)",
 }
-
-
-def oom_kills() -> int | None:
-    """How many processes the kernel's OOM killer has killed in this process's memory cgroup
-    (v1 `memory.oom_control`, v2 `memory.events`); None where that cannot be read. Local jobs
-    run in their orchestrator's cgroup, so a count that grew while a job ran says why it died."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            files = [f"/sys/fs/cgroup/memory{path}/memory.oom_control"]
-        elif not controllers:  # the unified (v2) hierarchy, alone or beside v1's
-            files = [f"/sys/fs/cgroup{path}/memory.events", f"/sys/fs/cgroup/unified{path}/memory.events"]
-        else:
-            continue
-        for file in files:
-            try:
-                fields = dict(line.split() for line in Path(file).read_text().splitlines() if line.strip())
-            except (OSError, ValueError):
-                continue
-            if "oom_kill" in fields:
-                return int(fields["oom_kill"])
-    return None
 
 
 def _cause(text: str) -> str:

@@ -6,7 +6,8 @@ fresh interpreters that import them once per rank.
 `start_controller` would start `python -m submitit.local._local FOLDER`, it asks the server
 keyed by this interpreter, working folder, environment and process traits (`server_key`) to fork that
 controller, and starts the server first if none runs (one at a time: a lock file). A job it
-cannot start warm (the server fails to start, or refuses) starts cold, and the warning says why.
+cannot start warm (the server fails to start, or refuses; a memory cgroup too small to hold a
+server beside its jobs) starts cold, and the warning says why.
 The job is the same either way: its id is its controller's pid, it outlives this process and a
 rerun adopts it (`alignflow.orchestrator.lease`), and cancelling it signals its controller.
 
@@ -33,11 +34,14 @@ import psutil
 import submitit
 from submitit.local.local import LocalJob
 
+from alignflow.orchestrator.cgroup import memory_limit
+
 SERVER_MODULE = "alignflow.job.forkserver"
 EXIT_FILE = "{pid}_controller_exit"  # what the server writes when a controller it forked ends
 START_TIMEOUT_S = 300.0  # the server's imports: ~14 s of a core here, more on a loaded machine
 REPLY_TIMEOUT_S = 60.0
 ATTEMPTS = 5
+SERVER_NEEDS_BYTES = 600 << 20  # a server's resident memory here (torch, Megatron-Core, transformers, the stages)
 # A server is keyed by the variables read when an interpreter starts or a module is imported
 # (the interpreter's and the loader's, torch's, CUDA's, Hugging Face's, ...): any other is read
 # when used, and a job gets every variable exactly, in its own environment. Not keyed: the job's
@@ -153,7 +157,7 @@ def server_key(env: dict[str, str], cwd: str) -> str:
 
 def inherited() -> dict:
     """What a process started from here inherits and a forked one would take from its server
-    instead: its cgroup (a memory limit, the OOM count `launch.oom_kills` reads), namespaces,
+    instead: its cgroup (a memory limit, the OOM count `cgroup.oom_kills` reads), namespaces,
     resource limits, CPUs, niceness, umask and ids."""
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     return {
@@ -184,6 +188,8 @@ def runtime_dir() -> Path:
 
 def fork_controller(folder: str, env: dict[str, str], cwd: str) -> tuple[int, float]:
     """(pid, start time) of the controller the warm server forked for the job in `folder`."""
+    if (limit := memory_limit()) is not None and limit < SERVER_NEEDS_BYTES * 4:
+        raise WarmStartUnavailable(f"this memory cgroup allows {limit >> 20} MiB: a warm server would hold {SERVER_NEEDS_BYTES >> 20} MiB of it")
     key = server_key(env, cwd)
     path = runtime_dir() / f"{key}.sock"
     request = json.dumps({"folder": folder, "env": env, "cwd": cwd}).encode()
