@@ -1,12 +1,23 @@
 """Shared fixtures: offline demo assets and one Prefect test server per session."""
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+
+# Each pytest-xdist worker's processes get their share of the cores, as torchrun gives a node's
+# ranks theirs (alignflow.job.worker._share_the_cores): two workers' jobs with a 2-thread OpenMP
+# pool each on 2 cores spin against each other (a small training loop run twice at once, 2026-12-02:
+# 19.9 s each with 2 threads, 5.5 s with 1; 3.1 s alone). Set before torch starts its pool.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
