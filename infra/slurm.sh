@@ -188,7 +188,7 @@ up() {
 
   # config: restart slurm daemons whose config changed
   local cpus mem first_id changed=0
-  cpus=$(nproc); mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p'); first_id=$(first_job_id)
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc); mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p'); first_id=$(first_job_id)
   mkdir -p /etc/slurm "$state/ctld" "$state/d"
   write /etc/slurm/slurmdbd.conf 600 <<EOF && changed=1 || true
 AuthType=auth/munge
