@@ -35,7 +35,7 @@ from tasks.stage import Wiring, format_value, task_for
 RENAME_WAIT_S = 10.0  # how long a submitted task run may take to reach the server
 CANCEL_WAIT_S = 5.0  # how long a stopped run waits for its stages to end Cancelled (a Slurm job's cancel takes seconds)
 UI_WAIT_S = 2.0  # then for the UI to show it: the process ends launch.STOP_S after the signal in any case
-DRAIN_S = 30.0  # how long a finished run waits for the UI to catch up with a Prefect API that is down
+DRAIN_S = 300.0  # how long a finished run waits for a Prefect API that is down (a server restart is minutes long), so the UI shows how it ended
 _VALIDATED: dict[tuple[str, tuple[str, ...]], Pipeline] = {}  # what `align run` validated before Prefect started, by run
 
 
@@ -188,6 +188,10 @@ def _publish_summary(pipeline: str, stages: Pipeline, futures: dict[str, Prefect
         )
     logger = get_run_logger()
     logger.info("\n".join(lines))
+    if dashboard.api_down():
+        logger.warning(
+            f"the Prefect API is down: this run waits up to {DRAIN_S:.0f} s for it, so that the UI shows how it ended (every stage's output is in the store)"
+        )
     if missed := dashboard.drain(DRAIN_S):
         logger.warning(
             f"the Prefect API is still unreachable: {len(missed)} updates of the UI wait for it "

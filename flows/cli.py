@@ -50,6 +50,7 @@ from alignflow.orchestrator.runner import plan  # noqa: E402
 from alignflow.orchestrator.store import store_of  # noqa: E402
 
 console = Console(soft_wrap=True)
+LAST_UPDATES_S = 30.0  # the wait for the UI's updates queued as a flow run ended
 _STATUS_STYLE = {"committed": "green", "run": "yellow", "forced": "magenta"}
 
 
@@ -228,11 +229,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _ui_caught_up() -> None:
-    """Give the UI's last updates the time the flow's own end took (the API may just be back)."""
-    from flows.align import DRAIN_S
+    """Give the UI's last updates, queued as the flow ended, half a minute more (the flow run
+    itself waited `flows.align.DRAIN_S` for a Prefect API that was down)."""
     from tasks import dashboard
 
-    if missed := dashboard.drain(DRAIN_S):
+    if missed := dashboard.drain(LAST_UPDATES_S):
         console.print(
             f"[yellow]the Prefect UI missed {len(missed)} updates of this run ({', '.join(missed[:5])}): its API did not come back in time[/]",
             highlight=False,

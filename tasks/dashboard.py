@@ -110,6 +110,11 @@ def drain(timeout_s: float) -> list[str]:
     return _queue.drain(timeout_s)
 
 
+def api_down() -> bool:
+    """Whether the last call to the API failed (and no later one has reached it)."""
+    return _queue.down
+
+
 def _ids() -> dict:
     task_run_id, flow_run_id = get_task_and_flow_run_ids()
     return {"task_run_id": task_run_id, "flow_run_id": flow_run_id}
