@@ -73,7 +73,6 @@ class VLLMServer:
         self.settings, self.model, self.folder, self.seed = settings, str(model), Path(folder), seed
         self.process: subprocess.Popen | None = None
         self.tree: list[psutil.Process] = []  # the server and its engine processes, once ready
-        self.version = "initial"
 
     # ----------------------------------------------------------------------------- life
 
@@ -229,7 +228,6 @@ class VLLMServer:
             flush()
         self._post("/finish_weight_update", json={"weight_version": version})
         self._post("/resume")
-        self.version = version
         return {"refit_s": time.monotonic() - started, "refit_bytes": sent, "refit_buckets": n}
 
 
