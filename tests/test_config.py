@@ -257,6 +257,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     return found
 
 
+@pytest.mark.slow
 def test_every_documented_command_composes(base_overrides):
     """What README and the deployments tell users to type names keys that exist (`dpo.beta=0.2`
     once stood where `dpo.loss.beta` is)."""

@@ -308,6 +308,7 @@ def test_a_stopped_run_exits_within_10_s_and_leaves_no_process(seeded, tmp_path,
 # ----------------------------------------------------------------------------- leases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("record", [b"", b'{"owner": "host:1:ab'], ids=["empty", "torn"])
 def test_an_unreadable_lease_file_is_taken_over_after_its_ttl(base_overrides, tmp_path, record):
     cfg = compose("demo", [*base_overrides, "store.lease_ttl_s=2"])

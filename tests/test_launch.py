@@ -167,6 +167,7 @@ def test_an_interrupted_block_cancels_the_jobs_its_threads_wait_on(tmp_path):
     assert outcome["job"].state != "RUNNING"  # the local job's processes are gone
 
 
+@pytest.mark.slow
 def test_a_job_killed_by_its_time_limit_is_reported_as_such(tmp_path):
     job = submit(launcher(tmp_path), section(timeout_min=0.1), "slow", sleep_long)  # 6 s
     with pytest.raises(InfrastructureError) as err:
@@ -223,6 +224,7 @@ def memory_cgroup(limit: int) -> Path | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_job_killed_for_memory_is_reported_as_such(tmp_path):
     """A real OOM kill: the submitting process runs in a memory cgroup of 400 MB with its local
     job, whose rank allocates until the kernel kills it."""

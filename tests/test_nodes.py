@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import assert_same_steps, convert_demo, prep_demo, sft_cfg, stage_cfg  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this file's functions by value
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+# every test here runs on the Slurm cluster, whose start alone takes ~35 s of a loaded machine
+pytestmark = [pytest.mark.usefixtures("slurm_cluster"), pytest.mark.slow]
 SLURM_STATE = Path("/var/lib/alignflow-slurm")  # infra/slurm.sh's state: the slurmds' pid files
 NODE_LOCAL = SLURM_STATE / "node-local"  # each node's own tmpfs there (infra/slurm.sh); the host's folder is another
 
@@ -164,13 +165,11 @@ def one_and_two_nodes(tmp_path, kind: str, cfg: dict, inputs: dict) -> tuple[Pat
     return tuple(jobs)
 
 
-@pytest.mark.slow
 def test_sft_at_dp2_across_two_nodes_has_the_single_node_losses(demo_dir, inputs, tmp_path):
     one, two = one_and_two_nodes(tmp_path, "sft", sft_cfg(demo_dir, resources={"tasks_per_node": 2}), inputs)
     assert_same_steps(one, two, 1e-6)
 
 
-@pytest.mark.slow
 def test_dpo_at_pp2_across_two_nodes_has_the_single_node_losses(demo_dir, inputs, tmp_path):
     cfg = stage_cfg("dpo", demo_dir, 1, 2, loss={"beta": 0.1}, trainer={"val_check_interval": 5})
     one, two = one_and_two_nodes(tmp_path, "dpo", cfg, inputs)
@@ -268,7 +267,6 @@ def kill_the_job_on_the_node_of(pid: int) -> tuple[str, list[int]]:
     return node, [p.pid for p in victims]
 
 
-@pytest.mark.slow
 def test_a_node_killed_mid_training_is_retried_by_the_flow_and_resumes_with_node_local_scratch(
     prefect_server, s3_endpoint, base_overrides, two_nodes, tmp_path
 ):

@@ -100,6 +100,7 @@ except IncompleteOutput as err:
 """
 
 
+@pytest.mark.slow
 def test_a_stage_whose_output_lacks_a_declared_file_commits_nothing(base_overrides, tmp_path):
     """The runner's commit checks the staged output against its kind's format (`alignflow.orchestrator.verify`):
     a job that ran to its end but wrote result.json instead of eval.json is not committed."""

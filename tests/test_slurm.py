@@ -28,7 +28,8 @@ from test_launch import all_reduce_rank, sleep_long  # noqa: E402
 from train_ranks import convert_demo, prep_demo, sft_cfg  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # jobs run this file's functions by value
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+# every test here runs on the Slurm cluster, whose start alone takes ~35 s of a loaded machine
+pytestmark = [pytest.mark.usefixtures("slurm_cluster"), pytest.mark.slow]
 
 
 def slurm(tmp_path):
@@ -91,7 +92,6 @@ def pausing_after_checkpoints(*args):
     return run_stage_job(*args)
 
 
-@pytest.mark.slow
 def test_a_gpu_job_asks_slurm_for_one_gpu_per_rank(tmp_path):
     """Read back from the sbatch script submitit wrote. This cluster's node has no GPUs (no gres),
     so sbatch refuses the job at submission, as a partition without GPUs would."""
@@ -165,7 +165,6 @@ def test_a_preempted_job_that_cannot_resume_is_not_requeued_but_retried(tmp_path
 # ----------------------------------------------------------------------------- cancellation
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_cancelled_flow_run_leaves_no_slurm_job(prefect_server, base_overrides, tmp_path, signum):
     """`align run` on Slurm gets SIGTERM (how a Prefect worker cancels a flow run: the engine
@@ -206,7 +205,6 @@ def test_a_cancelled_flow_run_leaves_no_slurm_job(prefect_server, base_overrides
     assert sorted((t.name, t.state.type) for t in tasks) == sorted((s, StateType.CANCELLED) for s in ("prep", "convert", "sft", "eval", "export"))
 
 
-@pytest.mark.slow
 def test_a_job_cancelled_outside_is_noticed_within_seconds_and_may_be_retried(tmp_path):
     """An admin's `scancel`: the state is seen within STATE_POLL_S, and after submitit's grace
     for a late result file (15 s) the stage fails as an infrastructure error (retried)."""
@@ -225,7 +223,6 @@ def test_a_job_cancelled_outside_is_noticed_within_seconds_and_may_be_retried(tm
     assert seen[f"job {job.job_id}: CANCELLED"] - cancelled < 5
 
 
-@pytest.mark.slow
 def test_cancelling_the_flow_run_in_prefect_cancels_its_slurm_jobs(prefect_server, base_overrides, tmp_path):
     """The real path: a Prefect runner (what a process worker uses) runs the flow in a child
     process; the run is set Cancelling; the runner signals the cancel intent and SIGTERMs the

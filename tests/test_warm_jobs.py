@@ -72,6 +72,7 @@ def own_server(monkeypatch):
     monkeypatch.setenv("ALIGNFLOW_TEST_SERVER", uuid.uuid4().hex)
 
 
+@pytest.mark.slow
 def test_a_warm_rank_sees_what_a_cold_rank_sees(tmp_path, own_server):
     (cold_job, cold), (warm_job, warm) = run_job(tmp_path, False, what_a_rank_sees, tasks=2), run_job(tmp_path, True, what_a_rank_sees, tasks=2)
     assert isinstance(warm_job._process, Controller) and not isinstance(cold_job._process, Controller)
@@ -137,6 +138,7 @@ def ended(pid: int, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_server_whose_imported_files_changed_serves_no_job(tmp_path, monkeypatch):
     """A file the server imported at its start (here a sitecustomize on its PYTHONPATH) edited:
     the next job starts in a fresh server, which imported the edited file."""
