@@ -333,6 +333,35 @@ CASES = {
         ("pipeline=sft_rm_grpo", "pipeline.stages.eval.inputs.reward_model=sft"),
         ("pipeline.stages.eval.inputs.reward_model: expects a reward_model output; 'sft' (sft) gives a model output",),
     ),
+    # the generation engine (vLLM): its environment, what it serves, its layout and memory
+    "engine-environment-missing": Case(
+        ("pipeline=sft_grpo", "grpo.generation_engine=vllm", "grpo.vllm.python={W}/venv/bin/python"),
+        ("grpo.vllm.python: {W}/venv/bin/python is not the interpreter of an environment with vLLM",),
+    ),
+    "engine-other-version": Case(
+        ("pipeline=sft_grpo", "grpo.generation_engine=vllm", "grpo.vllm.version=0.31.0"),
+        ("grpo.vllm.version: the stage runs vLLM 0.31.0, but", "environment has 0.32.0"),
+    ),
+    "engine-head-size": Case(
+        ("pipeline=sft_grpo", "grpo.generation_engine=vllm", "model.source={D}/tiny-llama-student"),
+        ("grpo.generation_engine: the model's head size 12 is not one vLLM's CPU attention serves ([32, 64, 80",),
+    ),
+    "engine-tensor-parallel-on-cpu": Case(
+        ("pipeline=sft_grpo", "grpo.generation_engine=vllm", "grpo.vllm.tensor_parallel_size=2"),
+        ("grpo.vllm.tensor_parallel_size: 2, but the nodes have no GPUs: the CPU engine runs at 1",),
+    ),
+    "engine-layout-does-not-divide-the-gpus": Case(
+        ("pipeline=sft_grpo", "launcher.gpus_per_node=4", "grpo.generation_engine=vllm", "grpo.vllm.tensor_parallel_size=3"),
+        ("grpo.vllm.tensor_parallel_size: 3 does not divide the node's 4 GPUs",),
+    ),
+    "engine-kv-cache-beyond-memory": Case(
+        ("pipeline=sft_grpo", "launcher.mem_gb=2", "grpo.generation_engine=vllm", "grpo.vllm.kv_cache_gib=4"),
+        ("grpo.vllm.kv_cache_gib: 4 GiB of KV cache and 0.0 GiB of weights exceed the job's 2 GiB of memory",),
+    ),
+    "engine-with-lora": Case(
+        ("pipeline=sft_grpo", "grpo.generation_engine=vllm", "grpo.finetuning_type=lora"),
+        ("grpo.generation_engine: vllm refits full weights; with finetuning_type lora use the decoder",),
+    ),
     # time limits
     "timeout-zero": Case(("sft.timeout_min=0",), ("sft.timeout_min: must be > 0 minutes",)),
     "timeout-negative-prep": Case(("prep.timeout_min=-1",), ("prep.timeout_min: must be > 0 minutes",)),

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from alignflow.orchestrator.config.destinations import destination_problems
+from alignflow.orchestrator.config.engine import engine_problems
 from alignflow.orchestrator.config.memory import GIB, Dimensions, Footprint, Layout, estimate, layout_of
 from alignflow.orchestrator.config.schema import FinetuningType, LauncherName, RecomputeGranularity, RecomputeMethod
 from alignflow.orchestrator.config.slices import secret_problems
@@ -54,6 +55,8 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> Pipeline:
         problems += _check_stage(stage, key, shape) + stage.spec.checks(stage, key, check_paths)
         problems += _check_time_limit(stage, key) + _check_ranks_on_gpus(stage.section, key, gpus)
         problems += _check_nodes(stage.section, key, cfg.launcher)
+        hf_config = _read_model(stage.cfg, problems, shapes)[1] if check_paths and "generation_engine" in stage.section else None
+        problems += engine_problems(stage.section, key, hf_config, gpus, cfg.launcher.mem_gb)
         problems += _check_memory(key, memory.get(stage.name), cfg.launcher.gpu_memory_gib)
         problems += _check_lineage(pipeline, stage, cfg if check_paths else None)
     problems += _check_retention(cfg.store.retention) + _check_lease(cfg.store) + _check_gpus(cfg.launcher)
