@@ -72,6 +72,7 @@ LONGEST_FIRST = (
     SHARED_GROUP,
     "tests/test_reward_model.py",
     "tests/test_faults.py",
+    "tests/test_engine_stages.py",
     "tests/test_bench_scripts.py",
     "tests/test_gate.py",
     "tests/test_flow.py",

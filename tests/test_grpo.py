@@ -47,6 +47,7 @@ STEP_METRICS = {
     "kl",
     "clip_fraction",
     "ratio",
+    "token_mult_prob_error",
     "generation_tokens_per_s",
 }
 
@@ -99,6 +100,7 @@ def test_grpo_trains_and_logs_every_metric(demo_dir, inputs, tmp_path):
     assert 0 < result["generation_s"] < result["compute_s"]  # what `align plan` times by the decoding step (alignflow.orchestrator.cost)
     first = lines[0]
     assert first["kl"] == 0.0 and first["ratio"] == pytest.approx(1.0) and first["clip_fraction"] == 0.0  # on-policy, policy = reference
+    assert all(line["token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4) for line in lines)  # the decoder samples from the trained weights
     assert lines[-1]["kl"] > 0  # the policy moved away from the reference
     assert 0 < first["response_length"] <= 4 and 0 <= first["truncation_rate"] <= 1 and first["generation_tokens_per_s"] > 0
     assert 0 <= first["accuracy"] <= 1 and first["reward_mean"] >= first["accuracy"]  # exact match + closeness

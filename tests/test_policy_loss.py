@@ -161,6 +161,33 @@ def test_kl_gradient_includes_the_sampling_term(on_policy, expected):
     assert (gradient(0.3) - gradient(0.0)).flatten().tolist() == pytest.approx(expected, abs=1e-9)
 
 
+def test_token_mult_prob_error_is_nemo_rls():
+    """NeMo-RL's token_mult_prob_error (ClippedPGLossFn: masked_mean(exp(|generation - prev| *
+    mask), mask) over the micro batch's tokens) on two samples of 2 and 1 tokens, the padding of
+    the second masked out: (exp(0) + exp(0.5) + exp(0.2)) / 3, evaluated."""
+    t = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731
+    old, gen = t([[-1.0, -1.5], [-0.7, -3.0]]), t([[-1.0, -2.0], [-0.5, -9.0]])
+    batch = dict(
+        logp=old.clone(), old_logp=old, ref_logp=old, advantages=t([[1.0, 1.0], [-1.0, -1.0]]), mask=t([[1, 1], [1, 0]]), generation_logp=gen
+    )
+    for loss_type in ("grpo", "dapo"):  # a token mean whichever reduction the loss takes
+        assert policy_loss(GRPOLossConfig(loss_type=loss_type), **batch).token_mult_prob_error.item() == pytest.approx(1.2900413430, abs=1e-9)
+
+
+def test_truncated_importance_sampling_caps_the_weight():
+    """NeMo-RL's truncated_importance_sampling_ratio (verl's TIS): the correction's weight
+    exp(prev - generation) = 5 on a token, capped at 2, scales that token's loss by 2; a weight of
+    0.5 under the cap is kept."""
+
+    def loss(gen, cap):
+        b = nemo_batch([-1.0, -1.0], [-1.0, -1.0], [1.0, 1.0], gen=gen)
+        cfg = GRPOLossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=cap, **NO_KL)
+        return policy_loss(cfg, **b).loss.item()
+
+    assert loss([-1.0 - math.log(5.0), -1.0 + math.log(2.0)], cap=2.0) == pytest.approx((-2.0 - 0.5) / 2)
+    assert loss([-1.0 - math.log(5.0), -1.0 + math.log(2.0)], cap=None) == pytest.approx((-5.0 - 0.5) / 2)
+
+
 def test_one_far_token_no_longer_blows_up_the_loss():
     """The issue's case: ref - logp = 25 on one token. NeMo-RL clamps the log-ratio to 20 and
     the KL to 10: the loss is the actor's -1 plus beta x 10."""

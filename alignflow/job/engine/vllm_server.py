@@ -13,7 +13,10 @@ SIGKILLed server (measured: vLLM 0.32), so they are remembered once it is ready.
 
 Generation: one `/v1/completions` request per prompt, all in flight at once (the server batches
 them continuously), each with its own seed, so a completion depends on its prompt, the weights
-and its seed only, not on what else is in the batch.
+and its seed only, not on what else is in the batch. The log-probs are vLLM's processed ones:
+of the distribution each token was drawn from (logits / temperature, top_k, top_p), which is
+what GRPO's ratio and importance weights compare (`Completion.sampling_logps`); greedy, they
+are the model's own.
 
 Refit: vLLM's weight-transfer protocol (`/pause`, `/start_weight_update`, `/update_weights` per
 bucket, `/finish_weight_update` with the policy version, `/resume`) over the `alignflow_files`
@@ -22,6 +25,7 @@ folder in /dev/shm, read and deleted by the engine before the next is written.
 """
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -35,10 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import json
-
 import httpx
 import psutil
+import submitit
 import torch
 from safetensors.torch import save_file
 
@@ -63,9 +66,11 @@ class EngineSettings:
     python: str  # the engine environment's interpreter
     tensor_parallel_size: int = 1
     max_model_len: int = 512
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)
     dtype: str = "float32"
     bucket_bytes: int = 64 * 2**20  # refit bucket: the most host memory a refit holds twice
+    load_format: str = "auto"  # "dummy": random weights, for an engine whose first refit gives it the policy's
+    logprobs_mode: str = "processed_logprobs"  # of the distribution sampled from; "raw_logprobs": the model's own
 
 
 class VLLMServer:
@@ -97,18 +102,20 @@ class VLLMServer:
             s.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), "--tensor-parallel-size", str(s.tensor_parallel_size),
-            "--seed", str(self.seed), "--enforce-eager", "--disable-log-stats",
+            "--seed", str(self.seed), "--enforce-eager", "--disable-log-stats", "--load-format", s.load_format,
+            "--logprobs-mode", s.logprobs_mode,
             "--worker-extension-cls", EXTENSION, "--weight-transfer-config", f'{{"backend": "{TRANSPORT}"}}',
         ]  # fmt: skip
         env = {
             **os.environ,
             "PYTHONPATH": str(PROJECT_ROOT),  # vllm_side.py alone: it imports vllm and safetensors, nothing of alignflow's environment
             "VLLM_SERVER_DEV_MODE": "1",  # the weight-update routes; the server listens on loopback only
-            "VLLM_CPU_KVCACHE_SPACE": f"{s.kv_cache_gib:g}",
+            "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
         }
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=httpx.Timeout(600.0, connect=5.0))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
             while not self._healthy():
@@ -198,7 +205,7 @@ class VLLMServer:
                 body["allowed_token_ids"] = list(range(sampling.vocab_size))
             (choice,) = self._post("/v1/completions", json=body)["choices"]
             tokens, logps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-            return Completion(tokens, logps, truncated=choice["finish_reason"] == "length")
+            return Completion(tokens, logps, truncated=choice["finish_reason"] == "length", sampling_logps=logps)
 
         with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
             return list(pool.map(one, range(len(prompts))))
@@ -229,6 +236,16 @@ class VLLMServer:
         self._post("/finish_weight_update", json={"weight_version": version})
         self._post("/resume")
         return {"refit_s": time.monotonic() - started, "refit_bytes": sent, "refit_buckets": n}
+
+
+def job_folder(fallback: Path) -> Path:
+    """Where a job's engine keeps its log and files: the submitit job's folder (beside the job's
+    log), or `fallback` outside a submitit job (a stage run in-process, as the tests run them:
+    beside its output, never inside it)."""
+    try:
+        return Path(submitit.JobEnvironment().paths.folder)
+    except RuntimeError:
+        return fallback
 
 
 def _free_port() -> int:

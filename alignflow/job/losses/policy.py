@@ -20,7 +20,8 @@ Loss of token t of a sample with advantage A:
   sample, exp(token mean of logp - old_logp);
   actor = max(-A r, -A clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max)), with `ratio_clip_c`
   (dual clip, > 1) min(actor, -c A) where A < 0, and with `use_importance_sampling_correction`
-  weighted by exp(old_logp - generation_logp) (per sample: exp of the sum, at sequence level);
+  weighted by exp(old_logp - generation_logp) (per sample: exp of the sum, at sequence level),
+  capped at `truncated_importance_sampling_ratio` (TIS) when set;
   kl = w k(clamp(ref - logp, +-kl_input_clamp_value)), clamped to +-kl_output_clamp_value, k the
   `kl_type` estimator; w = exp(logp - sg(logp)) (value 1: its gradient adds k's score-function
   term, NeMo-RL v0.7.0 "fix: KL backward"), or exp(logp - generation_logp) with
@@ -29,8 +30,10 @@ Loss of token t of a sample with advantage A:
 With top_k / top_p sampling logp, old_logp and generation_logp are log-probs under the filtered,
 renormalised distribution and the KL reads the unfiltered `logp_unfiltered` (the reference's
 log-probs are unfiltered), as NeMo-RL v0.6.0.
-`reduce` is the `loss_type`'s (see `PolicyLossType`); the metrics (kl, clip_fraction, ratio)
-are token means (sample means under `grpo`).
+`reduce` is the `loss_type`'s (see `PolicyLossType`); the metrics kl, clip_fraction and ratio
+are token means (sample means under `grpo`); token_mult_prob_error, NeMo-RL's mean over the
+micro batch's tokens of exp|old_logp - generation_logp|, says how far the sampler's log-probs
+are from the trainer's (1 when they agree).
 """
 
 import math
@@ -56,6 +59,7 @@ class PolicyLoss:
     kl: torch.Tensor
     clip_fraction: torch.Tensor
     ratio: torch.Tensor
+    token_mult_prob_error: torch.Tensor  # token mean of exp|old_logp - generation_logp|: 1 when trainer and sampler agree
 
 
 def group_baseline_and_std(
@@ -152,7 +156,10 @@ def policy_loss(
         log_weight = old_logp - generation_logp
         if sequence_level:
             log_weight = (log_weight * mask).sum(-1, keepdim=True)
-        actor = torch.nan_to_num(torch.exp(log_weight).detach(), nan=0.0, posinf=0.0, neginf=0.0) * actor
+        weight = torch.exp(log_weight).detach()
+        if cfg.truncated_importance_sampling_ratio is not None:
+            weight = weight.clamp(max=cfg.truncated_importance_sampling_ratio)
+        actor = torch.nan_to_num(weight, nan=0.0, posinf=0.0, neginf=0.0) * actor
     reduce = lambda values: _reduce(values, mask, cfg.loss_type, max_completion_length)  # noqa: E731
     per_sample = PolicyLossType.grpo if cfg.loss_type == PolicyLossType.grpo else PolicyLossType.dapo
     mean = lambda values: _reduce(values.detach(), mask, per_sample, None)  # noqa: E731  the metrics'
@@ -166,6 +173,9 @@ def policy_loss(
         kl=kl,
         clip_fraction=mean((clipped > unclipped).to(mask.dtype)),
         ratio=mean(ratio),
+        token_mult_prob_error=torch.ones_like(kl)
+        if generation_logp is None
+        else _reduce(torch.exp((old_logp - generation_logp).abs() * mask), mask, PolicyLossType.dapo, None),  # a token mean, as NeMo-RL's
     )
 
 

@@ -15,6 +15,11 @@ filters answers (gsm8k's `exact_match@strict-match`), with `{...}_stderr` where 
 their stderr, n-samples, the task's version and shots; lm-eval's version) and lm_eval/<model>.json
 (lm-eval's results, its samples left out).
 
+With `benchmark.generation_engine: vllm` the export is served by vLLM (its own environment,
+`alignflow.job.engine.vllm_server`, its log in the job folder under the model's name) and
+lm-eval runs its `local-completions` model against it, the way lm-eval drives any
+OpenAI-compatible server: the numbers agree with the `hf` model's (tests/test_engine_stages.py).
+
 Simplified: one process on this rank's device (no TP/PP/DP: lm-eval's hf model holds the whole
 model); each model is written to HF once per run, not cached across runs.
 """
@@ -24,11 +29,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets and huggingface_hub read them at import
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from importlib.metadata import version  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import fsspec  # noqa: E402
 import lm_eval  # noqa: E402
@@ -37,6 +45,7 @@ from lm_eval.utils import handle_non_serializable  # noqa: E402
 from alignflow.job.model_files import ModelOutput  # noqa: E402
 from alignflow.job.convert.hf_folder import write_hf_folder  # noqa: E402
 from alignflow.job.device import device  # noqa: E402
+from alignflow.job.engine.vllm_server import EngineSettings, VLLMServer, job_folder  # noqa: E402
 from alignflow.job.forward.models import cache_dir  # noqa: E402
 from alignflow.orchestrator.kinds.benchmark import STDERR, task_manager  # noqa: E402
 
@@ -57,7 +66,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
     fs.makedirs(f"{root}/lm_eval", exist_ok=True)
     for uri in inputs["models"]:
         name = uri.rstrip("/").split("/")[-2]  # `{root}/{stage}/{fingerprint}`
-        results = evaluate(ModelOutput(uri), section, tasks, cache_dir(cfg))
+        results = evaluate(ModelOutput(uri), section, tasks, cache_dir(cfg), job_folder(Path(f"{out}-engine")) / name)
         fs.pipe(f"{root}/lm_eval/{name}.json", json.dumps(results, indent=2, default=handle_non_serializable).encode())
         summary["models"][name] = {"uri": uri, "tasks": per_task(results)}
         metrics |= {
@@ -84,27 +93,62 @@ def offline_tasks(section):
     return tasks
 
 
-def evaluate(model: ModelOutput, section, tasks, scratch) -> dict:
+def evaluate(model: ModelOutput, section, tasks, scratch, engine_folder: Path) -> dict:
     """lm-eval's results (samples left out) of `model`, written as an HF folder under `scratch`."""
     scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="benchmark-hf-", dir=scratch) as folder:
         write_hf_folder(model, model, folder, section.dtype, _SHARD_BYTES)
-        results = lm_eval.simple_evaluate(
-            model="hf",
-            model_args={"pretrained": folder, "dtype": str(section.dtype)},
-            tasks=list(section.tasks),
-            num_fewshot=section.num_fewshot,
-            limit=_limit(section.limit),
-            batch_size=section.batch_size,
-            device=str(device()),
-            apply_chat_template=section.apply_chat_template,
-            fewshot_as_multiturn=section.apply_chat_template if section.fewshot_as_multiturn is None else section.fewshot_as_multiturn,
-            system_instruction=section.system_instruction,
-            gen_kwargs=dict(section.gen_kwargs) or None,
-            task_manager=tasks,
-            log_samples=False,
-        )
+        with lm_of(folder, section, engine_folder) as (lm, args):
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                model_args=args,
+                tasks=list(section.tasks),
+                num_fewshot=section.num_fewshot,
+                limit=_limit(section.limit),
+                batch_size=section.batch_size,
+                device=str(device()),
+                apply_chat_template=section.apply_chat_template,
+                fewshot_as_multiturn=section.apply_chat_template if section.fewshot_as_multiturn is None else section.fewshot_as_multiturn,
+                system_instruction=section.system_instruction,
+                gen_kwargs=dict(section.gen_kwargs) or None,
+                task_manager=tasks,
+                log_samples=False,
+            )
     return {k: v for k, v in results.items() if k != "samples"}
+
+
+@contextlib.contextmanager
+def lm_of(folder: str, section, engine_folder: Path) -> Iterator[tuple[str, dict]]:
+    """lm-eval's model type and arguments for the HF model in `folder`: its `hf` model, or with
+    `generation_engine: vllm` a vLLM server of the folder while the block runs, behind lm-eval's
+    `local-completions` (OpenAI completions: log-likelihoods from the echoed prompt's log-probs,
+    generations as completions; token ids sent, so both sides tokenize alike)."""
+    if section.generation_engine != "vllm":
+        yield "hf", {"pretrained": folder, "dtype": str(section.dtype)}
+        return
+    length = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
+    settings = EngineSettings(
+        python=section.vllm.python,
+        tensor_parallel_size=section.vllm.tensor_parallel_size,
+        max_model_len=section.vllm.max_model_len or length,
+        kv_cache_gib=section.vllm.kv_cache_gib,
+        dtype=str(section.dtype),
+        logprobs_mode="raw_logprobs",  # the model's own log-probs, as the hf model scores
+    )
+    with VLLMServer(settings, folder, engine_folder) as server:
+        yield (
+            "local-completions",
+            {
+                "model": "policy",
+                "base_url": f"{server.url}/v1/completions",
+                "tokenizer": folder,
+                "tokenizer_backend": "huggingface",
+                "tokenized_requests": True,
+                "max_length": settings.max_model_len,
+                "num_concurrent": 4,
+                "max_retries": 1,
+            },
+        )
 
 
 def _limit(limit: float | None) -> int | float | None:

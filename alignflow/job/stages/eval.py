@@ -24,7 +24,9 @@ Metrics are `{model}.{metric}` with the model named by its stage (`sft.accuracy`
 `eval.resources`): TP, PP and EP through Megatron's schedule and `alignflow.job.generation`, the
 rows, pairs and prompts shared among the DP ranks (the last micro batch may be smaller) and
 the results gathered, so every layout scores the same rows (tests/test_eval.py).
-Greedy decoding is `alignflow.job.generation`'s (KV-cached, prompts of mixed lengths left-padded into batches).
+Greedy decoding is `alignflow.job.generation`'s (KV-cached, prompts of mixed lengths left-padded into
+batches), or with `eval.generation_engine: vllm` a vLLM engine's (`alignflow.job.engine.rollouts`:
+one engine while the models share a shape, refit to each model in turn).
 What the job cost: `flops` (model FLOPs, `alignflow.job.train.utilization`: each validation row,
 pair and generated prompt + completion one forward pass, as KV-cached generation computes each
 token once; left padding and the reward model's scoring are not counted), `tokens` and
@@ -32,6 +34,7 @@ token once; left padding and the reward model's scoring are not counted), `token
 scoring) completions: decoding is step by step, not bound by FLOPs.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -49,6 +52,7 @@ from transformers import AutoTokenizer
 
 from alignflow.job.data.prepared import Prepared
 from alignflow.job.device import device
+from alignflow.job.engine.rollouts import PolicyEngine, policy_engine
 from alignflow.job.generation import Sampling, generate
 from alignflow.job.model import runtime
 from alignflow.job.rewards import exact_match, extract_answer, gold_answer, majority_answer, pass_at_k, same_answer
@@ -77,13 +81,21 @@ def run(cfg, inputs: dict, out: str) -> dict:
     models = {_stage_name(uri): uri for uri in [inputs["model"], *inputs["baselines"]]}
     metrics, samples, completions = {}, {}, {}
     cost = torch.zeros(4, dtype=torch.float64, device=device())  # flops, tokens, seconds, generation seconds
+    engines, served, engine = contextlib.ExitStack(), None, None
     try:
         for name, uri in models.items():
-            chunks, decode = load_chunks(
-                uri, section.parallel, cfg.model.make_vocab_size_divisible_by, resolve_precision(section.precision), cache_dir(cfg)
-            )
+            dtype = resolve_precision(section.precision)
+            chunks, decode = load_chunks(uri, section.parallel, cfg.model.make_vocab_size_divisible_by, dtype, cache_dir(cfg))
             started = time.perf_counter()
-            results, samples[name], completions[name], passes = evaluate(chunks, decode, data, section)
+            if section.generation_engine == "vllm":  # one engine while the models share a shape, refit to each
+                output = local_model(uri, cache_dir(cfg))
+                if served != output.hf_config:
+                    engines.close()
+                    longest, folder = cfg.data.max_prompt_length + section.max_new_tokens, Path(f"{out}-engine")
+                    engine = engines.enter_context(policy_engine(section, output.hf_config, output.tokenizer, dtype, longest, 0, folder))
+                    served = output.hf_config
+                engine.refit(chunks, name)
+            results, samples[name], completions[name], passes = evaluate(chunks, decode, data, section, engine)
             shape, seconds = ModelShape.of(local_model(uri, cache_dir(cfg)).hf_config), time.perf_counter() - started
             figures = [model_flops(shape, passes.documents, FORWARD), sum(passes.documents), seconds, passes.generation_s]
             cost += torch.tensor(figures, dtype=torch.float64, device=device())
@@ -102,6 +114,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
         dist.barrier()
         writer = dist.get_rank() == 0  # asked before teardown: afterwards every rank would answer "not initialized"
     finally:
+        engines.close()
         runtime.teardown()
     if not writer:
         return metrics
@@ -140,11 +153,11 @@ class Forwarded:
     generation_s: float = 0.0
 
 
-def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list, list, Forwarded]:
+def evaluate(chunks: list, decode, data: Prepared, cfg, engine: PolicyEngine | None = None) -> tuple[dict, list, list, Forwarded]:
     """The metrics of one model, the same on every rank, at any TP/PP/DP layout: the data are
     shared among the DP ranks (the last share may be smaller) and the sums gathered; this
     rank's greedy prompt + completion token rows; and what this rank forwarded (for the
-    stage's cost)."""
+    stage's cost). Completions come from `engine` (refit to this model) where there is one."""
     results, samples, rows, outcomes, done = {}, [], [], {}, Forwarded()  # outcomes: share -> how many 0/1 outcomes it is the mean of
     if val := optional(PackedSFT, data, "val"):
         results |= sft_val_loss(chunks, val, cfg.micro_batch_size, cfg.limit_batches)
@@ -154,11 +167,11 @@ def evaluate(chunks: list, decode, data: Prepared, cfg) -> tuple[dict, list, lis
         done.documents += pairs.document_lengths(_my_share(len(pairs))).tolist()
     if prompts := optional(Prompts, data, "val"):
         started = time.perf_counter()
-        results["accuracy"], samples, rows = task_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
+        results["accuracy"], samples, rows = task_accuracy(chunks, engine, decode, prompts, data.tokenizer, cfg)
         outcomes["accuracy"] = min(len(prompts), cfg.num_generation_samples)
         done.documents += [len(row) for row in rows]
         if cfg.sampling.k:
-            sampled, generated = sampled_accuracy(chunks, decode, prompts, data.tokenizer, cfg)
+            sampled, generated = sampled_accuracy(chunks, engine, decode, prompts, data.tokenizer, cfg)
             results |= sampled
             done.documents += generated
         done.generation_s = time.perf_counter() - started
@@ -199,12 +212,12 @@ def preference_accuracy(chunks: list, pairs: PreferencePairs, micro_batch_size: 
     return float(wins[0] / wins[1])
 
 
-def task_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[float, list, list]:
+def task_accuracy(chunks: list, engine, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[float, list, list]:
     """Greedy completions of the first num_generation_samples prompts, scored by exact match;
     and this rank's rows of prompt + completion tokens."""
     share = _my_share(min(len(prompts), cfg.num_generation_samples))
     sampling = Sampling(max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer["eos_token_id"], vocab_size=tokenizer["vocab_size"])
-    completions = generate(chunks, [prompts.tokens(int(i)) for i in share], sampling, cfg.micro_batch_size)
+    completions = _generate(chunks, engine, [prompts.tokens(int(i)) for i in share], sampling, cfg.micro_batch_size, [0] * len(share))
     mine = []
     for i, completion in zip(share, completions):
         text, i = decode(completion.tokens), int(i)
@@ -241,10 +254,11 @@ def reward_model_metrics(chunks: list, rows: dict[str, list], baseline: str | No
     return metrics
 
 
-def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[dict, list[int]]:
+def sampled_accuracy(chunks: list, engine, decode, prompts: Prompts, tokenizer: dict, cfg) -> tuple[dict, list[int]]:
     """pass@k and maj@k for each k of `cfg.sampling`, over n sampled completions of each of the
-    first num_generation_samples prompts; each DP rank draws its share from its own seed. And
-    the lengths of this rank's prompt + completion rows."""
+    first num_generation_samples prompts; each DP rank draws its share from its own seed (the
+    engine: each completion from its own, by its place). And the lengths of this rank's prompt
+    + completion rows."""
     s, share = cfg.sampling, _my_share(min(len(prompts), cfg.num_generation_samples))
     sampling = Sampling(
         max_new_tokens=cfg.max_new_tokens,
@@ -254,12 +268,21 @@ def sampled_accuracy(chunks: list, decode, prompts: Prompts, tokenizer: dict, cf
         top_p=s.top_p,
     )
     seed = int(np.random.SeedSequence([s.seed, parallel_state.get_data_parallel_rank()]).generate_state(1)[0])
-    completions = generate(chunks, [prompts.tokens(int(i)) for i in share for _ in range(s.n)], sampling, cfg.micro_batch_size, seed=seed)
+    seeds = [int(np.random.SeedSequence([s.seed, int(i), t]).generate_state(1)[0]) for i in share for t in range(s.n)]
+    completions = _generate(chunks, engine, [prompts.tokens(int(i)) for i in share for _ in range(s.n)], sampling, cfg.micro_batch_size, seeds, seed)
     answers = [extract_answer(decode(c.tokens)) for c in completions]
     mine = [prompt_scores(gold_answer(prompts.answer[int(i)]), answers[j * s.n : (j + 1) * s.n], s.k) for j, i in enumerate(share)]
     scored = [row for part in _gather_dp(mine) for row in part]
     lengths = [len(prompts.tokens(int(i))) + len(completions[j * s.n + t].tokens) for j, i in enumerate(share) for t in range(s.n)]
     return ({name: float(np.mean([row[name] for row in scored])) for name in scored[0]} if scored else {}), lengths
+
+
+def _generate(chunks: list, engine, prompts: list, sampling: Sampling, batch_size: int, seeds: list[int], seed: int = 0) -> list:
+    """Completions of this rank's prompts: by the engine, each with its seed, or by the decoder
+    from one `seed`."""
+    if engine is not None:
+        return engine.generate(prompts, sampling, seeds, parallel_state.get_data_parallel_rank())
+    return generate(chunks, prompts, sampling, batch_size, seed=seed)
 
 
 def prompt_scores(gold: list, answers: list[list], ks: list[int]) -> dict:

