@@ -5,8 +5,10 @@ attention refuses the demo's 16), two seeds."""
 
 import ast
 import json
-import signal
 import shutil
+import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -16,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaF
 from alignflow import PROJECT_ROOT
 from alignflow.job.engine.vllm_server import EngineDied, EngineSettings, VLLMServer
 from alignflow.job.generation import Sampling
+from alignflow.orchestrator import orphans
 
 ENGINE = EngineSettings(python=str(PROJECT_ROOT / ".venv-vllm" / "bin" / "python"), bucket_bytes=64 * 2**10)  # buckets of 64 KiB: a refit of several
 TEXTS = ["12+7=", "What is 5+6?", "3", "Add 20 and 22, then say the sum."]
@@ -134,6 +137,33 @@ def test_a_killed_engine_fails_with_its_log_and_leaves_no_process(server, prompt
     assert str(died.value).endswith(server.log_path.read_text()[-500:])  # the log's tail, as the server left it
     assert not server.transfer.exists()
     assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+HOLDER = """
+import sys, time
+from alignflow.job.engine.vllm_server import EngineSettings, VLLMServer
+from alignflow.orchestrator.orphans import reap_on_exit
+reap_on_exit()  # as every job does (alignflow.job.worker)
+server = VLLMServer(EngineSettings(python=sys.argv[1]), sys.argv[2], sys.argv[3])
+server.start()
+print(" ".join(str(p.pid) for p in server.tree), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_sigkilled_job_leaves_no_engine_process(models, tmp_path):
+    """A job holding an engine is SIGKILLed (no `stop` runs): its orphan watcher ends the server,
+    its engine core and worker within its grace period."""
+    job = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, ENGINE.python, str(models / "a"), str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT
+    )
+    tree = [psutil.Process(int(pid)) for pid in job.stdout.readline().split()]
+    assert len(tree) > 1, (tmp_path / "vllm.log").read_text()[-3000:]
+    job.kill()
+    job.wait(timeout=30)
+    _, alive = psutil.wait_procs(tree, timeout=orphans.GRACE_S + 10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_only_the_engine_side_module_imports_vllm_and_it_imports_nothing_of_alignflow():
