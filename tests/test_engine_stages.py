@@ -23,13 +23,13 @@ from safetensors import safe_open
 
 from alignflow import PROJECT_ROOT
 from alignflow.job.engine.vllm_server import EngineDied
-from alignflow.job.stages import benchmark, eval as eval_stage, grpo, sft
+from alignflow.job.stages import benchmark, eval as eval_stage, grpo
 from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_grpo import STEP_METRICS, grpo_cfg  # noqa: E402
 from test_eval import prep_cfg  # noqa: E402
-from train_ranks import convert_demo, metrics_lines, prep_demo, sft_cfg, weights  # noqa: E402
+from train_ranks import briefly_tuned, convert_demo, metrics_lines, prep_demo, weights  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each test starts a vLLM server (about 30 s here)
 ENGINE_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
@@ -43,17 +43,7 @@ def inputs(demo_dir, tmp_path_factory):
     fine-tuned briefly, as tests/test_grpo.py's Llama: it answers with numbers, some right."""
     root = tmp_path_factory.mktemp("engine-inputs")
     data, base = str(prep_demo(demo_dir, root / "data", prompts=True)), str(convert_demo(demo_dir, root / "base", "tiny-qwen3"))
-    cfg = sft_cfg(
-        demo_dir,
-        micro_batch_size=8,
-        global_batch_size=16,
-        trainer={"max_steps": 60, "val_check_interval": 60},
-        optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4},
-        checkpoint={"every_n_steps": 60},
-    )
-    cfg["model"]["source"] = str(demo_dir / "tiny-qwen3")
-    sft.run(typed(cfg), {"data": data, "model": base}, str(root / "sft" / "s1"))
-    model = str(root / "sft" / "s1")
+    model = briefly_tuned(demo_dir, data, base, root / "sft" / "s1", "tiny-qwen3")
     return {"data": data, "model": model, "ref_model": model, "base": base}
 
 
@@ -82,7 +72,7 @@ def servers() -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def uninterrupted(demo_dir, inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted") / "grpo" / "out"
-    return out, grpo.run(typed(engine_cfg(demo_dir)), grpo_inputs(inputs), str(out))
+    return out, grpo.run(typed(engine_cfg(demo_dir), "grpo"), grpo_inputs(inputs), str(out))
 
 
 def test_the_engine_samples_from_the_policy_being_trained(demo_dir, inputs, uninterrupted):
@@ -155,7 +145,7 @@ def test_a_refit_that_leaves_one_tensor_stale_fails_the_stage_by_its_bound(demo_
     cfg = engine_cfg(demo_dir, python, max_token_mult_prob_error=1.01)
     said = r"grpo.max_token_mult_prob_error: at step 1 the sampler's log-probs are [\d.]+x off the trainer's \(bound 1.01\)"
     with pytest.raises(ValueError, match=said):
-        grpo.run(typed(cfg), grpo_inputs(inputs), str(tmp_path / "out"))
+        grpo.run(typed(cfg, "grpo"), grpo_inputs(inputs), str(tmp_path / "out"))
     assert not servers() and not (tmp_path / "out" / "model").exists()
 
 
@@ -177,11 +167,11 @@ def test_a_killed_engine_fails_the_stage_and_the_rerun_resumes_to_the_uninterrup
     killer = threading.Thread(target=kill_after_the_checkpoint, daemon=True)
     killer.start()
     with pytest.raises(EngineDied, match=r"the vLLM server (exited \(-9\)|did not answer)"):
-        grpo.run(typed(cfg), grpo_inputs(inputs), str(out))
+        grpo.run(typed(cfg, "grpo"), grpo_inputs(inputs), str(out))
     killer.join()
     assert killed and checkpoint.exists() and not servers()
 
-    resumed = grpo.run(typed(cfg), grpo_inputs(inputs), str(out))
+    resumed = grpo.run(typed(cfg, "grpo"), grpo_inputs(inputs), str(out))
     assert resumed["steps"] == 4 and (Path(f"{out}-engine") / "vllm.log").read_text().count("Application startup complete") == 2
     reference, _ = uninterrupted
     timing = ("tokens_per_s", "generation_tokens_per_s", "refit_s")
@@ -199,8 +189,8 @@ def test_eval_on_the_engine_gives_the_decoders_greedy_completions(demo_dir, inpu
     models = {"data": inputs["data"], "model": str(grpo_out), "baselines": [inputs["model"]]}
     cfg = OmegaConf.merge(prep_cfg(demo_dir), {"model": {"source": str(demo_dir / "tiny-qwen3")}, "eval": {"num_examples_shown": 24}})
     engine = {"eval": {"generation_engine": "vllm", "vllm": {"python": str(ENGINE_PYTHON), "kv_cache_gib": 1}}}
-    decoder = eval_stage.run(typed(cfg), models, str(tmp_path / "decoder"))
-    served = eval_stage.run(typed(OmegaConf.merge(cfg, engine)), models, str(tmp_path / "engine"))
+    decoder = eval_stage.run(typed(cfg, "eval"), models, str(tmp_path / "decoder"))
+    served = eval_stage.run(typed(OmegaConf.merge(cfg, engine), "eval"), models, str(tmp_path / "engine"))
     print({k: v for k, v in served.items() if "accuracy" in k})
     for name in ("grpo", "sft"):
         assert served[f"{name}.accuracy"] == decoder[f"{name}.accuracy"]
@@ -218,8 +208,8 @@ def test_benchmark_on_the_engine_gives_lm_evals_hf_numbers(demo_dir, inputs, tmp
     base = {"benchmark": {"tasks": ["arithmetic_demo", "gsm8k_demo"], "include_path": str(demo_dir / "benchmarks"), "apply_chat_template": True}}
     engine = {"benchmark": {"generation_engine": "vllm", "vllm": {"python": str(ENGINE_PYTHON), "kv_cache_gib": 1}}}
     models = {"models": [inputs["model"]]}
-    hf = benchmark.run(typed(base), models, str(tmp_path / "hf"))
-    served = benchmark.run(typed(OmegaConf.merge(base, engine)), models, str(tmp_path / "engine"))
+    hf = benchmark.run(typed(base, "benchmark"), models, str(tmp_path / "hf"))
+    served = benchmark.run(typed(OmegaConf.merge(base, engine), "benchmark"), models, str(tmp_path / "engine"))
     print(hf, served)
     assert set(served) == set(hf)
     for key, value in hf.items():

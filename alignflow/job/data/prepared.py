@@ -105,6 +105,11 @@ class Prepared:
         return self.meta["seq_length"]
 
     @property
+    def max_prompt_length(self) -> int:
+        """The longest prompt prep kept (data.max_prompt_length): with max_new_tokens, a generation engine's context."""
+        return self.meta["max_prompt_length"]
+
+    @property
     def tokenizer(self) -> dict:
         return self.meta["tokenizer"]
 

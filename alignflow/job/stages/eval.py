@@ -91,7 +91,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
                 output = local_model(uri, cache_dir(cfg))
                 if served != output.hf_config:
                     engines.close()
-                    longest, folder = cfg.data.max_prompt_length + section.max_new_tokens, Path(f"{out}-engine")
+                    longest, folder = data.max_prompt_length + section.max_new_tokens, Path(f"{out}-engine")
                     engine = engines.enter_context(policy_engine(section, output.hf_config, output.tokenizer, dtype, longest, 0, folder))
                     served = output.hf_config
                 engine.refit(chunks, name)

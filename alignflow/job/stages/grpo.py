@@ -47,8 +47,6 @@ is a second copy of the model in the same layout and dtype.
 
 import json
 import logging
-import math
-import numbers
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +68,7 @@ from alignflow.job.engine.rollouts import PolicyEngine, policy_engine
 from alignflow.job.generation import Completion, Sampling, filter_logits, generate
 from alignflow.job.losses.policy import group_advantages, policy_loss
 from alignflow.job.model import lora
-from alignflow.job.rewards import SCORE, exact_match, resolve
+from alignflow.job.rewards import SCORE, exact_match, resolve, weighted_reward
 from alignflow.job.forward.models import cache_dir, frozen_chunks, local_model
 from alignflow.job.forward.objectives import sft_forward
 from alignflow.job.forward.passes import LossTerms, Objective
@@ -473,18 +471,8 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int,
 
 
 def reward(env: Environment, prompt: str, completion: str, answer: str) -> float:
-    """The weighted sum of one sample's rule rewards; a reward that is not a finite number stops the stage,
-    naming the function and the sample (it would poison every advantage of its group)."""
-    total = 0.0
-    for fn, kwargs, weight in env.rewards:
-        value = fn(prompt, completion, answer, **kwargs)
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(
-                f"grpo.environment: {fn.__module__}.{fn.__name__} returned {value!r} (not a finite number) for "
-                f"prompt {prompt!r}, completion {completion!r}, answer {answer!r}"
-            )
-        total += weight * value
-    return total
+    """The weighted sum of one sample's rule rewards (`alignflow.job.rewards.weighted_reward`)."""
+    return weighted_reward(env.rewards, prompt, completion, answer, "grpo.environment")
 
 
 def summary(run: Run, rollout: dict) -> dict:
@@ -509,7 +497,7 @@ def run(cfg, inputs: dict, out: str) -> dict:
         if problems := grpo_batch_problems(section, run.dp_size):
             raise ValueError("; ".join(problems))
         env = environment(run, section, data, ref_model, cfg.model.make_vocab_size_divisible_by, inputs["ref_model"] == inputs["model"], reward_model)
-        longest = cfg.data.max_prompt_length + section.max_new_tokens
+        longest = data.max_prompt_length + section.max_new_tokens
         engine_args = (section, run.hf_config, run.init.tokenizer, run.dtype, longest, section.trainer.seed, Path(f"{out}-engine"))
         with policy_engine(*engine_args) as env.engine:
             result = train(run, prompts, env, grpo_objective(section.loss, env.sampling))
