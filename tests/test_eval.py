@@ -16,12 +16,12 @@ from alignflow.job.data.prepared import Prepared
 from alignflow.job.generation import Sampling, generate
 from alignflow.job.model import runtime
 from alignflow.job.rewards import extract_answer, gold_answer
-from alignflow.job.stages import convert, eval as eval_stage, prep, sft
+from alignflow.job.stages import convert, eval as eval_stage, prep
 from alignflow.job.train.datasets import PreferencePairs
 from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ranks import assert_hardware_use, convert_demo, prep_demo, sft_cfg  # noqa: E402
+from train_ranks import assert_hardware_use, briefly_tuned, convert_demo, prep_demo  # noqa: E402
 
 
 TIMINGS = ("compute_s", "generation_s")  # how long its passes took, not what they computed
@@ -110,16 +110,7 @@ def tuned(demo_dir, tmp_path_factory):
     """The demo model fine-tuned briefly (tests/test_grpo.py's): it answers with numbers, some right."""
     root = tmp_path_factory.mktemp("eval-tuned")
     data = str(prep_demo(demo_dir, root / "data", prompts=True))
-    cfg = sft_cfg(
-        demo_dir,
-        micro_batch_size=8,
-        global_batch_size=16,
-        trainer={"max_steps": 60, "val_check_interval": 60},
-        optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4},
-        checkpoint={"every_n_steps": 60},
-    )
-    sft.run(typed(cfg), {"data": data, "model": str(convert_demo(demo_dir, root / "base"))}, str(root / "sft" / "s1"))
-    return {"data": data, "model": str(root / "sft" / "s1"), "baselines": []}
+    return {"data": data, "model": briefly_tuned(demo_dir, data, str(convert_demo(demo_dir, root / "base")), root / "sft" / "s1"), "baselines": []}
 
 
 def test_sampled_pass_at_k_rises_in_k_and_greedy_accuracy_stays(outputs, tuned, tmp_path):

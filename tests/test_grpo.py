@@ -15,18 +15,18 @@ from omegaconf import OmegaConf
 
 from alignflow import PROJECT_ROOT
 from alignflow.job.generation import Completion
-from alignflow.job.stages import grpo, sft
+from alignflow.job.stages import grpo
 from alignflow.job.worker import typed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_ranks import (
+    briefly_tuned,
     assert_hardware_use,
     convert_demo,
     job_args,
     job_env,
     metrics_lines,
     prep_demo,
-    sft_cfg,
     stage_cfg,  # noqa: E402
     on_ranks,
     weights,
@@ -58,16 +58,8 @@ def inputs(demo_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo-inputs")
     data = str(prep_demo(demo_dir, root / "data", prompts=True))
     base = str(convert_demo(demo_dir, root / "base"))
-    cfg = sft_cfg(
-        demo_dir,
-        micro_batch_size=8,
-        global_batch_size=16,
-        trainer={"max_steps": 60, "val_check_interval": 60},
-        optim={"lr": 3e-3, "warmup_steps": 5, "min_lr": 3e-4},
-        checkpoint={"every_n_steps": 60},
-    )
-    sft.run(typed(cfg), {"data": data, "model": base}, str(root / "sft"))
-    return {"data": data, "model": str(root / "sft"), "ref_model": str(root / "sft")}
+    model = briefly_tuned(demo_dir, data, base, root / "sft")
+    return {"data": data, "model": model, "ref_model": model}
 
 
 def grpo_cfg(demo_dir, tp: int = 1, pp: int = 1, **section) -> dict:

@@ -29,6 +29,8 @@ orchestrator reads this module's reward names at compose time without checking a
 
 import functools
 import importlib
+import math
+import numbers
 import re
 import threading
 from typing import Callable
@@ -138,3 +140,19 @@ def resolve(name: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward {name!r} is not callable")
     return fn
+
+
+def weighted_reward(rules: list[tuple[RewardFn, dict, float]], prompt: str, completion: str, answer: str, key: str) -> float:
+    """The weighted sum of one sample's rule rewards ((function, kwargs, weight) each); a reward
+    that is not a finite number stops the stage, naming `key`, the function and the sample (it
+    would poison every advantage of its group, every choice of best and worst)."""
+    total = 0.0
+    for fn, kwargs, weight in rules:
+        value = fn(prompt, completion, answer, **kwargs)
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(
+                f"{key}: {fn.__module__}.{fn.__name__} returned {value!r} (not a finite number) for "
+                f"prompt {prompt!r}, completion {completion!r}, answer {answer!r}"
+            )
+        total += weight * value
+    return total

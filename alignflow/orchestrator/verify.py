@@ -92,6 +92,16 @@ def json_file(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     return None
 
 
+def json_lines(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """A file of one JSON value per line (none: an empty file is valid)."""
+    for number, line in enumerate(fs.cat_file(path).decode().splitlines(), 1):
+        try:
+            json.loads(line)
+        except ValueError as err:
+            return f"line {number} is not JSON: {err}"
+    return None
+
+
 def parquet(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     import pyarrow.parquet as pq  # 0.3 s of import that `align plan` does not need
 

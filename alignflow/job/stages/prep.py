@@ -38,6 +38,9 @@ own once per 4M tokens; string message contents only (no multimodal parts, no to
 fields); a NeMo prompt is treated as user text and goes through the chat template, so an
 already templated NeMo prompt would be templated twice.
 
+With a `generated` input (a score output), data.sft's and data.preference's train splits are its
+sft.jsonl and preference.jsonl (`with_generated`): rejection sampling and online DPO rounds.
+
 Output under `out`: the format of `alignflow.job.data.prepared` (Parquet shards of
 prep.rows_per_shard rows per dataset and split, and metadata.json with per dataset and split
 the counts (rows_in, rows, skipped_rows, truncated_rows, no_loss_rows, tokens, loss_tokens;
@@ -57,6 +60,7 @@ from itertools import count, islice
 
 import numpy as np
 import pyarrow as pa
+from omegaconf import OmegaConf
 
 from alignflow.job.data.formats import Chat, PreferencePair, PromptAnswer, RowError, check_format, detect_format, parse_row
 from alignflow.job.data.packing import pack_bfd_flat, packing_stats
@@ -96,6 +100,7 @@ class Counts:
 def run(cfg, inputs: dict[str, str], out: str) -> dict:
     """Build every requested dataset into `out` with all of the job's ranks. Rank 0 writes
     metadata.json and returns the flat headline metrics (the job's result); other ranks {}."""
+    cfg = with_generated(cfg, inputs.get("generated"))
     ranks, spill = Ranks.of_job(), Spill(out)
     spill.start(ranks)
     share_cores()
@@ -115,6 +120,22 @@ def run(cfg, inputs: dict[str, str], out: str) -> dict:
         {"tokenizer": tokenizer_info(encoder.tokenizer), "seq_length": cfg.data.seq_length, "max_prompt_length": cfg.data.max_prompt_length, **meta},
     )
     return {f"{kind}.{split}.{k}": v for kind in kinds for split, stats in meta[kind]["splits"].items() for k, v in stats.items()}
+
+
+GENERATED = {"sft": ("sft.jsonl", "messages"), "preference": ("preference.jsonl", "preference")}  # a score output's files
+
+
+def with_generated(cfg, generated: str | None):
+    """With a `generated` input (a score stage's output: the best completion per prompt, best
+    against worst pairs), the train split of data.sft and data.preference, where configured, is
+    read from it; the val splits stay the configured held-out data."""
+    if generated is None:
+        return cfg
+    root = generated.rstrip("/")
+    files = {kind: {"train": f"{root}/{name}", "format": fmt} for kind, (name, fmt) in GENERATED.items() if cfg.data[kind] is not None}
+    merged = OmegaConf.merge(cfg, {"data": files})
+    OmegaConf.set_readonly(merged, True)
+    return merged
 
 
 @contextmanager

@@ -640,6 +640,34 @@ class EvalConfig(ModelStageBase):
 
 
 @dataclass
+class GenerateConfig(ModelStageBase):
+    """Sampled completions of prep's prompts by a model (`alignflow.job.stages.generate`), cached
+    like any output: the identity is the model, the prompts, the sampling and the seed."""
+
+    split: str = "train"  # prep's prompts split
+    num_prompts: Optional[int] = None  # its first N prompts; None: all
+    num_generations_per_prompt: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    seed: int = 0
+    generation_engine: GenerationEngine = GenerationEngine.decoder
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # with generation_engine: vllm
+
+
+@dataclass
+class ScoreConfig(ModelStageBase):
+    """Rewards of generated completions (`alignflow.job.stages.score`) by `environment` (grpo's
+    rules; `score`: the reward_model input's score), and from them prep's inputs for the next
+    round: per prompt its best completion (SFT) and its best against its worst (preference)."""
+
+    environment: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="exact_match")])
+    min_reward: Optional[float] = None  # a prompt's best completion is an SFT row only with at least this reward
+    min_margin: float = 0.0  # a pair only where best - worst exceeds this
+
+
+@dataclass
 class BenchmarkConfig(StageBase):
     """lm-evaluation-harness on each input model (`alignflow.job.stages.benchmark`); the knobs are
     `lm_eval.simple_evaluate`'s (the CLI's flags of the same names)."""

@@ -18,7 +18,22 @@ from alignflow.orchestrator.config import schema
 from alignflow.orchestrator.kinds.spec import MODEL, StageKind
 
 # The kinds, in the order `align` lists them and the root config holds their sections.
-KINDS = ("prep", "convert", "ref_logprobs", "sft", "dpo", "grpo", "teacher_logprobs", "distillation", "eval", "benchmark", "reward_model", "export")
+KINDS = (
+    "prep",
+    "convert",
+    "ref_logprobs",
+    "sft",
+    "dpo",
+    "grpo",
+    "teacher_logprobs",
+    "distillation",
+    "eval",
+    "benchmark",
+    "reward_model",
+    "generate",
+    "score",
+    "export",
+)
 STAGES: dict[str, StageKind] = {kind: import_module(f"alignflow.orchestrator.kinds.{kind}").KIND for kind in KINDS}
 
 # Output formats (README "Stages and the store"): where each is written and read, and what a

@@ -5,12 +5,11 @@ from omegaconf import DictConfig
 from alignflow.orchestrator.config import schema
 from alignflow.job.train.utilization import FORWARD, LORA_TRAINING
 from alignflow.job.train.utilization import TRAINING as TRAINING_PASSES
-from alignflow.orchestrator.kinds.spec import TRAINING, Count, StageKind, Work, one, optional
-from alignflow.job.rewards import SCORE, resolve
+from alignflow.orchestrator.kinds.spec import TRAINING, Count, StageKind, Work, environment_problems, one, optional, reward_model_use_problems
 
 
 def checks(stage, key: str, check_paths: bool) -> list[str]:
-    return _check_grpo(key, stage.section) + _check_reward_model_use(stage, key)
+    return _check_grpo(key, stage.section) + reward_model_use_problems(stage, key, "reward_model")
 
 
 def _check_grpo(key: str, section: DictConfig) -> list[str]:
@@ -40,31 +39,7 @@ def _check_grpo(key: str, section: DictConfig) -> list[str]:
         problems.append(f"{key}.dynamic_sampling_max_gen_batches: must be >= 1, got {section.dynamic_sampling_max_gen_batches}")
     if section.num_generations_per_prompt < 2 and (section.use_rloo or section.normalize_rewards):
         problems.append(f"{key}.num_generations_per_prompt: group baselines need at least 2 generations per prompt")
-    if not section.environment:
-        problems.append(f"{key}.environment: needs at least one reward function")
-    for i, reward in enumerate(section.environment):
-        try:
-            reward.name == SCORE or resolve(reward.name)
-        except ValueError as err:
-            problems.append(f"{key}.environment[{i}].name: {err}")
-    return problems
-
-
-def _check_reward_model_use(stage, key: str) -> list[str]:
-    """grpo's `score` rewards and its `reward_model` input come together: one without the other
-    is a reward model never trained against, or a reward that cannot be computed."""
-    scores = [i for i, reward in enumerate(stage.section.environment) if reward.name == SCORE]
-    if scores and "reward_model" not in stage.inputs:
-        return [
-            f"{key}.environment[{scores[0]}].name: {SCORE} needs a reward_model input "
-            f"(pipeline.stages.{stage.name}.inputs.reward_model: a reward_model stage)"
-        ]
-    if not scores and "reward_model" in stage.inputs:
-        return [
-            f"pipeline.stages.{stage.name}.inputs.reward_model: no {key}.environment entry uses it; add {{name: {SCORE}}} "
-            "(with a weight to mix it with rule rewards) or drop the input"
-        ]
-    return []
+    return problems + environment_problems(section.environment, key)
 
 
 def grpo_batch_problems(section: DictConfig, dp: int, key: str = "grpo") -> list[str]:

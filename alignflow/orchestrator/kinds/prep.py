@@ -5,7 +5,7 @@ from omegaconf import DictConfig
 
 from alignflow.orchestrator.config import schema
 from alignflow.job.data.formats import FORMATS
-from alignflow.orchestrator.kinds.spec import StageKind
+from alignflow.orchestrator.kinds.spec import StageKind, optional
 from alignflow.orchestrator.store import options_for
 from alignflow.orchestrator.verify import Need, OutputFormat, json_file, parquet
 
@@ -62,7 +62,7 @@ def _exists(uri: str, cfg: DictConfig) -> bool:
 KIND = StageKind(
     schema=schema.PrepConfig,
     output="prep",
-    inputs={},
+    inputs={"generated": optional("scored")},  # a score output: the sft and preference train splits (alignflow.job.stages.prep.with_generated)
     resumable=False,
     output_format=OutputFormat(
         "Parquet token tables + metadata.json (alignflow.job.data.prepared)", (Need("metadata.json", json_file), Need("*/*.parquet", parquet))

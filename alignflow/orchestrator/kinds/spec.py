@@ -10,6 +10,7 @@ compose time (`alignflow.orchestrator.config.validate`), `batch_problems` with t
 from dataclasses import dataclass, fields
 from typing import Any, Callable, NamedTuple
 
+from alignflow.job.rewards import SCORE, resolve
 from alignflow.job.train.utilization import FORWARD, LORA_TRAINING, Passes
 from alignflow.job.train.utilization import TRAINING as TRAINING_PASSES
 from alignflow.orchestrator.verify import Need, OutputFormat, json_file, nonempty, torch_dist
@@ -40,6 +41,33 @@ def optional(output: str) -> Role:
 
 def many(output: str) -> Role:
     return Role(output, required=False, many=True)
+
+
+def environment_problems(environment, key: str) -> list[str]:
+    """A reward kind's `environment`: at least one entry, each a known reward, an importable
+    `module:function` or `score`."""
+    problems = [] if environment else [f"{key}.environment: needs at least one reward function"]
+    for i, reward in enumerate(environment):
+        try:
+            reward.name == SCORE or resolve(reward.name)
+        except ValueError as err:
+            problems.append(f"{key}.environment[{i}].name: {err}")
+    return problems
+
+
+def reward_model_use_problems(stage, key: str, role: str) -> list[str]:
+    """A reward kind's (grpo's, score's) `score` rewards and its reward model input (`role`) come
+    together: one without the other is a reward model never trained against, or a reward that
+    cannot be computed."""
+    scores = [i for i, reward in enumerate(stage.section.environment) if reward.name == SCORE]
+    if scores and role not in stage.inputs:
+        return [f"{key}.environment[{scores[0]}].name: {SCORE} needs a {role} input (pipeline.stages.{stage.name}.inputs.{role}: a {role} stage)"]
+    if not scores and role in stage.inputs:
+        return [
+            f"pipeline.stages.{stage.name}.inputs.{role}: no {key}.environment entry uses it; add {{name: {SCORE}}} "
+            "(with a weight to mix it with rule rewards) or drop the input"
+        ]
+    return []
 
 
 class Table(NamedTuple):
