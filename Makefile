@@ -1,10 +1,11 @@
 # The README's two commands: `make demo` and `make test`; `make test-quick` for day-to-day work.
 .PHONY: install install-dev demo test test-quick
 
-# Two pytest workers (CI has 2 cores), each group of tests on one worker (tests/conftest.py:
+# Three pytest workers on CI's 2 cores (much of the suite waits: on servers, jobs, Slurm), each
+# group of tests on one worker (tests/conftest.py:
 # the tests on the Slurm cluster together, each other file whole).
 PYTEST = .venv/bin/python -m pytest -q -rs --timeout=900 -n $(WORKERS) --dist loadscope --no-loadscope-reorder
-WORKERS ?= 2
+WORKERS ?= 3
 
 install:
 	./install.sh

@@ -54,7 +54,7 @@ GPU_FAMILY_TESTS = (
 )
 
 
-# Under pytest-xdist (`make test`: `-n 2`) each group of tests runs on one worker, in collection
+# Under pytest-xdist (`make test`: `-n 3`) each group of tests runs on one worker, in collection
 # order (`pytest_xdist_make_scheduler`): the tests on the real services (the Slurm cluster, which
 # they share and some stop the daemons of, and the integration stack on it), and each other file
 # (its module fixtures are built once). The groups go out longest first, as measured (the first
