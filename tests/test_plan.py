@@ -163,7 +163,7 @@ def test_a_new_stage_kind_is_its_two_modules_its_schema_class_and_its_name(base_
     (checkout / "alignflow" / "orchestrator" / "kinds" / "row_count.py").write_text(NEW_KIND_DECLARATION)
     with open(checkout / "alignflow" / "orchestrator" / "config" / "schema.py", "a") as f:
         f.write(NEW_KIND_SCHEMA)
-    edit(checkout / "alignflow" / "orchestrator" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "row_count")')
+    edit(checkout / "alignflow" / "orchestrator" / "kinds" / "__init__.py", '    "export",\n)', '    "export",\n    "row_count",\n)')
     (checkout / "conf" / "pipeline" / "count.yaml").write_text(NEW_KIND_PIPELINE)
     overrides = [*base_overrides, "data.preference=null", "data.prompts=null"]
     planned = subprocess.run(

@@ -111,7 +111,7 @@ def test_a_stage_whose_output_lacks_a_declared_file_commits_nothing(base_overrid
         (checkout / path).write_text(text)
     with open(checkout / "alignflow" / "orchestrator" / "config" / "schema.py", "a") as f:
         f.write("\n\n@dataclass\nclass ForgetfulConfig(StageBase):\n    pass\n")
-    edit(checkout / "alignflow" / "orchestrator" / "kinds" / "__init__.py", '"reward_model", "export")', '"reward_model", "export", "forgetful")')
+    edit(checkout / "alignflow" / "orchestrator" / "kinds" / "__init__.py", '    "export",\n)', '    "export",\n    "forgetful",\n)')
     ran = subprocess.run([sys.executable, "-c", RUN_FORGETFUL, *base_overrides], cwd=checkout, capture_output=True, text=True, check=True)
     staging = next((tmp_path / "store" / "forgetful" / "_staging").iterdir())
     assert ran.stdout.strip() == f"forgetful {staging.name}: not committed: the output staged at {staging} is incomplete: eval.json: missing"
