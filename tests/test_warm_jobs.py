@@ -224,11 +224,16 @@ def test_a_servers_key_is_what_start_up_and_imports_read_less_what_jobs_set():
 
 
 def test_what_the_servers_imports_set_is_named_as_set_by_jobs():
-    """The variables the preload sets are left out of the key: a new one must be named there."""
+    """The variables the preload sets are left out of the key: a new one must be named there.
+    The probe starts from a bare environment, since imports earlier in this worker may have set them."""
     probe = "import os; before = dict(os.environ); from alignflow.job import forkserver; forkserver.preload(); "
     probe += "print(sorted(k for k, v in os.environ.items() if before.get(k) != v))"
     done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": os.environ["PATH"], "HOME": os.environ["HOME"], "PYTHONPATH": str(PROJECT_ROOT)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     set_by_imports = json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
