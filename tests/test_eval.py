@@ -96,6 +96,21 @@ def test_eval_reports_each_model(outputs, tmp_path):
     assert saved["metrics"] == metrics and len(saved["samples"]["convert"]) == 2
 
 
+def test_evaluation_saves_nothing_for_a_backward_pass(outputs):
+    """Every pass of `evaluate` runs without autograd: no tensor is saved for a backward that
+    never comes (the validation loss, the preference log-probs and generation)."""
+    cfg, root = outputs
+    saved = []
+    runtime.init_parallel(eval_stage.SINGLE_RANK)
+    try:
+        model, decode = eval_stage.load_model(str(root / "convert" / "c1"), 128)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            results, *_ = eval_stage.evaluate([model], decode, Prepared(str(root / "prep" / "p1")), cfg.eval)
+    finally:
+        runtime.teardown()
+    assert {"val_loss", "preference_accuracy", "accuracy"} <= results.keys() and saved == []
+
+
 def test_prompt_scores_worked_example():
     """Gold 1/2; 8 answers, 4 of them 1/2 as math-verify reads them (0.5, 2/4, $1/2$, boxed 0.5).
     pass@k = 1 - C(4, k)/C(8, k): 1/2, 1 - 4/56, 1; maj@1: 1/3 (wrong); maj@3: 1/3 twice against

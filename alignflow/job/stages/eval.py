@@ -144,7 +144,6 @@ def load_model(uri: str, divisible_by: int, cache: Path | None = None):
     return chunks[0], decode
 
 
-@torch.no_grad()
 @dataclass
 class Forwarded:
     """What a rank ran a model on: its documents' lengths and the seconds it spent generating."""
@@ -153,6 +152,7 @@ class Forwarded:
     generation_s: float = 0.0
 
 
+@torch.no_grad()
 def evaluate(chunks: list, decode, data: Prepared, cfg, engine: PolicyEngine | None = None) -> tuple[dict, list, list, Forwarded]:
     """The metrics of one model, the same on every rank, at any TP/PP/DP layout: the data are
     shared among the DP ranks (the last share may be smaller) and the sums gathered; this
