@@ -247,7 +247,8 @@ def _start(path: Path, env: dict[str, str], cwd: str) -> None:
         with open(log, "w") as err:
             server = subprocess.Popen(
                 [sys.executable, "-u", "-m", SERVER_MODULE, str(path)],
-                env={k: v for k, v in env.items() if not k.startswith("SUBMITIT_")},
+                # without what job-side code sets (inherited from a test, say): its imports set them as a cold job's do, and it knows which
+                env={k: v for k, v in env.items() if not k.startswith("SUBMITIT_") and k not in SET_BY_JOBS},
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
